@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned: a CPU build is installed, and `torch>=2.4` is then already satisfied,
+	# so the resolver never pulls several GB of CUDA wheels.
+	$(BIN)/pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	rm -rf runs/digits
+	$(BIN)/cadence train examples/digits/config.yaml --model-dir runs/digits
+	$(BIN)/cadence ls runs/digits
+	@echo "Results in runs/digits: checkpoints/, train/ and eval/ (TensorBoard: tensorboard --logdir runs/digits)"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs build dist src/*.egg-info

@@ -1,0 +1,62 @@
+"""cadence: the life cycle of PyTorch training.
+
+Train in loops of N steps, evaluate on a schedule, checkpoint atomically and resume exactly,
+react to results with actions. The names below are the public API; they are imported lazily so
+that ``import cadence`` stays fast and never imports torch (``cadence.torch`` does).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Controller": "cadence.controller",
+    "Trainer": "cadence.runner",
+    "Evaluator": "cadence.runner",
+    "CheckpointManager": "cadence.checkpoint",
+    "SummaryWriter": "cadence.summary",
+    "ProgressReporter": "cadence.progress",
+    "ExperimentConfig": "cadence.config",
+    "load_config": "cadence.config",
+    "CadenceError": "cadence.errors",
+    "StopTraining": "cadence.errors",
+    "ConfigError": "cadence.errors",
+    "CheckpointError": "cadence.errors",
+    "CorruptCheckpointError": "cadence.errors",
+    "UnsafeCheckpointError": "cadence.errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cadence' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from cadence.checkpoint import CheckpointManager
+    from cadence.config import ExperimentConfig, load_config
+    from cadence.controller import Controller
+    from cadence.errors import (
+        CadenceError,
+        CheckpointError,
+        ConfigError,
+        CorruptCheckpointError,
+        StopTraining,
+        UnsafeCheckpointError,
+    )
+    from cadence.progress import ProgressReporter
+    from cadence.runner import Evaluator, Trainer
+    from cadence.summary import SummaryWriter

@@ -1,0 +1,23 @@
+"""Framework-agnostic checkpoints: atomic commits, manifests, retention, verified restore.
+
+Nothing here imports torch; ``cadence.torch`` provides checkpointable wrappers for models and
+optimizers. See :class:`CheckpointManager` for the contract and DESIGN.md for the on-disk layout.
+"""
+
+from cadence.checkpoint.manager import FINAL_NAME, CheckpointManager
+from cadence.checkpoint.manifest import MANIFEST_NAME
+from cadence.checkpoint.files import STATE_NAME
+from cadence.checkpoint.protocol import Checkpointable, CheckpointReader, CheckpointWriter, Stateful
+from cadence.checkpoint.storage import Storage
+
+__all__ = [
+    "CheckpointManager",
+    "Checkpointable",
+    "CheckpointReader",
+    "CheckpointWriter",
+    "FINAL_NAME",
+    "MANIFEST_NAME",
+    "STATE_NAME",
+    "Stateful",
+    "Storage",
+]

@@ -1,0 +1,102 @@
+"""The writer and reader handed to checkpointed objects (see :mod:`cadence.checkpoint.protocol`)."""
+
+from __future__ import annotations
+
+import contextlib
+import posixpath
+from typing import IO, Iterator, Mapping
+
+from cadence.checkpoint.manifest import HashingStream, name_problem
+from cadence.checkpoint.storage import Storage
+from cadence.errors import CheckpointError
+
+STATE_NAME = "state.json"
+
+
+class DirectoryWriter:
+    """Writes the files of checkpoint ``step`` into ``directory`` and records their size and sha256.
+
+    Implements :class:`~cadence.checkpoint.protocol.CheckpointWriter`. File names must be plain
+    names (see :func:`~cadence.checkpoint.manifest.name_problem`), unique within the checkpoint, and
+    not ``state.json`` / ``MANIFEST.json``: anything else raises ``ValueError``. After the save the
+    writer is closed and refuses further files.
+    """
+
+    def __init__(self, storage: Storage, directory: str, step: int) -> None:
+        self.step = step
+        self._storage = storage
+        self._directory = directory
+        self._claimed: set[str] = set()
+        self._files: dict[str, tuple[int, str]] = {}
+        self._closed = False
+
+    def write(self, name: str, data: bytes | bytearray | memoryview) -> None:
+        """Write a whole file; its size and sha256 go into the manifest."""
+        with self.open(name) as f:
+            f.write(data)
+
+    def open(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """A binary stream for file ``name``, hashed while written; the file counts once closed."""
+        self._claim(name, reserved=(STATE_NAME,))
+        return self._open(name)
+
+    def write_state(self, data: bytes) -> None:
+        """Write ``state.json`` (the manager's own file)."""
+        self._claim(STATE_NAME, reserved=())
+        with self._open(STATE_NAME) as f:
+            f.write(data)
+
+    def files(self) -> dict[str, tuple[int, str]]:
+        """``{name: (size, sha256_hex)}`` of the files written, in order; closes the writer.
+
+        Raises :class:`CheckpointError` when a file was opened but never completed.
+        """
+        self._closed = True
+        unfinished = sorted(self._claimed - self._files.keys())
+        if unfinished:
+            raise CheckpointError(f"checkpoint files {unfinished} were opened but not completed")
+        return dict(self._files)
+
+    def _claim(self, name: str, *, reserved: tuple[str, ...]) -> None:
+        if self._closed:
+            raise CheckpointError(f"the writer of checkpoint {self.step} is closed; write files during save_checkpoint")
+        problem = name_problem(name)
+        if problem is None and name in reserved:
+            problem = f"file name {name!r} is reserved"
+        if problem is None and name in self._claimed:
+            problem = f"file {name!r} is written twice"
+        if problem:
+            raise ValueError(f"checkpoint {self.step}: {problem}")
+        self._claimed.add(name)
+
+    @contextlib.contextmanager
+    def _open(self, name: str) -> Iterator[IO[bytes]]:
+        with self._storage.open_write(posixpath.join(self._directory, name)) as raw:
+            stream = HashingStream(raw)
+            yield stream  # type: ignore[misc]
+            stream.flush()
+            stream.close()
+        self._files[name] = (stream.size, stream.hexdigest())
+
+
+class VerifiedReader:
+    """Hands out the files of one committed checkpoint, all verified against its manifest up front.
+
+    Implements :class:`~cadence.checkpoint.protocol.CheckpointReader`.
+    """
+
+    def __init__(self, step: int, path: str, files: Mapping[str, bytes]) -> None:
+        self.step = step
+        self.path = path
+        self._files = dict(files)
+
+    def names(self) -> list[str]:
+        """File names listed in the manifest (``state.json`` included), sorted."""
+        return sorted(self._files)
+
+    def read(self, name: str) -> bytes:
+        """A file's verified bytes. Raises :class:`CheckpointError` when there is no such file."""
+        try:
+            return self._files[name]
+        except KeyError:
+            raise CheckpointError(f"checkpoint {self.path} has no file {name!r}; it has {self.names()}") from None

@@ -1,0 +1,409 @@
+"""``CheckpointManager``: atomic commits, retention, verified restore with fall-back, ``FINAL``.
+
+Layout of the managed directory (the model dir's ``checkpoints/``)::
+
+    ckpt-<step>/            one committed checkpoint: its files, state.json, MANIFEST.json (last)
+    ckpt-<step>.tmp-<hex>/  a checkpoint being written (local disks); invisible, cleaned at start-up
+    FINAL                   {"step": N, "time": ...}: training completed at step N
+    .leases/                readers' leases (see ``protected_steps``)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import time
+from typing import Any, Callable, Iterable, Mapping
+
+from cadence.checkpoint import manifest as manifest_lib
+from cadence.checkpoint import retention
+from cadence.checkpoint.files import STATE_NAME, DirectoryWriter, VerifiedReader
+from cadence.checkpoint.manifest import MANIFEST_NAME
+from cadence.checkpoint.storage import Storage
+from cadence.errors import CheckpointError, CorruptCheckpointError
+
+logger = logging.getLogger("cadence.checkpoint")
+
+FINAL_NAME = "FINAL"
+_COMMITTED = re.compile(r"ckpt-(0|[1-9][0-9]*)")
+_TEMP = re.compile(r"ckpt-(0|[1-9][0-9]*)\.tmp-[0-9a-f]+")
+_FINAL_TEMP = re.compile(re.escape(FINAL_NAME) + r"\.tmp-[0-9a-f]+")
+
+
+def _cadence_version() -> str:
+    try:
+        import cadence
+
+        return str(getattr(cadence, "__version__", "0"))
+    except ImportError:  # pragma: no cover - we are inside cadence
+        return "0"
+
+
+def _check_step(step: object) -> int:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"a checkpoint step is an int >= 0, got {step!r}")
+    return step
+
+
+class CheckpointManager:
+    """Saves, lists, restores and prunes the checkpoints in ``directory``.
+
+    Args:
+      directory: the model dir's ``checkpoints/``, a local path or an fsspec URL.
+      max_to_keep: how many of the newest checkpoints retention keeps; None keeps all, 0 keeps none
+        but the one just saved (the checkpoint just committed is never deleted).
+      keep_every_n_steps: also keep, for each multiple of n, the first checkpoint at or after it
+        (see :func:`cadence.checkpoint.retention.kept_every_n`). None: no such checkpoints.
+      storage_options: passed to fsspec.
+      protected_steps: called at each retention pass; the steps it returns are not deleted
+        (readers' leases).
+      writer: True for the one process that saves (the chief): it creates ``directory`` and cleans
+        up after crashed saves -- temp dirs ``ckpt-N.tmp-*`` and ``ckpt-N/`` dirs without a
+        manifest. False for readers (sidecar evaluators, tools): nothing on disk is changed, and
+        :meth:`save`, :meth:`mark_final` and :meth:`clear_final` raise :class:`CheckpointError`.
+        There must be at most one writer per directory at a time.
+
+    Each object saved or restored under a name is either *Checkpointable* (``save_checkpoint`` /
+    ``load_checkpoint``) or *Stateful* (``state_dict`` / ``load_state_dict``), see
+    :mod:`cadence.checkpoint.protocol`; the Checkpointable methods win when both exist.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        max_to_keep: int | None = 5,
+        keep_every_n_steps: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        protected_steps: Callable[[], Iterable[int]] | None = None,
+        writer: bool = True,
+    ) -> None:
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 0):
+            raise ValueError(f"max_to_keep must be None or an int >= 0, got {max_to_keep!r}")
+        if keep_every_n_steps is not None and (not isinstance(keep_every_n_steps, int) or keep_every_n_steps < 1):
+            raise ValueError(f"keep_every_n_steps must be None or an int >= 1, got {keep_every_n_steps!r}")
+        self.directory = directory
+        self.max_to_keep = max_to_keep
+        self.keep_every_n_steps = keep_every_n_steps
+        self.protected_steps = protected_steps
+        self.writer = writer
+        self.storage = Storage(directory, storage_options)
+        if writer:
+            self.storage.makedirs(self.storage.root)
+            self._clean_up()
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.directory!r}, writer={self.writer})"
+
+    # -- listing -------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints, ascending: ``ckpt-<step>`` dirs with a manifest.
+
+        Cheap (no hashing): a listed checkpoint may still turn out corrupt when read. Empty when
+        ``directory`` does not exist yet.
+        """
+        found = []
+        for name in self.storage.listdir(self.storage.root):
+            match = _COMMITTED.fullmatch(name)
+            if match and self._has_manifest(name):
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def path(self, step: int) -> str:
+        """Where checkpoint ``step`` lives (or would live): a local path or an fsspec URL."""
+        return self.storage.url(self._dir(step))
+
+    def manifest(self, step: int) -> dict[str, Any]:
+        """The validated manifest of committed checkpoint ``step``.
+
+        Raises :class:`CheckpointError` when ``step`` is not committed and
+        :class:`CorruptCheckpointError` when its manifest is invalid.
+        """
+        self._require_committed(step)
+        return manifest_lib.read(self.storage, self._dir(step), step)
+
+    def read_state(self, step: int) -> dict[str, Any]:
+        """The ``state.json`` of committed checkpoint ``step`` (checked against the manifest).
+
+        Raises as :meth:`manifest`, and :class:`CorruptCheckpointError` when ``state.json`` does
+        not match the manifest or is not a valid state document.
+        """
+        manifest = self.manifest(step)
+        data = manifest_lib.read_verified(self.storage, self._dir(step), manifest, STATE_NAME)
+        return self._parse_state(data, step)
+
+    def info(self, step: int) -> dict[str, Any]:
+        """``{"step", "time", "size", "files", "path"}`` of checkpoint ``step`` from its manifest alone
+        (``size``: total bytes; ``files``: how many). Raises as :meth:`manifest`."""
+        manifest = self.manifest(step)
+        files = manifest["files"]
+        return {
+            "step": step,
+            "time": manifest["time"],
+            "size": sum(entry["size"] for entry in files.values()),
+            "files": len(files),
+            "path": self.path(step),
+        }
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def save(self, step: int, objects: Mapping[str, object]) -> str:
+        """Commit checkpoint ``step`` holding ``objects`` and apply retention; return its path.
+
+        Each object with ``save_checkpoint(writer)`` writes its files through the writer and its
+        return value (JSON) is stored under its name in ``state.json``; an object with only
+        ``state_dict()`` has that stored instead; any other object raises ``TypeError`` before
+        anything is written. Bad, duplicate or reserved file names (``state.json``,
+        ``MANIFEST.json``) raise ``ValueError``; a state that is not JSON raises ``TypeError``.
+
+        The commit follows the design's protocol: on local disks files go into
+        ``ckpt-N.tmp-<hex>/`` and are fsynced, the directory is renamed to ``ckpt-N/`` (parent
+        fsynced) and ``MANIFEST.json`` is written last (temp file + rename). On stores without
+        atomic rename files go straight into ``ckpt-N/``, the manifest still last. Until the
+        manifest exists the checkpoint is invisible to :meth:`steps` and :meth:`restore`.
+
+        If ``ckpt-N`` is already committed, nothing is written and its path is returned. If saving
+        raises, what was written is removed and the exception propagates: no checkpoint appears.
+        """
+        step = _check_step(step)
+        self._require_writer("save")
+        final = self._dir(step)
+        if self._has_manifest(f"ckpt-{step}"):
+            logger.debug("checkpoint %s is already committed; not saving again", self.path(step))
+            return self.path(step)
+        for name, obj in objects.items():
+            if not (hasattr(obj, "save_checkpoint") or hasattr(obj, "state_dict")):
+                raise TypeError(f"cannot checkpoint {name!r}: {type(obj).__name__} has neither save_checkpoint nor state_dict")
+        work = self.storage.join(f"ckpt-{step}.tmp-{secrets.token_hex(6)}") if self.storage.atomic_rename else final
+        try:
+            self.storage.rmtree(final)  # an uncommitted leftover of an earlier attempt
+            self.storage.makedirs(work)
+            files = self._write_files(work, step, objects)
+            if work != final:
+                self.storage.rename(work, final)
+            document = manifest_lib.build(step, files)
+            self.storage.write_atomic(self.storage.join(f"ckpt-{step}", MANIFEST_NAME), manifest_lib.encode(document))
+        except BaseException:
+            self._discard(work, final)
+            raise
+        logger.info("saved checkpoint %s", self.path(step))
+        self._apply_retention(step)
+        return self.path(step)
+
+    def _write_files(self, directory: str, step: int, objects: Mapping[str, object]) -> dict[str, tuple[int, str]]:
+        writer = DirectoryWriter(self.storage, directory, step)
+        state: dict[str, Any] = {}
+        for name, obj in objects.items():
+            save = getattr(obj, "save_checkpoint", None)
+            state[name] = save(writer) if save is not None else obj.state_dict()  # type: ignore[attr-defined]
+        document = {"step": step, "time": time.time(), "cadence_version": _cadence_version(), "state": state}
+        writer.write_state(self._encode_state(document))
+        return writer.files()
+
+    @staticmethod
+    def _encode_state(document: dict[str, Any]) -> bytes:
+        try:
+            return (json.dumps(document, indent=1) + "\n").encode()
+        except (TypeError, ValueError):
+            for name, value in document["state"].items():
+                try:
+                    json.dumps(value)
+                except (TypeError, ValueError) as e:
+                    raise TypeError(f"the checkpoint state of {name!r} is not JSON-serialisable: {e}") from e
+            raise
+
+    def _discard(self, *directories: str) -> None:
+        for directory in dict.fromkeys(directories):
+            try:
+                self.storage.rmtree(directory)
+            except Exception:  # noqa: BLE001 - the save's own error matters more
+                logger.warning("could not remove %s after a failed save", self.storage.url(directory), exc_info=True)
+
+    # -- retention -----------------------------------------------------------------------------
+
+    def _apply_retention(self, just_saved: int) -> None:
+        try:
+            protected = set(self.protected_steps()) if self.protected_steps is not None else set()
+        except Exception:  # noqa: BLE001 - unknown leases: delete nothing this time
+            logger.warning("protected_steps failed; skipping retention this time", exc_info=True)
+            return
+        doomed = retention.steps_to_delete(
+            self.steps(),
+            just_saved=just_saved,
+            max_to_keep=self.max_to_keep,
+            keep_every_n_steps=self.keep_every_n_steps,
+            protected=protected,
+        )
+        for step in doomed:
+            try:
+                self._delete(step)
+            except Exception:  # noqa: BLE001 - the save itself succeeded
+                logger.warning("could not delete checkpoint %s", self.path(step), exc_info=True)
+
+    def _delete(self, step: int) -> None:
+        """Manifest first (readers stop seeing the checkpoint), then the directory."""
+        self.storage.remove(self.storage.join(f"ckpt-{step}", MANIFEST_NAME))
+        self.storage.rmtree(self._dir(step))
+        logger.debug("deleted checkpoint %s (retention)", self.path(step))
+
+    # -- restoring -----------------------------------------------------------------------------
+
+    def restore(self, objects: Mapping[str, object], step: int | None = None) -> int | None:
+        """Restore ``objects`` from checkpoint ``step`` (None: the latest good one); return its step.
+
+        Returns None, touching nothing, when no committed checkpoint exists. All files are read
+        and verified against the manifest before any object is called, so a corrupt checkpoint
+        leaves the objects untouched. Then, in order, each object with ``load_checkpoint`` gets
+        ``(reader, its state.json value or None)``; an object with only ``load_state_dict`` gets
+        its ``state.json`` value, and is skipped (debug log) when it has none. Objects with
+        neither raise ``TypeError`` before anything is read.
+
+        ``step=None``: a corrupt, truncated or unreadable checkpoint is logged as a warning
+        (naming its path and the reason) and skipped for the one before it; when every committed
+        checkpoint is bad, :class:`CheckpointError` is raised rather than starting from scratch.
+        Explicit ``step``: :class:`CheckpointError` (listing the available steps) when it is not
+        committed, :class:`CorruptCheckpointError` when it is bad.
+
+        Errors raised by the objects' own loading (e.g. ``UnsafeCheckpointError``) propagate
+        unchanged, with no fall-back.
+        """
+        for name, obj in objects.items():
+            if not (hasattr(obj, "load_checkpoint") or hasattr(obj, "load_state_dict")):
+                raise TypeError(f"cannot restore {name!r}: {type(obj).__name__} has neither load_checkpoint nor load_state_dict")
+        if step is None:
+            loaded = self._load_latest()
+            if loaded is None:
+                return None
+        else:
+            step = _check_step(step)
+            self._require_committed(step)
+            loaded = self._load(step)
+        reader, state = loaded
+        self._apply(objects, reader, state)
+        logger.info("restored checkpoint %s", reader.path)
+        return reader.step
+
+    def _load_latest(self) -> tuple[VerifiedReader, dict[str, Any]] | None:
+        steps = self.steps()
+        for step in reversed(steps):
+            try:
+                return self._load(step)
+            except CorruptCheckpointError as e:
+                logger.warning("skipping checkpoint %s: %s", e.path, e.reason)
+        if steps:
+            raise CheckpointError(
+                f"every committed checkpoint in {self.storage.url(self.storage.root)} is corrupt "
+                f"(steps {steps}; see the warnings); refusing to start from scratch over them"
+            )
+        return None
+
+    def _load(self, step: int) -> tuple[VerifiedReader, dict[str, Any]]:
+        """Read and verify every file of checkpoint ``step``; raise CorruptCheckpointError if bad."""
+        directory = self._dir(step)
+        manifest = manifest_lib.read(self.storage, directory, step)
+        if STATE_NAME not in manifest["files"]:
+            raise CorruptCheckpointError(self.path(step), f"{STATE_NAME} is not listed in {MANIFEST_NAME}")
+        files = manifest_lib.verify_all(self.storage, directory, manifest)
+        state = self._parse_state(files[STATE_NAME], step)
+        return VerifiedReader(step, self.path(step), files), state
+
+    @staticmethod
+    def _apply(objects: Mapping[str, object], reader: VerifiedReader, state: dict[str, Any]) -> None:
+        saved = state["state"]
+        for name, obj in objects.items():
+            load = getattr(obj, "load_checkpoint", None)
+            if load is not None:
+                load(reader, saved.get(name))
+            elif name in saved:
+                obj.load_state_dict(saved[name])  # type: ignore[attr-defined]
+            else:
+                logger.debug("checkpoint %s holds no state for %r; left as is", reader.path, name)
+
+    def _parse_state(self, data: bytes, step: int) -> dict[str, Any]:
+        try:
+            document = json.loads(data)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise CorruptCheckpointError(self.path(step), f"{STATE_NAME} is not valid JSON ({e})") from None
+        if not isinstance(document, dict) or not isinstance(document.get("state"), dict):
+            raise CorruptCheckpointError(self.path(step), f"{STATE_NAME} has no 'state' object")
+        if document.get("step") != step:
+            raise CorruptCheckpointError(self.path(step), f"{STATE_NAME} is for step {document.get('step')!r}")
+        return document
+
+    # -- FINAL ---------------------------------------------------------------------------------
+
+    def mark_final(self, step: int) -> None:
+        """Record (atomically) that training completed at committed checkpoint ``step``.
+
+        Raises :class:`CheckpointError` when ``step`` is not committed or this is a reader.
+        """
+        step = _check_step(step)
+        self._require_writer("mark_final")
+        self._require_committed(step)
+        data = json.dumps({"step": step, "time": time.time()}).encode()
+        self.storage.write_atomic(self.storage.join(FINAL_NAME), data)
+
+    def final_step(self) -> int | None:
+        """The step named by ``FINAL``, or None when there is none (an unreadable one is warned about)."""
+        path = self.storage.join(FINAL_NAME)
+        try:
+            document = json.loads(self.storage.read_bytes(path))
+            step = document["step"]
+            return _check_step(step)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            logger.warning("ignoring unreadable %s: %s", self.storage.url(path), e)
+            return None
+
+    def clear_final(self) -> None:
+        """Remove ``FINAL`` (training continues past it); nothing happens when there is none."""
+        self._require_writer("clear_final")
+        path = self.storage.join(FINAL_NAME)
+        if self.storage.exists(path):
+            self.storage.remove(path)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _dir(self, step: int) -> str:
+        return self.storage.join(f"ckpt-{step}")
+
+    def _has_manifest(self, dirname: str) -> bool:
+        return self.storage.exists(self.storage.join(dirname, MANIFEST_NAME))
+
+    def _require_writer(self, what: str) -> None:
+        if not self.writer:
+            raise CheckpointError(f"{what}: this manager of {self.directory} is a reader (writer=False)")
+
+    def _require_committed(self, step: int) -> None:
+        if not self._has_manifest(f"ckpt-{step}"):
+            raise CheckpointError(
+                f"no committed checkpoint for step {step} in {self.storage.url(self.storage.root)}; "
+                f"available steps: {self.steps()}"
+            )
+
+    def _clean_up(self) -> None:
+        """Remove what crashed saves left: temp dirs, ``ckpt-N/`` without manifest, FINAL temps."""
+        for name in self.storage.listdir(self.storage.root):
+            path = self.storage.join(name)
+            try:
+                if _TEMP.fullmatch(name):
+                    self.storage.rmtree(path)
+                elif _COMMITTED.fullmatch(name) and not self._has_manifest(name):
+                    self.storage.rmtree(path)
+                elif _FINAL_TEMP.fullmatch(name):
+                    self.storage.remove(path)
+                else:
+                    continue
+            except Exception:  # noqa: BLE001 - a leftover must not stop training
+                logger.warning("could not remove leftover %s", self.storage.url(path), exc_info=True)
+                continue
+            logger.info("removed leftover of an interrupted save: %s", self.storage.url(path))

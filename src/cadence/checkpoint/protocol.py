@@ -1,0 +1,63 @@
+"""What a checkpoint holds, seen from the objects saved in it.
+
+A checkpoint is a directory of files plus ``state.json``. The :class:`CheckpointManager` saves a
+mapping ``name -> object`` and each object contributes in one of two ways:
+
+* **Checkpointable** (``save_checkpoint`` / ``load_checkpoint``): writes its own files through the
+  :class:`CheckpointWriter` (e.g. ``model.safetensors``, ``optimizer.pt``) and returns a
+  JSON-serialisable value stored under its name in ``state.json``.
+* **Stateful** (``state_dict`` / ``load_state_dict`` returning / taking JSON-serialisable values):
+  stored under its name in ``state.json`` -- actions' state (best value, patience) uses this.
+
+``state.json`` looks like ``{"step": 200, "time": ..., "cadence_version": "...", "state": {name: ...}}``.
+"""
+
+from __future__ import annotations
+
+from typing import IO, Any, ContextManager, Protocol, runtime_checkable
+
+JSON = Any
+
+
+class CheckpointWriter(Protocol):
+    """Handed to ``save_checkpoint``: writes files into the checkpoint being committed."""
+
+    step: int
+
+    def write(self, name: str, data: bytes | bytearray | memoryview) -> None:
+        """Write a whole file; its size and sha256 go into the manifest."""
+        ...
+
+    def open(self, name: str) -> ContextManager[IO[bytes]]:
+        """A binary file to stream into (hashed while writing), e.g. for ``torch.save``."""
+        ...
+
+
+class CheckpointReader(Protocol):
+    """Handed to ``load_checkpoint``: reads the verified files of one committed checkpoint."""
+
+    step: int
+    path: str
+    """The checkpoint's location (local path or fsspec URL), for messages."""
+
+    def names(self) -> list[str]:
+        """File names listed in the manifest."""
+        ...
+
+    def read(self, name: str) -> bytes:
+        """A file's bytes, already checked against the manifest's size and sha256."""
+        ...
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    def save_checkpoint(self, writer: CheckpointWriter) -> JSON | None: ...
+
+    def load_checkpoint(self, reader: CheckpointReader, state: JSON | None) -> None: ...
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> JSON: ...
+
+    def load_state_dict(self, state: JSON) -> None: ...

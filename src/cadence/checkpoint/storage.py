@@ -1,0 +1,174 @@
+"""A small file-system facade over fsspec, with durable (fsync) and atomic writes on local disks.
+
+Paths handed to and returned by :class:`Storage` methods are the file system's own paths (what
+:meth:`Storage.join` returns), not URLs; :meth:`Storage.url` turns one into a location for
+messages and users (an absolute path on local disks, an fsspec URL elsewhere).
+
+Local disks (fsspec protocol ``file`` / ``local``) support atomic rename: files are fsynced when
+written and directories after entries are renamed into them. Other stores (``memory://``, object
+stores) have no atomic rename; there :meth:`Storage.write_atomic` is a plain write (object stores
+make a file visible only when its upload completes) and no fsync is needed or possible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import secrets
+from typing import IO, Any, Iterator
+
+import fsspec.core
+
+_LOCAL_PROTOCOLS = frozenset({"file", "local"})
+
+
+def _temp_suffix() -> str:
+    return f".tmp-{secrets.token_hex(6)}"
+
+
+class Storage:
+    """The file system behind ``url`` (a local path or an fsspec URL such as ``memory://x``).
+
+    ``storage_options`` are passed to fsspec (credentials, endpoints, ...). :attr:`root` is the
+    file-system path of ``url``; nothing is created until asked for.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.root: str = root.rstrip("/") or "/"
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        self._local = bool(_LOCAL_PROTOCOLS.intersection(protocols))
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url(self.root)!r})"
+
+    @property
+    def atomic_rename(self) -> bool:
+        """True on local disks: a rename (of a file or a directory) is atomic and durable."""
+        return self._local
+
+    # -- paths ---------------------------------------------------------------------------------
+
+    def join(self, *parts: str) -> str:
+        """A path under :attr:`root`, e.g. ``join("ckpt-5", "MANIFEST.json")``."""
+        return posixpath.join(self.root, *parts)
+
+    def url(self, path: str) -> str:
+        """``path`` as users see it: an absolute local path, or an fsspec URL on other stores."""
+        return path if self._local else self.fs.unstrip_protocol(path)
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(path))
+
+    def isdir(self, path: str) -> bool:
+        return bool(self.fs.isdir(path))
+
+    def listdir(self, path: str) -> list[str]:
+        """Base names of the entries of directory ``path``; empty when it does not exist.
+
+        Listing caches are dropped first, so a poller sees entries written by other processes.
+        """
+        self.fs.invalidate_cache(path)
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        names = (posixpath.basename(str(entry).rstrip("/")) for entry in entries)
+        return sorted(name for name in names if name)
+
+    def size(self, path: str) -> int:
+        return int(self.fs.size(path))
+
+    def mtime(self, path: str) -> float | None:
+        """Modification time (unix seconds), or None where the store does not say."""
+        try:
+            return float(self.fs.modified(path).timestamp())
+        except (NotImplementedError, AttributeError, OSError, ValueError, TypeError):
+            return None
+
+    def read_bytes(self, path: str) -> bytes:
+        """The whole file. Raises ``FileNotFoundError`` when it does not exist."""
+        if self._local:
+            with open(path, "rb") as f:
+                return f.read()
+        return bytes(self.fs.cat_file(path))
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    @contextlib.contextmanager
+    def open_write(self, path: str, *, fsync: bool = True) -> Iterator[IO[bytes]]:
+        """A binary stream creating (or replacing) ``path``; on local disks fsynced on success."""
+        if self._local:
+            with open(path, "wb") as f:
+                yield f
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+        else:
+            with self.fs.open(path, "wb") as f:
+                yield f
+
+    def write_bytes(self, path: str, data: bytes | bytearray | memoryview, *, fsync: bool = True) -> None:
+        """Create (or replace) ``path`` with ``data``; not atomic (see :meth:`write_atomic`)."""
+        with self.open_write(path, fsync=fsync) as f:
+            f.write(data)
+
+    def write_atomic(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        """Replace ``path`` by ``data`` all at once.
+
+        Local disks: a temp file in the same directory, fsync, rename over ``path``, fsync the
+        directory -- readers see the old file or the new one, never a part. Elsewhere a plain write.
+        """
+        if not self._local:
+            self.write_bytes(path, data)
+            return
+        temp = path + _temp_suffix()
+        try:
+            self.write_bytes(temp, data, fsync=True)
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(temp)
+            raise
+        self.fsync_dir(posixpath.dirname(path))
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move a file or directory; atomic and durable (parent fsynced) on local disks only.
+
+        On local disks a non-empty directory ``dst`` makes this fail rather than be replaced.
+        """
+        if self._local:
+            os.rename(src, dst)
+            self.fsync_dir(posixpath.dirname(dst))
+            if posixpath.dirname(src) != posixpath.dirname(dst):
+                self.fsync_dir(posixpath.dirname(src))
+        else:
+            self.fs.mv(src, dst, recursive=True)
+
+    def remove(self, path: str) -> None:
+        """Delete a file. Raises ``FileNotFoundError`` when it does not exist."""
+        if self._local:
+            os.remove(path)
+        else:
+            self.fs.rm_file(path)
+
+    def rmtree(self, path: str) -> None:
+        """Delete a directory and everything under it; nothing happens when it does not exist."""
+        if self.exists(path):
+            self.fs.rm(path, recursive=True)
+
+    def fsync_dir(self, path: str) -> None:
+        """Make a directory's entries (creations, renames) durable; a no-op off local disks."""
+        if not self._local or os.name == "nt":
+            return
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,170 @@
+"""The ``cadence`` command.
+
+    cadence train CONFIG [--model-dir DIR] [--set key=value ...]
+    cadence evaluate CONFIG --model-dir DIR [--checkpoint STEP] [--set key=value ...]
+    cadence ls MODEL_DIR
+
+Exit status: 0 success; 1 a run failed (the message says why); 2 bad input (config, override,
+arguments) -- one readable line naming the offending field, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import sys
+from typing import Any, Sequence
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from cadence import __version__
+from cadence.errors import CadenceError, ConfigError
+
+logger = logging.getLogger("cadence")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cadence", description="Train, evaluate and checkpoint PyTorch models in loops."
+    )
+    parser.add_argument("--version", action="version", version=f"cadence {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add_config_args(p: argparse.ArgumentParser, model_dir_required: bool) -> None:
+        p.add_argument("config", help="experiment config (YAML)")
+        p.add_argument("--model-dir", required=model_dir_required,
+                       help="model directory (overrides model_dir in the config)")
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set trainer.train_steps=100 (repeatable)")
+
+    train = sub.add_parser("train", help="train and evaluate in this process (resumes from the model dir)")
+    add_config_args(train, model_dir_required=False)
+    train.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+
+    evaluate = sub.add_parser("evaluate", help="evaluate a checkpoint; print its metrics as JSON")
+    add_config_args(evaluate, model_dir_required=True)
+    evaluate.add_argument("--checkpoint", type=int, default=None, metavar="STEP",
+                          help="the checkpoint's step (default: the latest committed)")
+
+    ls = sub.add_parser("ls", help="list a model dir's committed checkpoints")
+    ls.add_argument("model_dir", help="model directory (local path or fsspec URL)")
+    return parser
+
+
+def _load(args: argparse.Namespace):
+    from cadence.config import load_config
+
+    return load_config(args.config, overrides=args.overrides, model_dir=args.model_dir)
+
+
+def _cmd_train(args: argparse.Namespace, console: Console) -> int:
+    cfg = _load(args)
+    from cadence.torch.experiment import run_training
+
+    metrics = run_training(cfg, progress=False if args.no_progress else None)
+    shown = "  ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+    console.print(f"[bold]done[/bold]: {shown}")
+    console.print(f"model dir: {cfg.model_dir}  (cadence ls {cfg.model_dir}; tensorboard --logdir {cfg.model_dir})")
+    return 0
+
+
+def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
+    cfg = _load(args)
+    from cadence.torch.experiment import run_evaluation
+
+    step, metrics = run_evaluation(cfg, args.checkpoint)
+    print(json.dumps({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}))
+    return 0
+
+
+def _cmd_ls(args: argparse.Namespace, console: Console) -> int:
+    from cadence import layout
+    from cadence.checkpoint import CheckpointManager, Storage
+    from cadence.summary import read_metrics
+
+    model_dir = args.model_dir
+    if not Storage(model_dir).exists(model_dir.rstrip("/")):
+        raise CadenceError(f"model dir not found: {model_dir}")
+    manager = CheckpointManager(layout.checkpoints_dir(model_dir), writer=False)
+    steps = manager.steps()
+    if not steps:
+        console.print(f"no committed checkpoints in {layout.checkpoints_dir(model_dir)}")
+        return 0
+    evals: dict[int, dict[str, Any]] = {}
+    eval_dir = layout.eval_dir(model_dir)
+    if Storage(eval_dir).exists(eval_dir):
+        for row in read_metrics(eval_dir):
+            evals[int(row["step"])] = row
+    metric_names = sorted({k for row in evals.values() for k in row if k not in ("step", "time")})
+    final = manager.final_step()
+
+    table = Table(title=f"checkpoints in {layout.checkpoints_dir(model_dir)}")
+    table.add_column("step", justify="right")
+    table.add_column("committed")
+    table.add_column("size", justify="right")
+    for name in metric_names:
+        table.add_column(name, justify="right")
+    table.add_column("")
+    for step in steps:
+        info = manager.info(step)
+        when = datetime.datetime.fromtimestamp(info["time"]).strftime("%Y-%m-%d %H:%M:%S")
+        row = evals.get(step, {})
+        notes = ", ".join(n for n, on in (("final", step == final), ("latest", step == steps[-1])) if on)
+        table.add_row(str(step), when, _size(info["size"]), *(_fmt(row.get(m, "")) for m in metric_names), notes)
+    Console().print(table)
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+COMMANDS = {"train": _cmd_train, "evaluate": _cmd_evaluate, "ls": _cmd_ls}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    err = Console(stderr=True)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(message)s", datefmt="[%X]",
+        handlers=[RichHandler(console=err, show_path=False, rich_tracebacks=False)], force=True,
+    )
+    try:
+        return COMMANDS[args.command](args, err)
+    except ConfigError as exc:
+        err.print(f"[red]cadence: error:[/red] {exc}", highlight=False)
+        return 2
+    except CadenceError as exc:
+        err.print(f"[red]cadence: failed:[/red] {exc}", highlight=False)
+        return 1
+    except KeyboardInterrupt:
+        err.print("cadence: interrupted")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

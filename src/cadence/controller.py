@@ -1,0 +1,381 @@
+"""The training loop: :class:`Controller` (Orbit's design, with cadence's fixes).
+
+One explicit loop drives a :class:`~cadence.runner.Trainer` and/or an
+:class:`~cadence.runner.Evaluator` in *inner loops* of ``steps_per_loop`` steps. After each inner
+loop it writes summaries (when due), runs the train actions on the loop's output, and saves a
+checkpoint (when due). Nothing here imports a framework.
+
+What differs from Orbit, on purpose:
+
+* ``train(steps=None)`` trains until the training data is exhausted.
+* A checkpoint is **always** saved at completion when a checkpoint manager is present (Orbit never
+  saves without an interval), and ``checkpoints/FINAL`` is written when training is complete.
+* An action may end training cleanly by raising :class:`~cadence.errors.StopTraining`.
+* ``train_and_evaluate`` cuts its segments at absolute multiples of ``eval_interval``, so a resumed
+  run evaluates at the same steps as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Iterable, Mapping
+
+from cadence.errors import StopTraining
+from cadence.progress import ProgressReporter
+from cadence.runner import Evaluator, Trainer
+from cadence.summary import SummaryWriter
+
+logger = logging.getLogger("cadence")
+
+Action = Callable[[dict[str, Any]], Any]
+StepsPerLoop = int | Callable[[int], int]
+
+__all__ = ["Controller", "Action"]
+
+
+def _crossed(before: int, after: int, interval: int | None) -> bool:
+    """True when a multiple of ``interval`` lies in ``(before, after]``."""
+    return interval is not None and after // interval > before // interval
+
+
+def _check_interval(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+
+
+def _stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class Controller:
+    """Runs training and evaluation in inner loops, with checkpoints, summaries and actions.
+
+    Args:
+      trainer: runs training steps and owns the global step. Required by ``train`` and
+        ``train_and_evaluate``.
+      evaluator: evaluates the current model state. Required by ``evaluate``.
+      checkpoint_manager: a :class:`~cadence.checkpoint.CheckpointManager`. ``None``: no
+        checkpoint is restored or saved.
+      steps_per_loop: steps per inner loop: an int >= 1, or a callable ``global_step -> int``
+        evaluated before each inner loop. Required with a trainer.
+      checkpoint_interval: save a checkpoint after an inner loop in which the global step crossed a
+        multiple of it. ``None``: save only at completion.
+      summary_interval: write train summaries after an inner loop in which the global step crossed
+        a multiple of it; must be a multiple of ``steps_per_loop`` when both are ints. ``None``:
+        after every inner loop.
+      summary_dir: where train summaries go (TensorBoard events + ``metrics.jsonl``). ``None``:
+        no train summaries.
+      eval_summary_dir: where eval summaries go. ``None``: ``summary_dir``'s value.
+      train_actions: callables run on each inner loop's output dict, which includes
+        ``steps_per_second``. Actions with ``state_dict``/``load_state_dict`` are checkpointed.
+      eval_actions: callables run on each evaluation's metrics dict.
+      restore_step: the checkpoint restored on construction. ``None``: the latest committed one
+        (a corrupt one is reported and skipped, falling back to the previous); an int: exactly that
+        step (missing or corrupt raises :class:`~cadence.errors.CheckpointError`).
+      progress: show progress (a bar on a terminal, periodic lines otherwise). ``None``: on,
+        except in processes of a non-zero ``RANK``.
+
+    On construction the controller restores a checkpoint if the manager has one (model, optimizer,
+    data position, RNG, actions' state: whatever the trainer and actions save). When none exists,
+    ``trainer.initialize()`` (or ``evaluator.initialize()`` without a trainer) is called if defined.
+
+    Raises:
+      ValueError: neither trainer nor evaluator; bad ``steps_per_loop`` / intervals.
+    """
+
+    def __init__(
+        self,
+        trainer: Trainer | None = None,
+        evaluator: Evaluator | None = None,
+        checkpoint_manager: Any | None = None,
+        steps_per_loop: StepsPerLoop | None = None,
+        checkpoint_interval: int | None = None,
+        summary_interval: int | None = None,
+        summary_dir: str | None = None,
+        eval_summary_dir: str | None = None,
+        train_actions: Iterable[Action] = (),
+        eval_actions: Iterable[Action] = (),
+        *,
+        restore_step: int | None = None,
+        progress: bool | None = None,
+    ) -> None:
+        if trainer is None and evaluator is None:
+            raise ValueError("Controller needs a trainer, an evaluator, or both; got neither")
+        if trainer is not None:
+            if steps_per_loop is None:
+                raise ValueError("steps_per_loop is required when a trainer is given")
+            if not callable(steps_per_loop):
+                _check_interval("steps_per_loop", steps_per_loop)
+        _check_interval("checkpoint_interval", checkpoint_interval)
+        _check_interval("summary_interval", summary_interval)
+        if (
+            isinstance(summary_interval, int)
+            and isinstance(steps_per_loop, int)
+            and summary_interval % steps_per_loop
+        ):
+            raise ValueError(
+                f"summary_interval ({summary_interval}) must be a multiple of "
+                f"steps_per_loop ({steps_per_loop})"
+            )
+        self.trainer = trainer
+        self.evaluator = evaluator
+        self.checkpoint_manager = checkpoint_manager
+        self.steps_per_loop = steps_per_loop
+        self.checkpoint_interval = checkpoint_interval
+        self.summary_interval = summary_interval
+        self.train_actions = list(train_actions)
+        self.eval_actions = list(eval_actions)
+        self.progress = progress
+        self._summary_dir = summary_dir
+        self._eval_summary_dir = eval_summary_dir if eval_summary_dir is not None else summary_dir
+        self._writers: dict[str, SummaryWriter] = {}
+        self._step = 0  # global step of an evaluator-only controller (from its checkpoint)
+        self.stop_reason: str | None = None
+        self.restored_step = self.restore(restore_step)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def global_step(self) -> int:
+        """The trainer's global step; without a trainer, the step of the restored checkpoint."""
+        return self.trainer.global_step if self.trainer is not None else self._step
+
+    def _checkpoint_objects(self) -> dict[str, object]:
+        """What a checkpoint holds: the trainer (or lone evaluator) and stateful actions."""
+        objects: dict[str, object] = {}
+        runner = self.trainer if self.trainer is not None else self.evaluator
+        if callable(getattr(runner, "load_checkpoint", None)):
+            objects["trainer" if runner is self.trainer else "evaluator"] = runner
+        for kind, actions in (("train_actions", self.train_actions), ("eval_actions", self.eval_actions)):
+            for i, action in enumerate(actions):
+                if _stateful(action):
+                    name = getattr(action, "checkpoint_name", None) or type(action).__name__
+                    objects[f"{kind}/{i}/{name}"] = action
+        return objects
+
+    def restore(self, step: int | None = None) -> int | None:
+        """Restore checkpoint ``step`` (``None``: the latest); return the restored step or None.
+
+        Without a checkpoint manager, or when the manager has no checkpoint, nothing is restored,
+        the runner's ``initialize()`` runs (if it has one) and None is returned.
+        """
+        restored = None
+        if self.checkpoint_manager is not None:
+            restored = self.checkpoint_manager.restore(self._checkpoint_objects(), step)
+        if restored is None:
+            runner = self.trainer if self.trainer is not None else self.evaluator
+            initialize = getattr(runner, "initialize", None)
+            if callable(initialize):
+                initialize()
+            logger.info("no checkpoint restored: starting at step %d", self.global_step)
+        else:
+            self._step = restored
+        return restored
+
+    def save_checkpoint(self) -> str | None:
+        """Commit a checkpoint at the current global step (no-op without a manager).
+
+        Saving twice at the same step writes once. Returns the checkpoint's path.
+        """
+        if self.checkpoint_manager is None:
+            return None
+        return self.checkpoint_manager.save(self.global_step, self._checkpoint_objects())
+
+    # ------------------------------------------------------------------ train
+
+    def train(self, steps: int | None = None, *, checkpoint_at_completion: bool = True) -> None:
+        """Train until the global step reaches ``steps``.
+
+        Args:
+          steps: the absolute global-step target; a no-op when already reached. ``None``: until
+            the training data is exhausted (the trainer returns having advanced fewer steps than
+            asked).
+          checkpoint_at_completion: save a checkpoint and mark the run ``FINAL`` when done (also
+            when an action raised :class:`StopTraining`).
+
+        Raises:
+          ValueError: no trainer.
+          RuntimeError: the trainer advanced a different number of steps than requested (with
+            ``steps=None``, advancing fewer is how exhaustion is signalled and is not an error).
+        """
+        self._require("trainer", "train")
+        self.stop_reason = None
+        if steps is not None and self.global_step >= steps:
+            logger.info("train: global step %d already reached target %d", self.global_step, steps)
+            return
+        self._reopen_if_final(steps)
+        with self._progress(steps) as progress:
+            self._train_until(steps, progress, until_exhausted=steps is None)
+        if checkpoint_at_completion:
+            self._complete()
+
+    def _train_until(self, target: int | None, progress: ProgressReporter, *, until_exhausted: bool) -> bool:
+        """Run inner loops until ``target`` (None: no target) or a stop; True if the run is over.
+
+        "Over" means the data ran out or an action asked to stop; reaching ``target`` is not.
+        ``until_exhausted``: the run trains until the data runs out, so a trainer advancing fewer
+        steps than requested means exhaustion rather than an error.
+        """
+        while (target is None or self.global_step < target) and self.stop_reason is None:
+            before = self.global_step
+            requested = self._loop_size(before, target)
+            start = time.perf_counter()
+            logs = dict(self.trainer.train(requested) or {})
+            elapsed = time.perf_counter() - start
+            after = self.global_step
+            advanced = after - before
+            exhausted = until_exhausted and advanced < requested
+            if advanced != requested and not exhausted:
+                raise RuntimeError(
+                    f"the trainer advanced the global step by {advanced} (from {before} to {after}) "
+                    f"but {requested} steps were requested"
+                    + ("; the training data may be exhausted: make the input repeat or set steps=None"
+                       if advanced < requested else "")
+                )
+            if advanced == 0:
+                return True
+            logs["steps_per_second"] = advanced / elapsed if elapsed > 0 else float("inf")
+            if self.summary_interval is None or _crossed(before, after, self.summary_interval):
+                self._write_summary("train", self._summary_dir, after, logs)
+            progress.update(after, logs)
+            self._run_actions(self.train_actions, logs)
+            if self.checkpoint_manager is not None and _crossed(before, after, self.checkpoint_interval):
+                self.save_checkpoint()
+            if exhausted:
+                logger.info("training data exhausted at step %d", after)
+                return True
+        return self.stop_reason is not None
+
+    def _loop_size(self, step: int, target: int | None) -> int:
+        size = self.steps_per_loop(step) if callable(self.steps_per_loop) else self.steps_per_loop
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"steps_per_loop({step}) returned {size!r}; expected an int >= 1")
+        return size if target is None else min(size, target - step)
+
+    # ------------------------------------------------------------------ evaluate
+
+    def evaluate(self, steps: int = -1) -> dict[str, Any]:
+        """Evaluate the current model state and return its metrics.
+
+        Args:
+          steps: batches to evaluate; ``-1`` until the eval data is exhausted.
+
+        Writes eval summaries at the current global step and runs the eval actions. An eval action
+        that raises :class:`StopTraining` sets :attr:`stop_reason`: a running
+        ``train_and_evaluate`` then ends cleanly; ``evaluate`` itself returns normally.
+
+        Raises:
+          ValueError: no evaluator, or ``steps`` neither -1 nor >= 1.
+        """
+        self._require("evaluator", "evaluate")
+        if not isinstance(steps, int) or isinstance(steps, bool) or (steps != -1 and steps < 1):
+            raise ValueError(f"evaluate: steps must be -1 (all) or an int >= 1, got {steps!r}")
+        start = time.perf_counter()
+        metrics = dict(self.evaluator.evaluate(steps) or {})
+        elapsed = time.perf_counter() - start
+        step = self.global_step
+        self._write_summary("eval", self._eval_summary_dir, step, metrics)
+        shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)))
+        logger.info("eval at step %d (%.1fs): %s", step, elapsed, shown)
+        self._run_actions(self.eval_actions, metrics)
+        return metrics
+
+    # ------------------------------------------------------------------ both
+
+    def train_and_evaluate(
+        self, train_steps: int | None = None, eval_steps: int = -1, eval_interval: int | None = None
+    ) -> dict[str, Any]:
+        """Alternate training and evaluation; return the last evaluation's metrics.
+
+        Args:
+          train_steps: absolute global-step target; ``None``: until the training data is exhausted.
+          eval_steps: batches per evaluation (``-1``: all).
+          eval_interval: evaluate whenever the global step reaches a multiple of it (segments are
+            cut at absolute multiples, so resumed runs evaluate at the same steps). ``None``:
+            evaluate once, at the end.
+
+        At the end (target reached, data exhausted, or :class:`StopTraining` from an action) the
+        final checkpoint is saved *before* the last evaluation, so eval actions can find it, and
+        ``FINAL`` is written after it. A run that is already complete is evaluated once.
+        """
+        self._require("trainer", "train_and_evaluate")
+        self._require("evaluator", "train_and_evaluate")
+        _check_interval("eval_interval", eval_interval)
+        self.stop_reason = None
+        self._reopen_if_final(train_steps)
+        output: dict[str, Any] | None = None
+        with self._progress(train_steps) as progress:
+            over = train_steps is not None and self.global_step >= train_steps
+            while not over:
+                step = self.global_step
+                target = train_steps
+                if eval_interval is not None:
+                    boundary = (step // eval_interval + 1) * eval_interval
+                    target = boundary if target is None else min(target, boundary)
+                over = self._train_until(target, progress, until_exhausted=train_steps is None)
+                over = over or (train_steps is not None and self.global_step >= train_steps)
+                if over:
+                    self.save_checkpoint()
+                output = self.evaluate(eval_steps)
+                over = over or self.stop_reason is not None
+        if output is None:
+            self.save_checkpoint()
+            output = self.evaluate(eval_steps)
+        self._complete()
+        return output
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require(self, role: str, method: str) -> None:
+        if getattr(self, role) is None:
+            raise ValueError(f"Controller.{method}() needs a {role}; this controller was built without one")
+
+    def _run_actions(self, actions: list[Action], output: dict[str, Any]) -> None:
+        for action in actions:
+            try:
+                action(output)
+            except StopTraining as stop:
+                self.stop_reason = stop.reason
+                logger.info("stop requested at step %d: %s", self.global_step, stop.reason)
+
+    def _complete(self) -> None:
+        """Save the final checkpoint and mark the run FINAL."""
+        if self.checkpoint_manager is None:
+            return
+        self.save_checkpoint()
+        self.checkpoint_manager.mark_final(self.global_step)
+
+    def _reopen_if_final(self, target: int | None) -> None:
+        """A run marked FINAL that trains further is no longer final: remove the marker."""
+        manager = self.checkpoint_manager
+        if manager is None:
+            return
+        final = manager.final_step()
+        if final is not None and (target is None or target > final):
+            manager.clear_final()
+
+    def _progress(self, total: int | None) -> ProgressReporter:
+        return ProgressReporter(total, initial_step=self.global_step, enabled=self.progress)
+
+    def _write_summary(self, kind: str, logdir: str | None, step: int, metrics: Mapping[str, Any]) -> None:
+        if logdir is None:
+            return
+        key = f"{kind}:{logdir}"
+        if key not in self._writers:
+            self._writers[key] = SummaryWriter(logdir)
+        writer = self._writers[key]
+        writer.write(step, metrics)
+        writer.flush()
+
+    def close(self) -> None:
+        """Flush and close summary writers."""
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
+
+    def __enter__(self) -> "Controller":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,44 @@
+"""Exceptions shared across cadence."""
+
+from __future__ import annotations
+
+
+class CadenceError(Exception):
+    """Base class of cadence's own errors."""
+
+
+class StopTraining(Exception):
+    """Raised by an action (or a trainer) to end training cleanly.
+
+    The :class:`~cadence.Controller` catches it at the end of the current inner loop: the loop
+    stops, the final checkpoint is saved (when a checkpoint manager is present), ``FINAL`` is
+    written, and ``train`` / ``train_and_evaluate`` return normally. ``reason`` is logged.
+    """
+
+    def __init__(self, reason: str = "stop requested") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class ConfigError(CadenceError):
+    """A config file or override is invalid. The message names the offending field."""
+
+
+class CheckpointError(CadenceError):
+    """A checkpoint could not be written or read."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A committed checkpoint's files do not match its manifest (or the manifest is unreadable).
+
+    Readers skip such a checkpoint; resume falls back to the previous one.
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"corrupt checkpoint {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file would need arbitrary unpickling to load; it was refused, nothing ran."""

@@ -1,0 +1,30 @@
+"""Paths of the model directory (DESIGN.md's contract), for local paths and fsspec URLs alike."""
+
+from __future__ import annotations
+
+CHECKPOINTS = "checkpoints"
+TRAIN = "train"
+EVAL = "eval"
+CONFIG = "config.yaml"
+
+
+def join(model_dir: str, *parts: str) -> str:
+    """``model_dir/part/...`` without doubling slashes (works for ``memory://x`` and ``s3://b/k``)."""
+    return "/".join([model_dir.rstrip("/"), *parts])
+
+
+def checkpoints_dir(model_dir: str) -> str:
+    return join(model_dir, CHECKPOINTS)
+
+
+def train_dir(model_dir: str) -> str:
+    return join(model_dir, TRAIN)
+
+
+def eval_dir(model_dir: str, name: str | None = None) -> str:
+    """``eval/``, or ``eval_<name>/`` for a named evaluation."""
+    return join(model_dir, EVAL if not name else f"{EVAL}_{name}")
+
+
+def config_path(model_dir: str) -> str:
+    return join(model_dir, CONFIG)

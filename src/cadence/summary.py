@@ -1,0 +1,343 @@
+"""Scalar summaries: TensorBoard event files plus ``metrics.jsonl``, side by side.
+
+Each :class:`SummaryWriter` owns one directory of the model dir (``train/``, ``eval/``, ...).
+Every :meth:`SummaryWriter.write` records the scalar metrics of one step twice:
+
+* as a TensorBoard event (written with tensorboard's own ``EventFileWriter``; no TensorFlow or
+  torch needed), so ``tensorboard --logdir MODEL_DIR`` shows them;
+* as one JSON object per line in ``metrics.jsonl``: ``{"step": 200, "time": 1718000000.0,
+  "loss": 0.12, ...}`` -- easy to read back with :func:`read_metrics`, ``jq`` or pandas.
+
+NaN and infinities are kept (JSON gets Python's ``NaN`` / ``Infinity`` / ``-Infinity``, which
+:func:`read_metrics` reads back). A restarted run appends to the same ``metrics.jsonl``.
+
+Nothing here imports tensorboard, fsspec or numpy until it is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import operator
+import os
+import threading
+import time
+import warnings
+from typing import IO, Any
+from collections.abc import Mapping
+
+__all__ = ["METRICS_FILE", "SummaryWriter", "flatten_scalars", "read_metrics", "to_scalar"]
+
+METRICS_FILE = "metrics.jsonl"
+"""Name of the JSON-lines file written next to the event files."""
+
+_RESERVED = ("step", "time")
+_warned_remote: set[str] = set()
+_warned_reserved: set[str] = set()
+
+
+# --------------------------------------------------------------------------------------------
+# scalars
+
+
+def to_scalar(value: Any) -> int | float | None:
+    """``value`` as a Python ``int`` / ``float``, or ``None`` when it is not a scalar number.
+
+    Accepts Python numbers (``bool`` becomes ``0`` / ``1``), NumPy scalars and 0-d arrays, and
+    anything whose ``.item()`` returns a number (a one-element torch tensor, say).
+    """
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    item = getattr(value, "item", None)
+    if item is None or not callable(item) or isinstance(value, (str, bytes, Mapping)):
+        return None
+    try:
+        result = item()
+    except Exception:  # a multi-element array or tensor: not a scalar
+        return None
+    if result is value or not isinstance(result, numbers.Real):
+        return None
+    return to_scalar(result)
+
+
+def flatten_scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, int | float]:
+    """The scalar entries of ``metrics``, nested mappings flattened to ``a/b`` keys.
+
+    Non-scalar values (strings, lists, multi-element arrays, ...) are left out.
+    """
+    out: dict[str, int | float] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(flatten_scalars(value, name))
+            continue
+        scalar = to_scalar(value)
+        if scalar is not None:
+            out[name] = scalar
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# paths
+
+
+def _split_url(path: str) -> tuple[str | None, str]:
+    """``(protocol, path)``; protocol ``None`` for local paths (``file://`` is local too)."""
+    if "://" not in path:
+        return None, path
+    protocol, rest = path.split("://", 1)
+    if protocol in ("file", "local"):
+        return None, rest
+    return protocol, path
+
+
+def _join(base: str, name: str) -> str:
+    return base.rstrip("/") + "/" + name if "://" in base else os.path.join(base, name)
+
+
+def _repair_tail(data: bytes) -> bytes:
+    """Drop a partial last line left by a killed writer (keep it if it is complete JSON)."""
+    if not data or data.endswith(b"\n"):
+        return data
+    head, _, tail = data.rpartition(b"\n")
+    try:
+        json.loads(tail)
+    except ValueError:
+        return head + b"\n" if head else b""
+    return data + b"\n"
+
+
+def _repair_local_tail(path: str) -> None:
+    """Make a local ``metrics.jsonl`` end with a complete line before appending to it."""
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return
+    if size == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        # Read back until the previous newline: the partial line is usually short.
+        chunk = 4096
+        pos = size
+        tail = b""
+        while pos > 0 and b"\n" not in tail:
+            start = max(0, pos - chunk)
+            f.seek(start)
+            tail = f.read(pos - start) + tail
+            pos = start
+        fixed = _repair_tail(tail)
+        f.seek(pos)
+        f.write(fixed)
+        f.truncate(pos + len(fixed))
+
+
+# --------------------------------------------------------------------------------------------
+# writer
+
+
+class SummaryWriter:
+    """Writes scalar metrics to TensorBoard event files and ``metrics.jsonl`` in ``logdir``.
+
+    The directory is created on the first :meth:`write`. ``logdir`` may be an fsspec URL: then
+    only ``metrics.jsonl`` is written (through fsspec) and TensorBoard events are skipped with a
+    one-time warning. Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, logdir: str | os.PathLike[str]) -> None:
+        self._logdir = os.fspath(logdir)
+        self._protocol, self._path = _split_url(self._logdir)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._events: Any = None  # tensorboard EventFileWriter, created on first write
+        self._jsonl: IO[bytes] | None = None  # local metrics.jsonl, opened on first write
+        self._remote_fs: Any = None  # fsspec filesystem for a remote logdir
+        self._remote_data: bytearray | None = None  # the remote file's full content
+
+    @property
+    def logdir(self) -> str:
+        """The directory (or URL) written to."""
+        return self._logdir
+
+    @property
+    def metrics_path(self) -> str:
+        """Path (or URL) of ``metrics.jsonl``."""
+        return _join(self._logdir, METRICS_FILE)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record the scalar entries of ``metrics`` at ``step`` (see :func:`flatten_scalars`).
+
+        A step with no scalar metric writes nothing.
+        """
+        step = operator.index(step)
+        scalars = flatten_scalars(metrics)
+        if not scalars:
+            return
+        wall_time = time.time()
+        with self._lock:
+            if self._closed:
+                raise ValueError(f"SummaryWriter({self._logdir!r}) is closed")
+            self._write_jsonl(step, wall_time, scalars)
+            self._write_events(step, wall_time, scalars)
+
+    def flush(self) -> None:
+        """Push everything written so far to disk (or to the remote store)."""
+        with self._lock:
+            if self._jsonl is not None:
+                self._jsonl.flush()
+            if self._events is not None:
+                self._events.flush()
+
+    def close(self) -> None:
+        """Flush and close the files. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._jsonl is not None:
+                self._jsonl.close()
+                self._jsonl = None
+            if self._events is not None:
+                self._events.close()
+                self._events = None
+
+    def __enter__(self) -> SummaryWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SummaryWriter({self._logdir!r})"
+
+    # -- metrics.jsonl -------------------------------------------------------------------------
+
+    def _write_jsonl(self, step: int, wall_time: float, scalars: Mapping[str, int | float]) -> None:
+        record: dict[str, Any] = {"step": step, "time": wall_time}
+        for key, value in scalars.items():
+            if key in _RESERVED:
+                if key not in _warned_reserved:
+                    _warned_reserved.add(key)
+                    warnings.warn(
+                        f"metric {key!r} clashes with the {key!r} field of {METRICS_FILE}; "
+                        "it is written to TensorBoard only",
+                        stacklevel=3,
+                    )
+                continue
+            record[key] = value
+        line = (json.dumps(record, allow_nan=True) + "\n").encode("utf-8")
+        if self._protocol is None:
+            self._local_jsonl().write(line)
+            self._jsonl.flush()  # type: ignore[union-attr]  # a killed run keeps its metrics
+        else:
+            self._append_remote(line)
+
+    def _local_jsonl(self) -> IO[bytes]:
+        if self._jsonl is None:
+            os.makedirs(self._path, exist_ok=True)
+            path = os.path.join(self._path, METRICS_FILE)
+            _repair_local_tail(path)
+            self._jsonl = open(path, "ab")  # noqa: SIM115 - closed by close()
+        return self._jsonl
+
+    def _append_remote(self, line: bytes) -> None:
+        """Object stores cannot append: keep the whole file and rewrite it on each write."""
+        path = self.metrics_path
+        if self._remote_data is None:
+            import fsspec
+
+            fs, root = fsspec.core.url_to_fs(self._logdir)
+            self._remote_fs = fs
+            fs.makedirs(root, exist_ok=True)
+            existing = fs.cat_file(path) if fs.exists(path) else b""
+            self._remote_data = bytearray(_repair_tail(existing))
+        self._remote_data += line
+        with self._remote_fs.open(path, "wb") as f:
+            f.write(bytes(self._remote_data))
+
+    # -- TensorBoard ---------------------------------------------------------------------------
+
+    def _write_events(
+        self, step: int, wall_time: float, scalars: Mapping[str, int | float]
+    ) -> None:
+        if self._protocol is not None:
+            if self._protocol not in _warned_remote:
+                _warned_remote.add(self._protocol)
+                warnings.warn(
+                    f"{self._protocol}:// log directories get metrics.jsonl only; "
+                    "TensorBoard event files are written for local paths",
+                    stacklevel=3,
+                )
+            return
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        if self._events is None:
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+            self._events = EventFileWriter(self._path)
+        values = [Summary.Value(tag=tag, simple_value=float(v)) for tag, v in scalars.items()]
+        self._events.add_event(Event(wall_time=wall_time, step=step, summary=Summary(value=values)))
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+
+
+def _read_bytes(path: str) -> bytes | None:
+    protocol, local = _split_url(path)
+    if protocol is None:
+        try:
+            with open(local, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+    import fsspec
+
+    fs, _ = fsspec.core.url_to_fs(path)
+    return fs.cat_file(path) if fs.exists(path) else None
+
+
+def _is_dir(path: str) -> bool:
+    protocol, local = _split_url(path)
+    if protocol is None:
+        return os.path.isdir(local)
+    import fsspec
+
+    fs, stripped = fsspec.core.url_to_fs(path)
+    return bool(fs.isdir(stripped))
+
+
+def read_metrics(logdir_or_file: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (given the file or its directory), in file order.
+
+    Returns ``[]`` when the file does not exist yet. A truncated last line (a writer killed
+    mid-write) is skipped silently; any other unreadable line is skipped with a warning.
+    """
+    path = os.fspath(logdir_or_file)
+    if not path.endswith(".jsonl") or _is_dir(path):
+        path = _join(path, METRICS_FILE)
+    data = _read_bytes(path)
+    if data is None:
+        return []
+    lines = data.decode("utf-8", errors="replace").split("\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records: list[dict[str, Any]] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif i != last:
+            warnings.warn(f"{path}: line {i + 1} is not a JSON object; skipped", stacklevel=2)
+    return records

@@ -1,0 +1,60 @@
+"""cadence for PyTorch: the Task a user writes, and the trainer / evaluator that run it.
+
+Everything in cadence that imports torch lives in this package.
+"""
+
+from cadence.torch.batch import first_tensor, move_to_device
+from cadence.torch.context import Context
+from cadence.torch.data import ResumableLoader, ResumableSampler
+from cadence.torch.evaluator import TorchEvaluator
+from cadence.torch.precision import Precision, resolve_precision
+from cadence.torch.state import (
+    get_rng_state,
+    load_model_safetensors,
+    load_torch_state,
+    model_to_safetensors,
+    seed_everything,
+    set_rng_state,
+    state_dict_from_safetensors,
+    state_dict_to_safetensors,
+    torch_state_to_bytes,
+    unwrap_model,
+)
+from cadence.torch.task import Task
+from cadence.torch.trainer import TorchTrainer, build_runners
+
+_EXPERIMENT = ("Run", "build_run", "build_task", "load_task_class", "run_evaluation", "run_training")
+
+
+def __getattr__(name: str):  # the config-driven entry points, imported on first use
+    if name in _EXPERIMENT:
+        from cadence.torch import experiment
+
+        return getattr(experiment, name)
+    raise AttributeError(f"module 'cadence.torch' has no attribute {name!r}")
+
+
+__all__ = [
+    "Context",
+    "Precision",
+    "ResumableLoader",
+    "ResumableSampler",
+    "Task",
+    "TorchEvaluator",
+    "TorchTrainer",
+    "build_runners",
+    "first_tensor",
+    "get_rng_state",
+    "load_model_safetensors",
+    "load_torch_state",
+    "model_to_safetensors",
+    "move_to_device",
+    "resolve_precision",
+    "seed_everything",
+    "set_rng_state",
+    "state_dict_from_safetensors",
+    "state_dict_to_safetensors",
+    "torch_state_to_bytes",
+    "unwrap_model",
+    *_EXPERIMENT,
+]

@@ -1,0 +1,291 @@
+"""Saving and restoring what exact resume needs: RNG states, weights, optimizer state.
+
+* RNG states (Python ``random``, NumPy's legacy global RNG, torch CPU and every CUDA device) as
+  JSON; torch's byte states are base64-encoded.
+* Model weights as safetensors bytes; tied / shared parameters are stored once and their other
+  names recorded as aliases in the file's metadata.
+* Optimizer / scheduler / grad-scaler state with ``torch.save``; loaded only with
+  ``torch.load(weights_only=True)``. A file that would need arbitrary unpickling is refused
+  with :class:`~cadence.errors.UnsafeCheckpointError` and nothing in it runs.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import pickle
+import random
+import re
+import struct
+from typing import Any, Mapping
+
+import numpy as np
+import safetensors.torch
+import torch
+from torch import nn
+
+from cadence.errors import CheckpointError, UnsafeCheckpointError
+
+log = logging.getLogger(__name__)
+
+ALIASES_KEY = "cadence.aliases"
+MODEL_FILE = "model.safetensors"
+"""Model weights in a checkpoint (safetensors)."""
+OPTIMIZER_FILE = "optimizer.pt"
+"""Optimizer / LR scheduler / grad-scaler state in a checkpoint (``torch.save``, weights-only loadable)."""
+
+# -- RNG ---------------------------------------------------------------------------------------
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def get_rng_state() -> dict[str, Any]:
+    """The global RNG states of Python, NumPy, torch CPU and (when available) all CUDA devices, as JSON."""
+    py_version, py_internal, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": {"version": py_version, "state": list(py_internal), "gauss_next": py_gauss},
+        "numpy": {
+            "bit_generator": np_name,
+            "keys": base64.b64encode(np.asarray(np_keys, dtype="<u4").tobytes()).decode("ascii"),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_gauss),
+        },
+        "torch": _b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore states from :func:`get_rng_state`; missing entries are left alone.
+
+    CUDA states are restored for the devices present (a warning if the count differs); without
+    CUDA they are ignored.
+    """
+    if "python" in state:
+        p = state["python"]
+        random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
+    if "numpy" in state:
+        n = state["numpy"]
+        keys = np.frombuffer(base64.b64decode(n["keys"]), dtype="<u4").astype(np.uint32)
+        np.random.set_state((n["bit_generator"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    if "torch" in state:
+        torch.set_rng_state(_unb64(state["torch"]))
+    cuda = state.get("cuda")
+    if cuda:
+        if not torch.cuda.is_available():
+            log.warning("checkpoint holds CUDA RNG states but CUDA is not available: not restored")
+        else:
+            n_dev = torch.cuda.device_count()
+            if n_dev != len(cuda):
+                log.warning("checkpoint holds %d CUDA RNG states, %d devices present", len(cuda), n_dev)
+            for i, s in enumerate(cuda[:n_dev]):
+                torch.cuda.set_rng_state(_unb64(s), i)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python ``random``, NumPy's global RNG and torch (CPU and all CUDA devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class RNGSnapshot:
+    """An in-memory copy of the global RNG states (cheaper than JSON), restored by ``restore()``."""
+
+    def __init__(self) -> None:
+        self._python = random.getstate()
+        self._numpy = np.random.get_state()
+        self._torch = torch.get_rng_state()
+        # Only touch CUDA if it is already in use: querying it would initialise it.
+        self._cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        random.setstate(self._python)
+        np.random.set_state(self._numpy)
+        torch.set_rng_state(self._torch)
+        if self._cuda is not None:
+            torch.cuda.set_rng_state_all(self._cuda)
+
+
+# -- model weights -----------------------------------------------------------------------------
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside DDP / DataParallel (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def state_dict_to_safetensors(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Serialise tensors to safetensors bytes (moved to CPU, contiguous).
+
+    Entries that are the same tensor (tied weights) are stored once; the other names are
+    recorded in the metadata under ``"cadence.aliases"`` (JSON ``{alias: stored name}``).
+    Tensors that merely overlap another one's storage are copied.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    canonical: dict[tuple[Any, ...], str] = {}
+    storages: set[tuple[Any, int]] = set()
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state_dict entry {name!r} is a {type(t).__name__}, not a tensor")
+        t = t.detach()
+        if t.numel() > 0:
+            key = _alias_key(t)
+            if key in canonical:
+                aliases[name] = canonical[key]
+                continue
+            canonical[key] = name
+            storage = (t.device, t.untyped_storage().data_ptr())
+            shared = storage in storages
+            storages.add(storage)
+        else:
+            shared = True
+        out = t.to("cpu").contiguous()
+        # safetensors refuses tensors sharing memory, and a view must not drag its whole storage.
+        if shared or out.untyped_storage().nbytes() != out.numel() * out.element_size():
+            out = out.clone()
+        tensors[name] = out
+    meta = {"format": "pt", **(metadata or {})}
+    if aliases:
+        meta[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
+    return safetensors.torch.save(tensors, metadata=meta)
+
+
+def safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of safetensors bytes (read from the JSON header, nothing else parsed)."""
+    if len(data) < 8:
+        raise CheckpointError("not a safetensors file: too short")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise CheckpointError("not a safetensors file: bad header length")
+    try:
+        header = json.loads(bytes(data[8 : 8 + n]))
+    except ValueError as e:
+        raise CheckpointError(f"not a safetensors file: {e}") from e
+    return dict(header.get("__metadata__") or {})
+
+
+def state_dict_from_safetensors(data: bytes) -> dict[str, torch.Tensor]:
+    """Tensors from :func:`state_dict_to_safetensors` bytes, aliases filled in (sharing the tensor)."""
+    try:
+        tensors = safetensors.torch.load(bytes(data))
+    except Exception as e:  # safetensors raises its own SafetensorError
+        raise CheckpointError(f"unreadable safetensors data: {e}") from e
+    aliases = json.loads(safetensors_metadata(data).get(ALIASES_KEY, "{}"))
+    for alias, name in aliases.items():
+        tensors[alias] = tensors[name]
+    return tensors
+
+
+def model_to_safetensors(model: nn.Module) -> bytes:
+    """The (unwrapped) model's ``state_dict`` as safetensors bytes."""
+    return state_dict_to_safetensors(unwrap_model(model).state_dict())
+
+
+def _names(keys: list[str], limit: int = 10) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def load_model_safetensors(model: nn.Module, data: bytes, *, source: str = "model.safetensors") -> None:
+    """Load safetensors bytes into the (unwrapped) model, strictly.
+
+    Raises :class:`~cadence.errors.CheckpointError` naming ``source`` and the missing /
+    unexpected keys, or the shape mismatch.
+    """
+    target = unwrap_model(model)
+    try:
+        tensors = state_dict_from_safetensors(data)
+    except CheckpointError as e:
+        raise CheckpointError(f"{source}: {e}") from e
+    expected = target.state_dict().keys()
+    missing = sorted(k for k in expected if k not in tensors)
+    unexpected = sorted(k for k in tensors if k not in expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {_names(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {_names(unexpected)}")
+        raise CheckpointError(
+            f"{source} does not match the model ({type(target).__name__}): " + "; ".join(parts)
+        )
+    try:
+        target.load_state_dict(tensors, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{source} does not match the model ({type(target).__name__}): {e}") from e
+
+
+# -- optimizer / scheduler / scaler ------------------------------------------------------------
+
+
+def torch_state_to_bytes(obj: Any, name: str = "optimizer.pt") -> bytes:
+    """``torch.save`` of ``obj``, verified to load back with ``torch.load(weights_only=True)``.
+
+    Checked at save time (loading onto the ``meta`` device: no tensor data is read) so that a
+    checkpoint that could not be resumed safely is never written; raises
+    :class:`~cadence.errors.CheckpointError` naming the offending type.
+    """
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True, map_location="meta")
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"refusing to save {name}: it could not be loaded back with torch.load(weights_only=True) "
+            f"({_weights_only_reason(e)}); optimizer, scheduler and grad-scaler state must be made "
+            f"of tensors, numbers, strings and containers"
+        ) from e
+    return data
+
+
+def _weights_only_reason(e: BaseException) -> str:
+    msg = str(e)
+    m = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\s*\n|$)", msg, re.S)
+    if m:
+        return " ".join(m.group(1).split())
+    lines = [line.strip() for line in msg.splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__
+
+
+def load_torch_state(data: bytes, *, name: str = "optimizer.pt", source: str = "", map_location: Any = "cpu") -> Any:
+    """Load ``torch.save`` bytes with ``weights_only=True`` only.
+
+    Raises :class:`~cadence.errors.UnsafeCheckpointError` when the file would need arbitrary
+    unpickling (nothing from it runs), :class:`~cadence.errors.CheckpointError` when unreadable.
+    """
+    where = f"{source}/{name}" if source else name
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location=map_location)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"refused to load {where}: it would need arbitrary unpickling, which could run code "
+            f"(torch.load(weights_only=True) rejected it: {_weights_only_reason(e)}). "
+            f"Nothing from the file was executed."
+        ) from e
+    except Exception as e:
+        raise CheckpointError(f"could not read {where}: {type(e).__name__}: {e}") from e

@@ -1,0 +1,108 @@
+"""The class a user subclasses to describe a model's training (TF Model Garden's ``Task``)."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from cadence.torch.batch import first_tensor
+from cadence.torch.context import Context
+
+
+class Task(abc.ABC):
+    """What to train and how; the framework drives the loop.
+
+    The framework constructs a task as ``TaskClass(**params)``. The base ``__init__`` keeps every
+    keyword in ``self.params`` (a dict), so a simple task needs no ``__init__`` of its own; one
+    that has one should call ``super().__init__(**remaining_params)``.
+
+    Required: :meth:`build_model`, :meth:`build_optimizer`, :meth:`build_inputs`,
+    :meth:`train_step`, :meth:`validation_step`. Everything else has a working default.
+    """
+
+    def __init__(self, **params: Any) -> None:
+        self.params: dict[str, Any] = dict(params)
+
+    # -- building ------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def build_model(self) -> nn.Module:
+        """A freshly initialised model (on CPU; the framework moves it to the device)."""
+
+    @abc.abstractmethod
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer over ``model``'s parameters (``model`` is already on the device)."""
+
+    def build_lr_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """An LR scheduler, stepped once per optimizer step; ``None`` (the default) for none."""
+        return None
+
+    @abc.abstractmethod
+    def build_inputs(self, split: str, ctx: Context) -> Iterable[Any]:
+        """The batches of ``split`` (``"train"`` or ``"validation"``) for this process.
+
+        Shard with ``ctx.rank`` / ``ctx.world_size`` and seed with ``ctx.seed``. For exact resume
+        return something with ``state_dict`` / ``load_state_dict`` (e.g.
+        :class:`cadence.torch.ResumableLoader`); any other iterable is resumed by replaying the
+        batches already consumed. Validation inputs are iterated afresh for each evaluation.
+        """
+
+    def initialize(self, model: nn.Module) -> None:
+        """Load pretrained weights and the like. Called only on a fresh start (no checkpoint)."""
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def train_step(self, model: nn.Module, batch: Any) -> torch.Tensor | Mapping[str, Any]:
+        """Forward pass on one (micro)batch: the loss tensor, or a dict with ``"loss"`` and
+        extra scalar logs (tensors or numbers; averaged over the training loop).
+
+        The framework runs backward, gradient accumulation and clipping, the optimizer and the
+        LR scheduler; the batch is already on the device and autocast is active as configured.
+        """
+
+    @abc.abstractmethod
+    def validation_step(self, model: nn.Module, batch: Any) -> Mapping[str, Any]:
+        """Metrics of one batch, under ``torch.no_grad()`` with the model in eval mode.
+
+        Scalars (numbers, 1-element tensors) are averaged over the evaluation weighted by
+        :meth:`batch_size`. Everything (scalar or not) is also handed to :meth:`aggregate_logs`.
+        """
+
+    # -- metrics that are not batch means -------------------------------------------------------
+
+    def aggregate_logs(self, state: Any, step_outputs: Mapping[str, Any]) -> Any:
+        """Fold one validation step's outputs into ``state`` (``None`` at the first step).
+
+        Override together with :meth:`reduce_aggregated_logs` for metrics that are not means of
+        batch values (AUC, F1, ...). The default does nothing and is not called.
+        """
+        return state
+
+    def reduce_aggregated_logs(self, aggregated_logs: Any, global_step: int) -> dict[str, Any]:
+        """Turn the aggregated state into metrics, merged into the evaluation's result."""
+        return {}
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def batch_size(self, batch: Any) -> int:
+        """The number of examples in ``batch``, the weight of its metrics.
+
+        Default: dim 0 of the first tensor found depth-first in a tensor / tuple / list / dict
+        (1 for a 0-d tensor). Raises ``ValueError`` when the batch has no tensor: override then.
+        The framework looks this method up on the class, so an instance attribute
+        ``self.batch_size = 32`` (a common param name) does not hide it.
+        """
+        t = first_tensor(batch)
+        if t is None:
+            raise ValueError(
+                f"{type(self).__name__}.batch_size: no tensor found in a batch of type "
+                f"{type(batch).__name__}; override Task.batch_size(batch)"
+            )
+        return int(t.shape[0]) if t.dim() > 0 else 1
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params.items())})"

@@ -1,0 +1,392 @@
+"""The PyTorch implementation of the :class:`cadence.runner.Trainer` protocol."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from cadence.checkpoint.protocol import CheckpointReader, CheckpointWriter
+from cadence.errors import CheckpointError
+from cadence.torch.batch import move_to_device
+from cadence.torch.context import Context
+from cadence.torch.precision import resolve_precision
+from cadence.torch.evaluator import TorchEvaluator
+from cadence.torch.state import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    get_rng_state,
+    load_model_safetensors,
+    load_torch_state,
+    model_to_safetensors,
+    set_rng_state,
+    torch_state_to_bytes,
+    unwrap_model,
+)
+from cadence.torch.task import Task
+
+log = logging.getLogger(__name__)
+
+def _is_stateful(data: Any) -> bool:
+    return callable(getattr(data, "state_dict", None)) and callable(getattr(data, "load_state_dict", None))
+
+
+class TorchTrainer:
+    """Runs a :class:`Task`'s training steps; checkpoints everything exact resume needs.
+
+    ``train_data`` defaults to ``task.build_inputs("train", ctx)``, built at the first
+    :meth:`train`. Its position is checkpointed through its ``state_dict`` /
+    ``load_state_dict`` when it has them; otherwise the number of batches consumed is saved and
+    a resume replays (draws and drops) that many batches, which is O(n) and logged.
+
+    ``precision``: ``"32"``, ``"bf16"`` (autocast bfloat16) or ``"fp16"`` (autocast float16 and
+    a gradient scaler); raises ``RuntimeError`` at construction if the device cannot run it.
+    ``grad_accum_steps``: batches per optimizer step (the loss is divided by it).
+    ``grad_clip_norm``: clip the global gradient norm to this value (``None``: no clipping).
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any | None = None,
+        *,
+        ctx: Context,
+        precision: str = "32",
+        grad_accum_steps: int = 1,
+        grad_clip_norm: float | None = None,
+        train_data: Iterable[Any] | None = None,
+    ) -> None:
+        if grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+        if isinstance(lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError(
+                "ReduceLROnPlateau needs a metric and cannot be stepped per optimizer step; "
+                "step it from an action on evaluation results instead"
+            )
+        if grad_clip_norm is not None and grad_clip_norm <= 0:
+            raise ValueError(f"grad_clip_norm must be None or > 0, got {grad_clip_norm}")
+        self.task = task
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.ctx = ctx
+        self.precision = resolve_precision(precision, ctx.device)
+        self.grad_scaler = self.precision.make_grad_scaler()
+        self.grad_accum_steps = int(grad_accum_steps)
+        self.grad_clip_norm = grad_clip_norm
+        self._train_data = train_data
+        self._iterator: Iterator[Any] | None = None
+        self._global_step = 0
+        self._batches_consumed = 0  # for replay when the data is not stateful
+        self._pending_data_state: dict[str, Any] | None = None
+
+    # -- protocol ------------------------------------------------------------------------------
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far (restored from checkpoints)."""
+        return self._global_step
+
+    @property
+    def train_data(self) -> Iterable[Any]:
+        """The training input (built from the task on first use)."""
+        if self._train_data is None:
+            self._train_data = self.task.build_inputs("train", self.ctx)
+        return self._train_data
+
+    def initialize(self) -> None:
+        """Fresh start (no checkpoint): ``task.initialize(model)`` with the unwrapped model."""
+        self.task.initialize(unwrap_model(self.model))
+
+    def train(self, num_steps: int) -> dict[str, float]:
+        """Run up to ``num_steps`` optimizer steps (``grad_accum_steps`` batches each).
+
+        Returns fewer steps only when the train data is exhausted (an incomplete accumulation
+        group at the end is dropped, not stepped). Logs: the mean over the loop's steps of
+        ``loss`` and of every extra scalar from ``train_step``, and ``learning_rate`` (first
+        param group, as in effect after the loop). The host syncs once, at the end.
+        """
+        if num_steps < 0:
+            raise ValueError(f"num_steps must be >= 0, got {num_steps}")
+        it = self._iterator if self._iterator is not None else self._start_iterator()
+        model, optimizer, scheduler, scaler = self.model, self.optimizer, self.lr_scheduler, self.grad_scaler
+        task, device, autocast = self.task, self.ctx.device, self.precision.autocast
+        k = self.grad_accum_steps
+        clip = self.grad_clip_norm
+        params = [p for group in optimizer.param_groups for p in group["params"]] if clip is not None else []
+        # DDP: skip the gradient all-reduce on all but the last micro-batch of a group.
+        no_sync = model.no_sync if k > 1 and isinstance(model, nn.parallel.DistributedDataParallel) else None
+        # Detached per-micro-batch losses stay on the device until the end (no per-step sync).
+        losses: list[torch.Tensor] = []
+        place = device.type != "cpu"  # data loaders yield CPU tensors: nothing to move on CPU
+        extras_acc: dict[str, _Scalars] = {}
+        steps = 0
+        exhausted = False
+        model.train()
+        for _ in range(num_steps):
+            optimizer.zero_grad(set_to_none=True)
+            step_start = len(losses)
+            step_extras: list[Mapping[str, Any]] | None = None
+            for micro in range(k):
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    exhausted = True
+                    break
+                self._batches_consumed += 1
+                if place:
+                    batch = move_to_device(batch, device)
+                if no_sync is not None and micro < k - 1:
+                    with no_sync():
+                        loss, extras = self._forward_backward(task, model, batch, autocast, scaler, k)
+                else:
+                    loss, extras = self._forward_backward(task, model, batch, autocast, scaler, k)
+                losses.append(loss)
+                if extras is not None:
+                    if step_extras is None:
+                        step_extras = [extras]
+                    else:
+                        step_extras.append(extras)
+            if exhausted:  # data ran out inside the accumulation group: drop the group
+                del losses[step_start:]
+                optimizer.zero_grad(set_to_none=True)
+                break
+            if scaler is not None:
+                if clip is not None:
+                    scaler.unscale_(optimizer)
+                    torch.nn.utils.clip_grad_norm_(params, clip)
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(params, clip)
+                optimizer.step()
+            if scheduler is not None:
+                if scaler is not None:
+                    with warnings.catch_warnings():  # a step skipped by the scaler is expected
+                        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+                        scheduler.step()
+                else:
+                    scheduler.step()
+            steps += 1
+            self._global_step += 1
+            if step_extras is not None:
+                for extras in step_extras:
+                    _add_extras(extras_acc, extras)
+            if len(losses) >= _FOLD:  # bound memory on very long loops: one on-device sum
+                losses[:] = [torch.stack(losses).float().sum()]
+
+        logs: dict[str, float] = {}
+        if steps:
+            keys, means = ["loss"], [torch.stack(losses).float().sum() / (steps * k)]
+            for key, acc in extras_acc.items():
+                if acc.tensors:
+                    keys.append(key)
+                    means.append((torch.stack(acc.tensors).to(device).sum() + acc.number) / acc.count)
+                else:
+                    logs[key] = acc.number / acc.count
+            logs.update(zip(keys, torch.stack(means).tolist()))  # the one host sync
+        logs["learning_rate"] = float(optimizer.param_groups[0]["lr"])
+        return logs
+
+    @staticmethod
+    def _forward_backward(
+        task: Task, model: nn.Module, batch: Any, autocast: Any, scaler: Any, k: int
+    ) -> tuple[torch.Tensor, Mapping[str, Any] | None]:
+        with autocast():
+            out = task.train_step(model, batch)
+        if isinstance(out, torch.Tensor):
+            loss, extras = out, None
+        else:
+            try:
+                loss = out["loss"]
+            except (KeyError, TypeError, IndexError) as e:
+                raise TypeError(
+                    f"{type(task).__name__}.train_step must return a loss tensor or a dict with "
+                    f"'loss', got {type(out).__name__}"
+                ) from e
+            extras = out if len(out) > 1 else None
+        backward_loss = loss / k if k > 1 else loss
+        if scaler is not None:
+            backward_loss = scaler.scale(backward_loss)
+        backward_loss.backward()
+        loss = loss.detach()
+        return (loss.reshape(()) if loss.dim() else loss), extras
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def _start_iterator(self) -> Iterator[Any]:
+        data = self.train_data
+        pending, self._pending_data_state = self._pending_data_state, None
+        skip = 0
+        if pending is not None:
+            if pending.get("kind") == "stateful":
+                if not _is_stateful(data):
+                    raise CheckpointError(
+                        "the checkpoint's data position was saved through the train data's state_dict, "
+                        f"but the train data ({type(data).__name__}) has no load_state_dict"
+                    )
+                data.load_state_dict(pending["state"])  # type: ignore[attr-defined]
+            else:
+                skip = int(pending.get("batches", 0))
+        self._iterator = iter(data)
+        if skip:
+            log.warning(
+                "resuming the train data by replaying %d batches (O(n)); give the train data "
+                "state_dict/load_state_dict (e.g. cadence.torch.ResumableLoader) to resume in O(1)",
+                skip,
+            )
+            for i in range(skip):
+                try:
+                    next(self._iterator)
+                except StopIteration:
+                    log.warning("train data exhausted after replaying %d of %d batches", i, skip)
+                    break
+        self._batches_consumed = skip
+        return self._iterator
+
+    def _data_state(self) -> dict[str, Any] | None:
+        if self._iterator is None:
+            # Not iterated since construction / the last load: the position is the pending one.
+            return self._pending_data_state
+        data = self._train_data
+        if _is_stateful(data):
+            return {"kind": "stateful", "state": data.state_dict()}  # type: ignore[union-attr]
+        return {"kind": "replay", "batches": self._batches_consumed}
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, writer: CheckpointWriter) -> dict[str, Any]:
+        """Write ``model.safetensors`` and ``optimizer.pt``; return ``{"global_step", "rng", "data"}``."""
+        writer.write(MODEL_FILE, model_to_safetensors(self.model))
+        writer.write(
+            OPTIMIZER_FILE,
+            torch_state_to_bytes(
+                {
+                    "optimizer": self.optimizer.state_dict(),
+                    "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                    "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+                },
+                OPTIMIZER_FILE,
+            ),
+        )
+        return {"global_step": self._global_step, "rng": get_rng_state(), "data": self._data_state()}
+
+    def load_checkpoint(self, reader: CheckpointReader, state: Mapping[str, Any] | None) -> None:
+        """Restore model, optimizer, scheduler, grad scaler, global step, data position, then RNG.
+
+        Raises :class:`~cadence.errors.CheckpointError` (or its subclass
+        ``UnsafeCheckpointError``) when a file does not match or would need unsafe unpickling.
+        """
+        state = dict(state or {})
+        source = getattr(reader, "path", "")
+        load_model_safetensors(self.model, reader.read(MODEL_FILE), source=f"{source}/{MODEL_FILE}" if source else MODEL_FILE)
+        opt_state = load_torch_state(
+            reader.read(OPTIMIZER_FILE), name=OPTIMIZER_FILE, source=source, map_location=self.ctx.device
+        )
+        if not isinstance(opt_state, Mapping) or "optimizer" not in opt_state:
+            raise CheckpointError(f"{source}/{OPTIMIZER_FILE}: expected a dict with 'optimizer'")
+        try:
+            self.optimizer.load_state_dict(opt_state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise CheckpointError(f"{source}/{OPTIMIZER_FILE}: optimizer state does not match: {e}") from e
+        sched_state = opt_state.get("lr_scheduler")
+        if self.lr_scheduler is not None and sched_state is not None:
+            self.lr_scheduler.load_state_dict(sched_state)
+        elif (self.lr_scheduler is None) != (sched_state is None):
+            log.warning("%s: LR scheduler present in %s but not in %s: not restored", source,
+                        "the checkpoint" if sched_state is not None else "the trainer",
+                        "the trainer" if sched_state is not None else "the checkpoint")
+        scaler_state = opt_state.get("grad_scaler")
+        if self.grad_scaler is not None and scaler_state:
+            self.grad_scaler.load_state_dict(scaler_state)
+        elif self.grad_scaler is not None:
+            log.warning("%s: no grad-scaler state in the checkpoint: the fp16 loss scale starts afresh", source)
+        self._global_step = int(state.get("global_step", reader.step))
+        # Data position: applied when iteration (re)starts, so a running iterator is dropped.
+        self._iterator = None
+        self._batches_consumed = 0
+        self._pending_data_state = state.get("data")
+        # Build the data and restart its iteration now, before the RNG is restored: whatever
+        # randomness that draws (a random split, a DataLoader's seed) then cannot shift the stream.
+        self._start_iterator()
+        if state.get("rng") is not None:
+            set_rng_state(state["rng"])
+
+
+_FOLD = 4096
+
+
+class _Scalars:
+    """Sum of one extra log's values: tensors kept (on device) for one sum at the end, numbers summed."""
+
+    __slots__ = ("tensors", "number", "count")
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.number = 0.0
+        self.count = 0
+
+
+def _add_extras(acc: dict[str, _Scalars], out: Mapping[str, Any]) -> None:
+    """Add ``out``'s extra scalar logs (all but ``loss``) into ``acc``."""
+    for key, v in out.items():
+        if key == "loss":
+            continue
+        s = acc.get(key)
+        if s is None:
+            s = acc[key] = _Scalars()
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise ValueError(f"train_step log {key!r} must be a scalar, got shape {tuple(v.shape)}")
+            s.tensors.append(v.detach().reshape(()).float())
+            if len(s.tensors) >= _FOLD:
+                s.tensors[:] = [torch.stack(s.tensors).sum()]
+        elif isinstance(v, (int, float)):
+            s.number += float(v)
+        else:
+            raise TypeError(f"train_step log {key!r} must be a number or a 1-element tensor, got {type(v).__name__}")
+        s.count += 1
+
+
+def build_runners(
+    task: Task,
+    ctx: Context,
+    *,
+    precision: str = "32",
+    grad_accum_steps: int = 1,
+    grad_clip_norm: float | None = None,
+    train: bool = True,
+    evaluate: bool = True,
+) -> tuple[TorchTrainer | None, TorchEvaluator | None]:
+    """``(trainer, evaluator)`` sharing one model built by ``task.build_model()`` on ``ctx.device``.
+
+    The optimizer and LR scheduler are built only when ``train``; the evaluator reports the
+    trainer's global step. A role not asked for is ``None``.
+    """
+    if not (train or evaluate):
+        raise ValueError("build_runners: nothing to build (train=False and evaluate=False)")
+    model = task.build_model().to(ctx.device)
+    trainer = None
+    if train:
+        optimizer = task.build_optimizer(model)
+        trainer = TorchTrainer(
+            task,
+            model,
+            optimizer,
+            task.build_lr_scheduler(optimizer),
+            ctx=ctx,
+            precision=precision,
+            grad_accum_steps=grad_accum_steps,
+            grad_clip_norm=grad_clip_norm,
+        )
+    evaluator = None
+    if evaluate:
+        step_fn = (lambda: trainer.global_step) if trainer is not None else None
+        evaluator = TorchEvaluator(task, model, ctx=ctx, precision=precision, global_step_fn=step_fn)
+    return trainer, evaluator

@@ -1,0 +1,58 @@
+"""Small Tasks used by the end-to-end tests (loaded by path: ``tests/tasks.py:TinyTask``)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from cadence.torch import ResumableLoader, Task
+
+
+def synthetic(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, :4].sum(dim=1) > 0).long()
+    return TensorDataset(x, y)
+
+
+class TinyTask(Task):
+    """An 8-16-2 MLP with dropout (so RNG state matters) on a shuffled, resumable loader.
+
+    ``step_sleep`` slows each step down so a test can kill the process mid-run.
+    """
+
+    def __init__(self, step_sleep: float = 0.0, batch_size: int = 8, n: int = 200) -> None:
+        super().__init__()
+        self.step_sleep = step_sleep
+        self.batch_size = batch_size
+        self.train_set = synthetic(n, seed=1)
+        self.val_set = synthetic(64, seed=2)
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
+
+    def build_optimizer(self, model):
+        return torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def build_lr_scheduler(self, optimizer):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
+
+    def build_inputs(self, split, ctx):
+        if split == "train":
+            return ResumableLoader(self.train_set, self.batch_size, shuffle=True, seed=ctx.seed)
+        return DataLoader(self.val_set, batch_size=16)
+
+    def train_step(self, model, batch):
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    def validation_step(self, model, batch):
+        x, y = batch
+        logits = model(x)
+        return {"loss": F.cross_entropy(logits, y), "accuracy": (logits.argmax(1) == y).float().mean()}

@@ -1,0 +1,448 @@
+"""The experiment config: loading, defaults, overrides, round trips, and the error messages."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cadence.config import (
+    ExperimentConfig,
+    TrainerConfig,
+    config_from_dict,
+    load_config,
+    parse_override,
+    resolve_task_class,
+    save_config,
+)
+from cadence.errors import ConfigError
+
+VALID = """\
+model_dir: runs/digits
+task:
+  class: examples.digits.task:DigitsTask
+  params: {hidden: 64}
+trainer:
+  train_steps: 600
+  steps_per_loop: 50
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def error_of(path: Path | str, overrides: tuple[str, ...] = (), **kw: object) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides, **kw)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert (
+        "Traceback" not in message
+        and "pydantic" not in message
+        and "errors.pydantic.dev" not in message
+    )
+    assert info.value.__cause__ is None  # raised "from None": no chained traceback either
+    assert info.value.__context__ is None or info.value.__suppress_context__
+    return message
+
+
+@pytest.fixture
+def cfg_path(tmp_path: Path) -> Path:
+    return write(tmp_path, VALID)
+
+
+# -- valid configs ---------------------------------------------------------------------------
+
+
+def test_valid_file_loads_with_defaults(cfg_path: Path) -> None:
+    cfg = load_config(cfg_path)
+    assert cfg.model_dir == "runs/digits"
+    assert cfg.task.task_class == "examples.digits.task:DigitsTask"
+    assert cfg.task.params == {"hidden": 64}
+    t = cfg.trainer
+    assert (t.train_steps, t.steps_per_loop) == (600, 50)
+    defaults = TrainerConfig()
+    for name in (
+        "checkpoint_interval",
+        "validation_interval",
+        "validation_steps",
+        "max_to_keep",
+        "keep_every_n_steps",
+        "summary_interval",
+        "seed",
+        "precision",
+        "grad_accum_steps",
+        "grad_clip_norm",
+        "device",
+    ):
+        assert getattr(t, name) == getattr(defaults, name)
+    assert (t.validation_steps, t.precision, t.device, t.grad_accum_steps) == (-1, "32", "auto", 1)
+    assert cfg.config_dir == cfg_path.parent.resolve()
+
+
+def test_minimal_file(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "task:\n  class: pkg.mod:Task\ntrainer:\n"))
+    assert cfg.model_dir is None and cfg.task.params == {} and cfg.trainer == TrainerConfig()
+
+
+def test_model_dir_argument_wins(cfg_path: Path) -> None:
+    cfg = load_config(cfg_path, ["model_dir=elsewhere"], model_dir="/tmp/run")
+    assert cfg.model_dir == "/tmp/run"
+
+
+@pytest.mark.parametrize("value", [32, "32", " 32 "])
+def test_precision_normalised(tmp_path: Path, value: object) -> None:
+    cfg = config_from_dict({"task": {"class": "m:T"}, "trainer": {"precision": value}})
+    assert cfg.trainer.precision == "32"
+    assert (
+        load_config(write(tmp_path, VALID), ["trainer.precision=BF16"]).trainer.precision == "bf16"
+    )
+
+
+def test_summary_interval_multiple_rule(cfg_path: Path) -> None:
+    assert load_config(cfg_path, ["trainer.summary_interval=100"]).trainer.summary_interval == 100
+    message = error_of(cfg_path, ("trainer.summary_interval=75",))
+    assert (
+        "trainer.summary_interval" in message
+        and "multiple of trainer.steps_per_loop (50)" in message
+    )
+    # the rule follows an overridden steps_per_loop
+    assert load_config(cfg_path, ["trainer.steps_per_loop=25", "trainer.summary_interval=75"])
+
+
+# -- overrides -------------------------------------------------------------------------------
+
+
+def test_overrides(cfg_path: Path) -> None:
+    cfg = load_config(
+        cfg_path,
+        [
+            "trainer.train_steps=100",
+            "trainer.grad_clip_norm=1e-3",
+            "trainer.checkpoint_interval=null",
+            "trainer.device=cuda:1",
+            "task.class=other.module:Other",
+            "task.params.hidden=[64, 32]",
+            "task.params.optim.lr=0.1",
+            "task.params.name=a=b",
+        ],
+    )
+    assert cfg.trainer.train_steps == 100
+    assert cfg.trainer.grad_clip_norm == 1e-3
+    assert cfg.trainer.checkpoint_interval is None
+    assert cfg.trainer.device == "cuda:1"
+    assert cfg.task.task_class == "other.module:Other"
+    assert cfg.task.params == {"hidden": [64, 32], "optim": {"lr": 0.1}, "name": "a=b"}
+
+
+def test_override_whole_sections(cfg_path: Path) -> None:
+    cfg = load_config(
+        cfg_path, ["task.params={a: 1}", "trainer={train_steps: 7}", "task.task_class=x:Y"]
+    )
+    assert cfg.task.params == {"a": 1}
+    assert (
+        cfg.trainer.train_steps == 7
+        and cfg.trainer.steps_per_loop == TrainerConfig().steps_per_loop
+    )
+    assert cfg.task.task_class == "x:Y"
+
+
+def test_parse_override() -> None:
+    assert parse_override("a.b=5") == (["a", "b"], 5)
+    assert parse_override("a= null") == (["a"], None)
+    assert parse_override("a=[1,2]") == (["a"], [1, 2])
+    assert parse_override("a=hello") == (["a"], "hello")
+    assert parse_override("a=") == (["a"], None)
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def test_unknown_field_suggestion(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID.replace("train_steps", "train_stpes"))
+    message = error_of(path)
+    assert message == (
+        f"{path}: trainer.train_stpes: unknown field (did you mean 'train_steps'?) (line 6)"
+    )
+
+
+def test_unknown_top_level_field(tmp_path: Path) -> None:
+    message = error_of(write(tmp_path, VALID.replace("model_dir", "modeldir")))
+    assert "modeldir: unknown field (did you mean 'model_dir'?)" in message
+
+
+def test_type_error_message(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID.replace("train_steps: 600", "train_steps: abc"))
+    assert error_of(path) == (
+        f"{path}: trainer.train_steps: expected an integer >= 1 or null, got 'abc' (line 6)"
+    )
+
+
+def test_all_errors_one_per_line(tmp_path: Path) -> None:
+    text = (
+        VALID
+        + "  seed: -1\n  precision: fp8\n  device: gpu\n  grad_clip_norm: 0\n  max_to_keep: yes\n"
+    )
+    path = write(tmp_path, text.replace("steps_per_loop: 50", "steps_per_loop: 0"))
+    lines = error_of(path).splitlines()
+    assert lines == [
+        f"{path}: trainer.steps_per_loop: expected an integer >= 1, got 0 (line 7)",
+        f"{path}: trainer.seed: expected an integer from 0 to 2**32 - 1, got -1 (line 8)",
+        f"{path}: trainer.precision: expected one of '32', 'bf16', 'fp16', got 'fp8' (line 9)",
+        f"{path}: trainer.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu' (line 10)",
+        f"{path}: trainer.grad_clip_norm: expected a number > 0 or null, got 0 (line 11)",
+        f"{path}: trainer.max_to_keep: expected an integer >= 0 or null, got true (line 12)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        (
+            "validation_steps",
+            "0",
+            "trainer.validation_steps: expected -1 (the whole validation data) "
+            "or an integer >= 1, got 0",
+        ),
+        ("train_steps", "1.5", "trainer.train_steps: expected an integer >= 1 or null, got 1.5"),
+        ("train_steps", "true", "trainer.train_steps: expected an integer >= 1 or null, got true"),
+        (
+            "grad_accum_steps",
+            "null",
+            "trainer.grad_accum_steps: expected an integer >= 1, got null",
+        ),
+        (
+            "grad_clip_norm",
+            ".inf",
+            "trainer.grad_clip_norm: expected a number > 0 or null, got inf",
+        ),
+        (
+            "keep_every_n_steps",
+            "0",
+            "trainer.keep_every_n_steps: expected an integer >= 1 or null, got 0",
+        ),
+    ],
+)
+def test_field_errors_from_overrides(cfg_path: Path, field: str, value: str, expected: str) -> None:
+    assert (
+        error_of(cfg_path, (f"trainer.{field}={value}",))
+        == f"--set trainer.{field}={value}: {expected}"
+    )
+
+
+def test_unknown_override_key(cfg_path: Path) -> None:
+    assert error_of(cfg_path, ("trainer.steps=5",)) == (
+        "--set trainer.steps=5: unknown field 'trainer.steps' (did you mean 'trainer.train_steps'?)"
+    )
+    message = error_of(cfg_path, ("trainer.zzz=5",))
+    assert message.startswith("--set trainer.zzz=5: unknown field 'trainer.zzz' (expected one of ")
+    assert "'trainer.train_steps'" in message
+    assert "unknown field 'traner' (did you mean 'trainer'?)" in error_of(
+        cfg_path, ("traner.seed=1",)
+    )
+
+
+def test_override_without_equals(cfg_path: Path) -> None:
+    assert (
+        error_of(cfg_path, ("trainer.train_steps",))
+        == "--set trainer.train_steps: expected key=value"
+    )
+
+
+def test_override_bad_yaml_and_bad_key(cfg_path: Path) -> None:
+    assert error_of(cfg_path, ("task.params.x=[1",)).startswith(
+        "--set task.params.x=[1: invalid YAML value"
+    )
+    assert "malformed key" in error_of(cfg_path, ("trainer..seed=1",))
+    assert "'trainer.seed' is a value, not a section" in error_of(cfg_path, ("trainer.seed.x=1",))
+
+
+def test_override_inside_non_mapping_param(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID.replace("{hidden: 64}", "{hidden: [64]}"))
+    message = error_of(path, ("task.params.hidden.size=3",))
+    assert message.startswith(
+        "--set task.params.hidden.size=3: cannot set 'task.params.hidden.size'"
+    )
+
+
+def test_yaml_syntax_error_has_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "task:\n  class: a:B\n trainer: 1\n")
+    message = error_of(path)
+    assert message.startswith(f"{path}: line 3, column 2: invalid YAML:")
+    assert "\n" not in message
+
+
+def test_duplicate_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "task:\n  class: a:B\ntrainer:\n  seed: 1\n  seed: 2\n")
+    assert error_of(path) == f"{path}: line 5: duplicate key 'trainer.seed' (first set on line 4)"
+
+
+def test_file_not_found(tmp_path: Path) -> None:
+    path = tmp_path / "missing.yaml"
+    assert error_of(path) == f"{path}: config file not found"
+
+
+def test_top_level_not_a_mapping(tmp_path: Path) -> None:
+    path = write(tmp_path, "- 1\n- 2\n")
+    assert error_of(path) == f"{path}: expected a mapping at the top level, got a list"
+    empty = write(tmp_path, "# nothing\n", "empty.yaml")
+    assert "the file is empty" in error_of(empty)
+
+
+def test_section_not_a_mapping(tmp_path: Path) -> None:
+    message = error_of(write(tmp_path, "task:\n  class: a:B\ntrainer: 5\n"))
+    assert "trainer: expected a mapping, got 5 (line 3)" in message
+
+
+def test_task_class_form(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID.replace("examples.digits.task:DigitsTask", "DigitsTask"))
+    assert error_of(path) == (
+        f"{path}: task.class: expected 'module:ClassName' or 'path/to/file.py:ClassName', "
+        "got 'DigitsTask' (line 3)"
+    )
+    missing = write(tmp_path, "task:\n  params: {}\n", "missing.yaml")
+    assert error_of(missing) == f"{missing}: task.class: required field missing (line 1)"
+    assert error_of(missing, ("task.class=nope",)) == (
+        "--set task.class=nope: task.class: expected 'module:ClassName' or "
+        "'path/to/file.py:ClassName', got 'nope'"
+    )
+
+
+def test_config_from_dict_errors() -> None:
+    with pytest.raises(ConfigError, match=r"^config: task: required field missing$"):
+        config_from_dict({})
+    with pytest.raises(ConfigError, match="expected a mapping at the top level, got a string"):
+        config_from_dict("x")  # type: ignore[arg-type]
+
+
+# -- task class paths, YAML round trip --------------------------------------------------------
+
+
+def test_relative_py_class_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sub = tmp_path / "exp"
+    sub.mkdir()
+    path = write(sub, VALID.replace("examples.digits.task:DigitsTask", "models/task.py:MyTask"))
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(Path("exp") / "config.yaml")
+    expected = f"{sub.resolve() / 'models' / 'task.py'}:MyTask"
+    assert cfg.task.task_class == expected  # resolved against the config file's directory
+    assert resolve_task_class(cfg) == expected
+    # a config built in code: relative to config_dir if given, else the working directory
+    raw = config_from_dict({"task": {"class": "models/task.py:MyTask"}})
+    assert raw.task.task_class == "models/task.py:MyTask"
+    assert resolve_task_class(raw) == f"{tmp_path.resolve() / 'models' / 'task.py'}:MyTask"
+    assert resolve_task_class(raw, "/elsewhere") == (
+        f"{os.path.abspath('/elsewhere/models/task.py')}:MyTask"
+    )
+    via_dir = config_from_dict({"task": {"class": "models/task.py:MyTask"}}, config_dir=sub)
+    assert via_dir.task.task_class == expected and via_dir.config_dir == sub.resolve()
+    # the saved config works from anywhere
+    out = tmp_path / "model_dir" / "config.yaml"
+    save_config(cfg, out)
+    monkeypatch.chdir("/")
+    again = load_config(out)
+    assert again.task.task_class == expected
+    assert resolve_task_class(again) == expected
+    assert path.exists()
+
+
+def test_module_class_unchanged(cfg_path: Path) -> None:
+    cfg = load_config(cfg_path)
+    assert resolve_task_class(cfg, "/x") == "examples.digits.task:DigitsTask"
+
+
+def test_to_yaml_round_trip(cfg_path: Path, tmp_path: Path) -> None:
+    cfg = load_config(
+        cfg_path,
+        ["task.params.layers=[1, 2]", "trainer.precision=32", "trainer.grad_clip_norm=0.5"],
+    )
+    text = cfg.to_yaml()
+    assert "class: examples.digits.task:DigitsTask" in text and "task_class" not in text
+    assert "precision: '32'" in text
+    out = tmp_path / "out" / "config.yaml"
+    save_config(cfg, out)
+    assert out.read_text() == text
+    again = load_config(out)
+    assert again == cfg
+    assert again.model_dump() == cfg.model_dump()
+    assert not list(out.parent.glob("*.tmp"))
+
+
+def test_to_yaml_keeps_special_values(tmp_path: Path) -> None:
+    params = {"inf": float("-inf"), "sci": "1e5", "tup": (1, 2), "when": "2020-01-02", "n": None}
+    cfg = config_from_dict({"task": {"class": "m:T", "params": params}})
+    save_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml").task.params == {**params, "tup": [1, 2]}
+    with pytest.raises(ConfigError, match=r"^task.params.obj: object values cannot be written"):
+        config_from_dict({"task": {"class": "m:T", "params": {"obj": object()}}}).to_yaml()
+
+
+def test_save_config_fsspec(cfg_path: Path, tmp_path: Path) -> None:
+    cfg = load_config(cfg_path)
+    url = f"memory://cadence-config-test/{tmp_path.name}/config.yaml"
+    save_config(cfg, url)
+    assert load_config(url) == cfg
+
+
+_ints = st.one_of(st.none(), st.integers(1, 10**6))
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    train_steps=_ints,
+    steps_per_loop=st.integers(1, 100),
+    loops=st.one_of(st.none(), st.integers(1, 10)),
+    clip=st.one_of(st.none(), st.floats(1e-6, 1e6)),
+    precision=st.sampled_from(["32", "bf16", "fp16"]),
+    params=st.dictionaries(
+        st.text(min_size=1, max_size=5),
+        st.one_of(
+            st.integers(),
+            st.text(),
+            st.booleans(),
+            st.floats(allow_nan=False),
+            st.sampled_from(["1e5", "-2.5E-3", "null", "yes", "0x1f", "12:30", "a: b"]),
+        ),
+    ),
+)
+def test_round_trip_property(
+    train_steps: int | None,
+    steps_per_loop: int,
+    loops: int | None,
+    clip: float | None,
+    precision: str,
+    params: dict,
+) -> None:
+    cfg = config_from_dict(
+        {
+            "task": {"class": "pkg.mod:Task", "params": params},
+            "trainer": {
+                "train_steps": train_steps,
+                "steps_per_loop": steps_per_loop,
+                "summary_interval": None if loops is None else loops * steps_per_loop,
+                "grad_clip_norm": clip,
+                "precision": precision,
+            },
+        }
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.yaml"
+        save_config(cfg, path)
+        assert load_config(path) == cfg
+
+
+def test_descriptions_for_every_field() -> None:
+    from cadence.config import TaskConfig
+
+    for model in (ExperimentConfig, TaskConfig, TrainerConfig):
+        for name, info in model.model_fields.items():
+            assert info.description, f"{model.__name__}.{name} has no description"
+    schema = ExperimentConfig.model_json_schema(by_alias=True)
+    assert "class" in schema["$defs"]["TaskConfig"]["properties"]

@@ -1,0 +1,435 @@
+"""Controller rules, with a fake trainer/evaluator (no torch), the real checkpoint manager and
+the real summary writer."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from cadence import Controller, StopTraining
+from cadence.checkpoint import CheckpointManager
+from cadence.summary import read_metrics
+
+
+class FakeTrainer:
+    """Counts steps; ``data`` limits the number of steps available (None: endless)."""
+
+    def __init__(self, data: int | None = None) -> None:
+        self.step = 0
+        self.data = data
+        self.requests: list[int] = []
+        self.initialized = 0
+        self.value = 0.0  # "model state": sum of steps seen
+
+    @property
+    def global_step(self) -> int:
+        return self.step
+
+    def train(self, num_steps: int):
+        self.requests.append(num_steps)
+        n = num_steps if self.data is None else max(0, min(num_steps, self.data - self.step))
+        for _ in range(n):
+            self.step += 1
+            self.value += self.step
+        return {"loss": 1.0 / self.step if self.step else 0.0}
+
+    def initialize(self) -> None:
+        self.initialized += 1
+
+    def save_checkpoint(self, writer):
+        writer.write("model.bin", json.dumps(self.value).encode())
+        return {"global_step": self.step}
+
+    def load_checkpoint(self, reader, state):
+        self.value = json.loads(reader.read("model.bin"))
+        self.step = state["global_step"]
+
+
+class FakeEvaluator:
+    def __init__(self, trainer: FakeTrainer | None = None, metric=None) -> None:
+        self.trainer = trainer
+        self.calls: list[tuple[int, int]] = []
+        self.metric = metric or (lambda step: float(step))
+        self.loaded: list[float] = []
+
+    def evaluate(self, num_steps: int):
+        step = self.trainer.step if self.trainer else -1
+        self.calls.append((step, num_steps))
+        return {"accuracy": self.metric(step)}
+
+    def load_checkpoint(self, reader, state):
+        self.loaded.append(json.loads(reader.read("model.bin")))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.outputs: list[dict] = []
+
+    def __call__(self, output):
+        self.outputs.append(dict(output))
+
+
+def manager(tmp_path: Path, **kw) -> CheckpointManager:
+    return CheckpointManager(str(tmp_path / "checkpoints"), **kw)
+
+
+# ------------------------------------------------------------------ construction
+
+
+def test_needs_trainer_or_evaluator():
+    with pytest.raises(ValueError, match="trainer, an evaluator"):
+        Controller()
+
+
+def test_steps_per_loop_required_and_validated():
+    with pytest.raises(ValueError, match="steps_per_loop is required"):
+        Controller(trainer=FakeTrainer())
+    with pytest.raises(ValueError, match="steps_per_loop"):
+        Controller(trainer=FakeTrainer(), steps_per_loop=0)
+    with pytest.raises(ValueError, match="checkpoint_interval"):
+        Controller(trainer=FakeTrainer(), steps_per_loop=2, checkpoint_interval=-3)
+
+
+def test_summary_interval_must_be_multiple_of_steps_per_loop():
+    with pytest.raises(ValueError, match=r"summary_interval \(15\).*steps_per_loop \(10\)"):
+        Controller(trainer=FakeTrainer(), steps_per_loop=10, summary_interval=15)
+    Controller(trainer=FakeTrainer(), steps_per_loop=10, summary_interval=30)
+
+
+def test_restores_latest_checkpoint_on_construction(tmp_path):
+    t1 = FakeTrainer()
+    c1 = Controller(trainer=t1, checkpoint_manager=manager(tmp_path), steps_per_loop=4, progress=False)
+    assert c1.restored_step is None and t1.initialized == 1
+    c1.train(12)
+
+    t2 = FakeTrainer()
+    c2 = Controller(trainer=t2, checkpoint_manager=manager(tmp_path), steps_per_loop=4, progress=False)
+    assert c2.restored_step == 12
+    assert t2.global_step == 12 and t2.value == t1.value
+    assert t2.initialized == 0  # initialize only on a fresh start
+
+
+def test_restore_step_restores_that_checkpoint(tmp_path):
+    c = Controller(trainer=FakeTrainer(), checkpoint_manager=manager(tmp_path, max_to_keep=None),
+                   steps_per_loop=2, checkpoint_interval=2, progress=False)
+    c.train(6)
+    ev = FakeEvaluator()
+    c2 = Controller(evaluator=ev, checkpoint_manager=manager(tmp_path, writer=False), restore_step=4,
+                    progress=False)
+    assert c2.global_step == 4
+    assert ev.loaded == [sum(range(1, 5))]
+
+
+# ------------------------------------------------------------------ train
+
+
+def test_train_runs_inner_loops_to_absolute_target():
+    t = FakeTrainer()
+    c = Controller(trainer=t, steps_per_loop=3, progress=False)
+    c.train(10)
+    assert t.requests == [3, 3, 3, 1]
+    c.train(10)  # already reached: no-op
+    assert t.requests == [3, 3, 3, 1]
+    c.train(12)
+    assert t.requests[-1] == 2 and t.global_step == 12
+
+
+def test_train_none_runs_until_data_exhausted(tmp_path):
+    t = FakeTrainer(data=7)
+    m = manager(tmp_path)
+    c = Controller(trainer=t, checkpoint_manager=m, steps_per_loop=3, progress=False)
+    c.train(None)
+    assert t.global_step == 7
+    assert m.steps() == [7] and m.final_step() == 7
+
+
+def test_train_none_stops_when_exhaustion_lands_on_loop_boundary():
+    t = FakeTrainer(data=6)
+    actions = Recorder()
+    c = Controller(trainer=t, steps_per_loop=3, train_actions=[actions], progress=False)
+    c.train(None)
+    assert t.global_step == 6
+    assert t.requests == [3, 3, 3]
+    assert len(actions.outputs) == 2  # the empty loop runs no actions
+
+
+def test_callable_steps_per_loop():
+    t = FakeTrainer()
+    c = Controller(trainer=t, steps_per_loop=lambda step: 1 if step < 3 else 5, progress=False)
+    c.train(14)
+    assert t.requests == [1, 1, 1, 5, 5, 1]
+
+
+def test_callable_steps_per_loop_bad_value():
+    c = Controller(trainer=FakeTrainer(), steps_per_loop=lambda step: 0, progress=False)
+    with pytest.raises(ValueError, match=r"steps_per_loop\(0\) returned 0"):
+        c.train(5)
+
+
+def test_trainer_that_does_not_advance_as_requested_raises_with_both_numbers():
+    t = FakeTrainer(data=5)
+    c = Controller(trainer=t, steps_per_loop=4, progress=False)
+    with pytest.raises(RuntimeError, match=r"advanced the global step by 1 .*but 4 steps were requested"):
+        c.train(8)
+
+    class Overshoot(FakeTrainer):
+        def train(self, num_steps):
+            return super().train(num_steps + 1)
+
+    c = Controller(trainer=Overshoot(), steps_per_loop=4, progress=False)
+    with pytest.raises(RuntimeError, match=r"by 5 .*but 4 steps"):
+        c.train(8)
+
+
+def test_train_actions_get_loop_output_with_steps_per_second():
+    rec = Recorder()
+    c = Controller(trainer=FakeTrainer(), steps_per_loop=5, train_actions=[rec], progress=False)
+    c.train(10)
+    assert len(rec.outputs) == 2
+    assert all({"loss", "steps_per_second"} <= set(o) for o in rec.outputs)
+    assert rec.outputs[1]["loss"] == pytest.approx(0.1)
+    assert rec.outputs[0]["steps_per_second"] > 0
+
+
+def test_summaries_written_when_due(tmp_path):
+    c = Controller(trainer=FakeTrainer(), steps_per_loop=2, summary_interval=4,
+                   summary_dir=str(tmp_path / "train"), progress=False)
+    c.train(12)
+    c.close()
+    assert [r["step"] for r in read_metrics(str(tmp_path / "train"))] == [4, 8, 12]
+    assert list((tmp_path / "train").glob("events.out.tfevents.*"))
+
+    c = Controller(trainer=FakeTrainer(), steps_per_loop=3, summary_dir=str(tmp_path / "every"),
+                   progress=False)
+    c.train(9)
+    c.close()
+    rows = read_metrics(str(tmp_path / "every"))
+    assert [r["step"] for r in rows] == [3, 6, 9]
+    assert {"loss", "steps_per_second", "time"} <= set(rows[0])
+
+
+def test_checkpoint_when_interval_crossed_and_always_at_completion(tmp_path):
+    m = manager(tmp_path, max_to_keep=None)
+    c = Controller(trainer=FakeTrainer(), checkpoint_manager=m, steps_per_loop=3,
+                   checkpoint_interval=5, progress=False)
+    c.train(14)
+    # loops end at 3, 6, 9, 12, 14: multiples of 5 crossed in (3,6] and (9,12]; 14 at completion
+    assert m.steps() == [6, 12, 14]
+    assert m.final_step() == 14
+
+
+def test_no_interval_saves_only_at_completion(tmp_path):
+    m = manager(tmp_path, max_to_keep=None)
+    c = Controller(trainer=FakeTrainer(), checkpoint_manager=m, steps_per_loop=3, progress=False)
+    c.train(10)
+    assert m.steps() == [10]
+
+
+def test_checkpoint_at_completion_false(tmp_path):
+    m = manager(tmp_path)
+    c = Controller(trainer=FakeTrainer(), checkpoint_manager=m, steps_per_loop=3, progress=False)
+    c.train(9, checkpoint_at_completion=False)
+    assert m.steps() == [] and m.final_step() is None
+
+
+def test_training_further_removes_final(tmp_path):
+    m = manager(tmp_path)
+    c = Controller(trainer=FakeTrainer(), checkpoint_manager=m, steps_per_loop=3, progress=False)
+    c.train(6)
+    assert m.final_step() == 6
+
+    seen = []
+
+    class Spy:
+        def __call__(self, output):
+            seen.append(m.final_step())
+
+    c.train_actions.append(Spy())
+    c.train(9)
+    assert seen == [None]
+    assert m.final_step() == 9
+
+
+def test_stop_training_from_train_action_saves_and_returns(tmp_path):
+    m = manager(tmp_path)
+
+    def stop_at_6(output):
+        if output["loss"] <= 1 / 6:
+            raise StopTraining("loss low enough")
+
+    t = FakeTrainer()
+    c = Controller(trainer=t, checkpoint_manager=m, steps_per_loop=3, train_actions=[stop_at_6],
+                   progress=False)
+    c.train(30)
+    assert t.global_step == 6
+    assert c.stop_reason == "loss low enough"
+    assert m.steps() == [6] and m.final_step() == 6
+
+
+def test_other_action_errors_propagate_without_saving(tmp_path):
+    m = manager(tmp_path)
+
+    def boom(output):
+        raise KeyError("nope")
+
+    c = Controller(trainer=FakeTrainer(), checkpoint_manager=m, steps_per_loop=3,
+                   train_actions=[boom], progress=False)
+    with pytest.raises(KeyError):
+        c.train(9)
+    assert m.steps() == []
+
+
+def test_stateful_actions_are_checkpointed(tmp_path):
+    class Counter:
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, output):
+            self.calls += 1
+
+        def state_dict(self):
+            return {"calls": self.calls}
+
+        def load_state_dict(self, state):
+            self.calls = state["calls"]
+
+    a = Counter()
+    Controller(trainer=FakeTrainer(), checkpoint_manager=manager(tmp_path), steps_per_loop=2,
+               train_actions=[a], progress=False).train(8)
+    b = Counter()
+    Controller(trainer=FakeTrainer(), checkpoint_manager=manager(tmp_path), steps_per_loop=2,
+               train_actions=[b], progress=False)
+    assert b.calls == a.calls == 4
+
+
+# ------------------------------------------------------------------ evaluate
+
+
+def test_evaluate_returns_metrics_runs_actions_and_writes_summary(tmp_path):
+    t = FakeTrainer()
+    ev = FakeEvaluator(t)
+    rec = Recorder()
+    c = Controller(trainer=t, evaluator=ev, steps_per_loop=5, summary_dir=str(tmp_path / "train"),
+                   eval_summary_dir=str(tmp_path / "eval"), eval_actions=[rec], progress=False)
+    c.train(10)
+    out = c.evaluate()
+    c.close()
+    assert out == {"accuracy": 10.0}
+    assert ev.calls == [(10, -1)]
+    assert rec.outputs == [{"accuracy": 10.0}]
+    rows = read_metrics(str(tmp_path / "eval"))
+    assert [(r["step"], r["accuracy"]) for r in rows] == [(10, 10.0)]
+
+
+def test_evaluate_steps_validation():
+    c = Controller(evaluator=FakeEvaluator(), progress=False)
+    with pytest.raises(ValueError, match="steps must be -1"):
+        c.evaluate(0)
+    c.evaluate(3)
+    assert c.evaluator.calls == [(-1, 3)]
+    with pytest.raises(ValueError, match="needs a trainer"):
+        c.train(3)
+
+
+def test_eval_summary_dir_defaults_to_summary_dir(tmp_path):
+    t = FakeTrainer()
+    c = Controller(trainer=t, evaluator=FakeEvaluator(t), steps_per_loop=2,
+                   summary_dir=str(tmp_path / "s"), progress=False)
+    c.train(2)
+    c.evaluate()
+    c.close()
+    assert [("accuracy" in r) for r in read_metrics(str(tmp_path / "s"))] == [False, True]
+
+
+# ------------------------------------------------------------------ train_and_evaluate
+
+
+def test_train_and_evaluate_without_interval_evaluates_once_at_end(tmp_path):
+    t = FakeTrainer()
+    ev = FakeEvaluator(t)
+    m = manager(tmp_path)
+    c = Controller(trainer=t, evaluator=ev, checkpoint_manager=m, steps_per_loop=4, progress=False)
+    out = c.train_and_evaluate(train_steps=10, eval_steps=7)
+    assert ev.calls == [(10, 7)]
+    assert out == {"accuracy": 10.0}
+    assert m.steps() == [10] and m.final_step() == 10
+
+
+def test_train_and_evaluate_segments_at_absolute_multiples(tmp_path):
+    t = FakeTrainer()
+    ev = FakeEvaluator(t)
+    c = Controller(trainer=t, evaluator=ev, checkpoint_manager=manager(tmp_path), steps_per_loop=4,
+                   progress=False)
+    out = c.train_and_evaluate(train_steps=25, eval_interval=10)
+    assert [s for s, _ in ev.calls] == [10, 20, 25]
+    assert out == {"accuracy": 25.0}
+    assert t.requests == [4, 4, 2, 4, 4, 2, 4, 1]
+
+    # a resumed run at a non-aligned step evaluates at the same absolute steps
+    t2 = FakeTrainer()
+    t2.step = 13
+    ev2 = FakeEvaluator(t2)
+    Controller(trainer=t2, evaluator=ev2, steps_per_loop=4, progress=False).train_and_evaluate(
+        train_steps=25, eval_interval=10)
+    assert [s for s, _ in ev2.calls] == [20, 25]
+
+
+def test_train_and_evaluate_final_checkpoint_exists_when_last_eval_runs(tmp_path):
+    m = manager(tmp_path)
+    seen = []
+    c = Controller(trainer=(t := FakeTrainer()), evaluator=FakeEvaluator(t), checkpoint_manager=m,
+                   steps_per_loop=5, eval_actions=[lambda out: seen.append((m.steps(), m.final_step()))],
+                   progress=False)
+    c.train_and_evaluate(train_steps=10, eval_interval=5)
+    assert seen == [([], None), ([10], None)]
+    assert m.final_step() == 10
+
+
+def test_train_and_evaluate_until_exhausted():
+    t = FakeTrainer(data=13)
+    ev = FakeEvaluator(t)
+    c = Controller(trainer=t, evaluator=ev, steps_per_loop=4, progress=False)
+    out = c.train_and_evaluate(train_steps=None, eval_interval=5)
+    assert [s for s, _ in ev.calls] == [5, 10, 13]
+    assert out == {"accuracy": 13.0}
+
+
+def test_train_and_evaluate_stop_from_eval_action(tmp_path):
+    t = FakeTrainer()
+    metric = {5: 0.5, 10: 0.9, 15: 0.4}
+
+    def stop_when_worse(out):
+        if out["accuracy"] < 0.5:
+            raise StopTraining("accuracy fell")
+
+    m = manager(tmp_path)
+    c = Controller(trainer=t, evaluator=FakeEvaluator(t, metric=lambda s: metric.get(s, 0.0)),
+                   checkpoint_manager=m, steps_per_loop=5, eval_actions=[stop_when_worse], progress=False)
+    out = c.train_and_evaluate(train_steps=100, eval_interval=5)
+    assert out == {"accuracy": 0.4}
+    assert t.global_step == 15
+    assert m.steps()[-1] == 15 and m.final_step() == 15
+
+
+def test_train_and_evaluate_on_completed_run_evaluates_once(tmp_path):
+    m = manager(tmp_path)
+    t = FakeTrainer()
+    Controller(trainer=t, evaluator=FakeEvaluator(t), checkpoint_manager=m, steps_per_loop=5,
+               progress=False).train_and_evaluate(train_steps=10)
+    t2 = FakeTrainer()
+    ev2 = FakeEvaluator(t2)
+    out = Controller(trainer=t2, evaluator=ev2, checkpoint_manager=manager(tmp_path), steps_per_loop=5,
+                     progress=False).train_and_evaluate(train_steps=10)
+    assert t2.requests == [] and ev2.calls == [(10, -1)]
+    assert out == {"accuracy": 10.0}
+
+
+def test_core_imports_no_torch():
+    import subprocess
+
+    code = "import sys, cadence, cadence.controller, cadence.checkpoint; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,159 @@
+"""RNG states as JSON, weights through safetensors (tied weights), refusal of unsafe pickles."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from cadence.errors import CheckpointError, UnsafeCheckpointError
+from cadence.torch import (
+    get_rng_state,
+    load_model_safetensors,
+    load_torch_state,
+    model_to_safetensors,
+    seed_everything,
+    set_rng_state,
+    state_dict_from_safetensors,
+    torch_state_to_bytes,
+)
+from cadence.torch.state import RNGSnapshot
+
+
+def draws():
+    return (
+        [random.random() for _ in range(3)] + [random.gauss(0, 1)],
+        np.random.rand(3).tolist() + [np.random.randn()],
+        torch.rand(3).tolist() + torch.randn(1).tolist(),
+    )
+
+
+def test_rng_json_round_trip_restores_next_numbers():
+    seed_everything(123)
+    random.gauss(0, 1)  # leave a cached gaussian in both Python and NumPy
+    np.random.randn()
+    state = json.loads(json.dumps(get_rng_state()))
+    expected = draws()
+    seed_everything(999)
+    draws()
+    set_rng_state(state)
+    assert draws() == expected
+
+
+def test_rng_snapshot_restores():
+    seed_everything(1)
+    snap = RNGSnapshot()
+    expected = draws()
+    draws()
+    snap.restore()
+    assert draws() == expected
+
+
+def test_seed_everything_is_deterministic():
+    seed_everything(5)
+    a = draws()
+    seed_everything(5)
+    assert draws() == a
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 11, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("scale", torch.tensor(2.0))
+
+
+def test_tied_weights_round_trip():
+    torch.manual_seed(0)
+    src = Tied()
+    data = model_to_safetensors(src)
+    tensors = state_dict_from_safetensors(data)
+    assert set(tensors) == set(src.state_dict())
+    torch.manual_seed(1)
+    dst = Tied()
+    assert not torch.equal(dst.embed.weight, src.embed.weight)
+    load_model_safetensors(dst, data)
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k
+    assert dst.head.weight is dst.embed.weight  # still tied after loading
+    import safetensors.torch
+
+    assert sorted(safetensors.torch.load(data)) == ["body.bias", "body.weight", "embed.weight", "scale"]  # once
+
+
+def test_views_sharing_storage_are_saved():
+    base = torch.arange(10.0)
+    data = torch.nn.Module()
+    data.register_buffer("a", base[:5])
+    data.register_buffer("b", base[5:])
+    out = state_dict_from_safetensors(model_to_safetensors(data))
+    assert out["a"].tolist() == [0, 1, 2, 3, 4] and out["b"].tolist() == [5, 6, 7, 8, 9]
+
+
+def test_strict_loading_names_missing_and_unexpected_keys():
+    data = model_to_safetensors(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1)))
+    with pytest.raises(CheckpointError) as e:
+        load_model_safetensors(nn.Sequential(nn.Linear(2, 2)), data, source="ckpt-3/model.safetensors")
+    msg = str(e.value)
+    assert "ckpt-3/model.safetensors" in msg and "unexpected keys: 2.bias, 2.weight" in msg
+    with pytest.raises(CheckpointError, match=r"missing keys: 1\.bias, 1\.weight"):
+        load_model_safetensors(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), model_to_safetensors(nn.Sequential(nn.Linear(2, 2))))
+    with pytest.raises(CheckpointError, match="size mismatch"):
+        load_model_safetensors(nn.Linear(3, 2), model_to_safetensors(nn.Linear(2, 2)))
+
+
+def test_optimizer_state_round_trip():
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    blob = torch_state_to_bytes({"optimizer": opt.state_dict(), "lr_scheduler": sched.state_dict(), "grad_scaler": None})
+    back = load_torch_state(blob)
+    assert back["lr_scheduler"] == sched.state_dict()
+    assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+class Evil:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("container", ["zip", "raw-pickle"])
+def test_malicious_optimizer_file_is_refused_and_never_runs(tmp_path, container):
+    marker = tmp_path / "MARKER"
+    payload = {"optimizer": Evil(str(marker))}
+    if container == "zip":
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        data = buf.getvalue()
+    else:
+        data = pickle.dumps(payload, protocol=2)
+    with pytest.raises(UnsafeCheckpointError) as e:
+        load_torch_state(data, name="optimizer.pt", source="/runs/x/checkpoints/ckpt-7")
+    msg = str(e.value)
+    assert "/runs/x/checkpoints/ckpt-7/optimizer.pt" in msg and "arbitrary unpickling" in msg
+    assert not marker.exists()
+
+
+def test_unloadable_state_is_refused_at_save_time():
+    with pytest.raises(CheckpointError, match="weights_only"):
+        torch_state_to_bytes({"lr_scheduler": {"fn": Evil("/nonexistent/never")}})
+
+
+def test_garbage_optimizer_file_is_a_checkpoint_error():
+    with pytest.raises(CheckpointError):
+        load_torch_state(b"PK\x03\x04 not really a zip")
