@@ -79,3 +79,64 @@ def test_killed_after_checkpoint_then_resumed_is_bit_identical(tmp_path, uninter
 
     cadence("train", str(config), "--model-dir", str(run))
     assert final_weights(run) == uninterrupted
+
+
+class _RunsCode:
+    """Unpickling this would run ``touch <marker>``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_crafted_optimizer_pt_is_refused_and_nothing_runs(tmp_path):
+    import hashlib
+    import json
+    import pickle
+
+    config = write_config(tmp_path, train_steps=10, checkpoint_interval=None, validation_interval=None)
+    run = tmp_path / "run"
+    cadence("train", str(config), "--model-dir", str(run))
+    ckpt = run / "checkpoints" / "ckpt-10"
+    marker = tmp_path / "PWNED"
+    # An attacker who can write the model dir can also rewrite the manifest to match.
+    (ckpt / "optimizer.pt").write_bytes(pickle.dumps(_RunsCode(marker)))
+    manifest = json.loads((ckpt / "MANIFEST.json").read_text())
+    data = (ckpt / "optimizer.pt").read_bytes()
+    manifest["files"]["optimizer.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "MANIFEST.json").write_text(json.dumps(manifest))
+    weights = (ckpt / "model.safetensors").read_bytes()
+
+    proc = cadence("train", str(config), "--model-dir", str(run), "--set", "trainer.train_steps=20",
+                   check=False)
+    assert proc.returncode == 1
+    assert "optimizer.pt" in proc.stderr and "unpickl" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not marker.exists(), "the crafted pickle ran code"
+    # nothing already saved was lost or overwritten
+    assert (ckpt / "model.safetensors").read_bytes() == weights
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("ckpt-")) == ["ckpt-10"]
+
+
+def test_model_dir_on_an_fsspec_store_trains_and_resumes(tmp_path):
+    import json
+
+    import fsspec
+
+    from cadence.config import load_config
+    from cadence.torch import run_training
+
+    url = f"memory://cadence-test-{os.getpid()}/run"
+    config = write_config(tmp_path, train_steps=20, checkpoint_interval=10, validation_interval=10)
+    first = run_training(load_config(config, overrides=["trainer.train_steps=10"], model_dir=url), progress=False)
+    second = run_training(load_config(config, model_dir=url), progress=False)
+    fs = fsspec.filesystem("memory")
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{url}/checkpoints", detail=False)}
+    assert {"ckpt-10", "ckpt-20", "FINAL"} <= names
+    assert fs.exists(f"{url}/config.yaml") and fs.exists(f"{url}/eval/metrics.jsonl")
+    assert "accuracy" in first and "accuracy" in second
+    train_rows = [json.loads(line) for line in fs.cat(f"{url}/train/metrics.jsonl").decode().splitlines()]
+    assert [r["step"] for r in train_rows] == [5, 10, 15, 20]  # the second run resumed at 10
+    fs.rm(f"memory://cadence-test-{os.getpid()}", recursive=True)

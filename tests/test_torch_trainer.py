@@ -452,9 +452,9 @@ def test_build_runners_shares_the_model():
 def test_task_defaults():
     task = Regression(alpha=1)
     assert task.params == {"alpha": 1}
-    assert task.batch_size({"x": [torch.zeros(7, 2)], "y": torch.zeros(3)}) == 7
-    with pytest.raises(ValueError, match="override Task.batch_size"):
-        task.batch_size(["a", "b"])
+    assert task.batch_size_of({"x": [torch.zeros(7, 2)], "y": torch.zeros(3)}) == 7
+    with pytest.raises(ValueError, match=r"override Task.batch_size_of\(batch\)"):
+        task.batch_size_of(["a", "b"])
     assert Mean(n=1, batch_size=1).build_lr_scheduler(None) is None
     assert Mean(n=1, batch_size=1).reduce_aggregated_logs(None, 0) == {}
 

@@ -238,7 +238,7 @@ class Controller:
             logs["steps_per_second"] = advanced / elapsed if elapsed > 0 else float("inf")
             if self.summary_interval is None or _crossed(before, after, self.summary_interval):
                 self._write_summary("train", self._summary_dir, after, logs)
-            progress.update(after, logs)
+            progress.update(after, {k: v for k, v in logs.items() if k != "steps_per_second"})
             self._run_actions(self.train_actions, logs)
             if self.checkpoint_manager is not None and _crossed(before, after, self.checkpoint_interval):
                 self.save_checkpoint()

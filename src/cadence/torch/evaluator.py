@@ -63,7 +63,7 @@ class TorchEvaluator:
         """Evaluate ``num_steps`` batches (``-1``: all of the validation data); return metrics.
 
         Scalar outputs of ``validation_step`` (numbers, 1-element tensors) are averaged weighted
-        by ``task.batch_size``; a key that is ever non-scalar is not averaged. If
+        by ``task.batch_size_of(batch)``; a key that is ever non-scalar is not averaged. If
         the task overrides ``aggregate_logs``, every step's outputs go to it and
         ``reduce_aggregated_logs(state, global_step)`` is merged into the result. The model's
         train/eval modes and the global RNG states are restored afterwards, so evaluating
@@ -73,11 +73,6 @@ class TorchEvaluator:
             raise ValueError(f"num_steps must be -1 (all) or >= 0, got {num_steps}")
         task, device, autocast = self.task, self.ctx.device, self.precision.autocast
         aggregate = _overrides(task, "aggregate_logs")
-        # Looked up on the class: a task attribute or param named ``batch_size`` (an int) must
-        # not shadow the method.
-        size_fn = getattr(type(task), "batch_size", None)
-        if not callable(size_fn):
-            size_fn = Task.batch_size
         sums: dict[str, Any] = {}
         weights: dict[str, int] = {}
         non_scalar: set[str] = set()
@@ -98,7 +93,7 @@ class TorchEvaluator:
                             f"{type(task).__name__}.validation_step must return a dict of metrics, "
                             f"got {type(out).__name__}"
                         )
-                    bs = size_fn(task, batch)
+                    bs = task.batch_size_of(batch)
                     for key, v in out.items():
                         if key in non_scalar:
                             continue

@@ -69,7 +69,7 @@ class Task(abc.ABC):
         """Metrics of one batch, under ``torch.no_grad()`` with the model in eval mode.
 
         Scalars (numbers, 1-element tensors) are averaged over the evaluation weighted by
-        :meth:`batch_size`. Everything (scalar or not) is also handed to :meth:`aggregate_logs`.
+        :meth:`batch_size_of`. Everything (scalar or not) is also handed to :meth:`aggregate_logs`.
         """
 
     # -- metrics that are not batch means -------------------------------------------------------
@@ -88,19 +88,18 @@ class Task(abc.ABC):
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def batch_size(self, batch: Any) -> int:
+    def batch_size_of(self, batch: Any) -> int:
         """The number of examples in ``batch``, the weight of its metrics.
 
         Default: dim 0 of the first tensor found depth-first in a tensor / tuple / list / dict
         (1 for a 0-d tensor). Raises ``ValueError`` when the batch has no tensor: override then.
-        The framework looks this method up on the class, so an instance attribute
-        ``self.batch_size = 32`` (a common param name) does not hide it.
+        (Not named ``batch_size``, so that the common ``self.batch_size = 32`` cannot hide it.)
         """
         t = first_tensor(batch)
         if t is None:
             raise ValueError(
-                f"{type(self).__name__}.batch_size: no tensor found in a batch of type "
-                f"{type(batch).__name__}; override Task.batch_size(batch)"
+                f"{type(self).__name__}.batch_size_of: no tensor found in a batch of type "
+                f"{type(batch).__name__}; override Task.batch_size_of(batch)"
             )
         return int(t.shape[0]) if t.dim() > 0 else 1
 
