@@ -85,7 +85,8 @@ def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_ls(args: argparse.Namespace, console: Console) -> int:
     from cadence import layout
-    from cadence.checkpoint import CheckpointManager, Storage
+    from cadence.checkpoint import CheckpointManager
+    from cadence.storage import Storage
     from cadence.summary import read_metrics
 
     model_dir = args.model_dir

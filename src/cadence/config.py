@@ -23,8 +23,8 @@ from __future__ import annotations
 import datetime
 import difflib
 import os
+import posixpath
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 from collections.abc import Mapping, Sequence
@@ -620,29 +620,21 @@ def _apply_override(data: dict[str, Any], path: Sequence[str], value: Any, text:
 
 
 def _read_text(path: str) -> str:
-    if "://" in path and not path.startswith("file://"):
-        import fsspec
+    from cadence.storage import Storage
 
-        try:
-            with fsspec.open(path, "r", encoding="utf-8") as f:
-                return f.read()
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config file not found") from None
-        except Exception as exc:  # network, permissions, unknown protocol...
-            raise ConfigError(f"{path}: cannot read the config file: {exc}") from None
-    local = path.removeprefix("file://")
     try:
-        return Path(local).read_text(encoding="utf-8")
+        storage = Storage(path)
+        data = storage.read_bytes(storage.root)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except IsADirectoryError:
         raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except Exception as exc:  # permissions, network, unknown protocol...
+        raise ConfigError(f"{path}: cannot read the config file: {exc}") from None
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})"
-        ) from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from None
+        raise ConfigError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
 
 
 def _describe_type(value: Any) -> str:
@@ -728,24 +720,9 @@ def load_config(
 
 
 def save_config(cfg: ExperimentConfig, path_or_url: str | Path) -> None:
-    """Write ``cfg.to_yaml()`` to a local path (atomically, creating parents) or an fsspec URL."""
-    text = cfg.to_yaml()
-    target = os.fspath(path_or_url)
-    if "://" in target and not target.startswith("file://"):
-        import fsspec
+    """Write ``cfg.to_yaml()`` to a local path or an fsspec URL, creating parents; atomic on local disks."""
+    from cadence.storage import Storage
 
-        with fsspec.open(target, "w", encoding="utf-8", auto_mkdir=True) as f:
-            f.write(text)
-        return
-    dest = Path(target.removeprefix("file://"))
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    storage = Storage(os.fspath(path_or_url))
+    storage.makedirs(posixpath.dirname(storage.root))
+    storage.write_atomic(storage.root, cfg.to_yaml().encode("utf-8"))

@@ -11,7 +11,7 @@ Every :meth:`SummaryWriter.write` records the scalar metrics of one step twice:
 NaN and infinities are kept (JSON gets Python's ``NaN`` / ``Infinity`` / ``-Infinity``, which
 :func:`read_metrics` reads back). A restarted run appends to the same ``metrics.jsonl``.
 
-Nothing here imports tensorboard, fsspec or numpy until it is needed.
+Nothing here imports tensorboard or numpy until it is needed.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import time
 import warnings
 from typing import IO, Any
 from collections.abc import Mapping
+
+from cadence.storage import Storage
 
 __all__ = ["METRICS_FILE", "SummaryWriter", "flatten_scalars", "read_metrics", "to_scalar"]
 
@@ -157,7 +159,7 @@ class SummaryWriter:
         self._closed = False
         self._events: Any = None  # tensorboard EventFileWriter, created on first write
         self._jsonl: IO[bytes] | None = None  # local metrics.jsonl, opened on first write
-        self._remote_fs: Any = None  # fsspec filesystem for a remote logdir
+        self._remote: Storage | None = None  # a remote (fsspec) logdir
         self._remote_data: bytearray | None = None  # the remote file's full content
 
     @property
@@ -248,18 +250,13 @@ class SummaryWriter:
 
     def _append_remote(self, line: bytes) -> None:
         """Object stores cannot append: keep the whole file and rewrite it on each write."""
-        path = self.metrics_path
         if self._remote_data is None:
-            import fsspec
-
-            fs, root = fsspec.core.url_to_fs(self._logdir)
-            self._remote_fs = fs
-            fs.makedirs(root, exist_ok=True)
-            existing = fs.cat_file(path) if fs.exists(path) else b""
+            self._remote = Storage(self._logdir)
+            self._remote.makedirs(self._remote.root)
+            existing = _read_bytes(self.metrics_path) or b""
             self._remote_data = bytearray(_repair_tail(existing))
         self._remote_data += line
-        with self._remote_fs.open(path, "wb") as f:
-            f.write(bytes(self._remote_data))
+        self._remote.write_bytes(self._remote.join(METRICS_FILE), bytes(self._remote_data))
 
     # -- TensorBoard ---------------------------------------------------------------------------
 
@@ -291,27 +288,11 @@ class SummaryWriter:
 
 
 def _read_bytes(path: str) -> bytes | None:
-    protocol, local = _split_url(path)
-    if protocol is None:
-        try:
-            with open(local, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-    import fsspec
-
-    fs, _ = fsspec.core.url_to_fs(path)
-    return fs.cat_file(path) if fs.exists(path) else None
-
-
-def _is_dir(path: str) -> bool:
-    protocol, local = _split_url(path)
-    if protocol is None:
-        return os.path.isdir(local)
-    import fsspec
-
-    fs, stripped = fsspec.core.url_to_fs(path)
-    return bool(fs.isdir(stripped))
+    storage = Storage(path)
+    try:
+        return storage.read_bytes(storage.root)
+    except FileNotFoundError:
+        return None
 
 
 def read_metrics(logdir_or_file: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -321,7 +302,7 @@ def read_metrics(logdir_or_file: str | os.PathLike[str]) -> list[dict[str, Any]]
     mid-write) is skipped silently; any other unreadable line is skipped with a warning.
     """
     path = os.fspath(logdir_or_file)
-    if not path.endswith(".jsonl") or _is_dir(path):
+    if not path.endswith(".jsonl") or Storage(path).isdir(Storage(path).root):
         path = _join(path, METRICS_FILE)
     data = _read_bytes(path)
     if data is None:

@@ -8,7 +8,7 @@ from cadence.checkpoint.manager import FINAL_NAME, CheckpointManager
 from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.checkpoint.files import STATE_NAME
 from cadence.checkpoint.protocol import Checkpointable, CheckpointReader, CheckpointWriter, Stateful
-from cadence.checkpoint.storage import Storage
+from cadence.storage import Storage
 
 __all__ = [
     "CheckpointManager",

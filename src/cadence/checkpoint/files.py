@@ -7,7 +7,7 @@ import posixpath
 from typing import IO, Iterator, Mapping
 
 from cadence.checkpoint.manifest import HashingStream, name_problem
-from cadence.checkpoint.storage import Storage
+from cadence.storage import Storage
 from cadence.errors import CheckpointError
 
 STATE_NAME = "state.json"

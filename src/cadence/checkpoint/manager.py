@@ -21,7 +21,7 @@ from cadence.checkpoint import manifest as manifest_lib
 from cadence.checkpoint import retention
 from cadence.checkpoint.files import STATE_NAME, DirectoryWriter, VerifiedReader
 from cadence.checkpoint.manifest import MANIFEST_NAME
-from cadence.checkpoint.storage import Storage
+from cadence.storage import Storage
 from cadence.errors import CheckpointError, CorruptCheckpointError
 
 logger = logging.getLogger("cadence.checkpoint")

@@ -16,7 +16,7 @@ import re
 import time
 from typing import IO, Any, Mapping
 
-from cadence.checkpoint.storage import Storage
+from cadence.storage import Storage
 from cadence.errors import CorruptCheckpointError
 
 MANIFEST_NAME = "MANIFEST.json"
