@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cadence import Controller, StopTraining
+from cadence import CheckpointError, Controller, StopTraining
 from cadence.checkpoint import CheckpointManager
 from cadence.summary import read_metrics
 
@@ -377,15 +377,134 @@ def test_train_and_evaluate_segments_at_absolute_multiples(tmp_path):
     assert [s for s, _ in ev2.calls] == [20, 25]
 
 
-def test_train_and_evaluate_final_checkpoint_exists_when_last_eval_runs(tmp_path):
-    m = manager(tmp_path)
+class CountingEvalAction:
+    """A stateful eval action: counts evaluations (checkpointed)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, output):
+        self.count += 1
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def test_checkpoint_at_an_eval_step_holds_the_eval_actions_state(tmp_path):
+    m = manager(tmp_path, max_to_keep=None)
+    counter = CountingEvalAction()
     seen = []
-    c = Controller(trainer=(t := FakeTrainer()), evaluator=FakeEvaluator(t), checkpoint_manager=m,
-                   steps_per_loop=5, eval_actions=[lambda out: seen.append((m.steps(), m.final_step()))],
+    t = FakeTrainer()
+    c = Controller(trainer=t, evaluator=FakeEvaluator(t), checkpoint_manager=m, steps_per_loop=5,
+                   checkpoint_interval=10, eval_actions=[counter, lambda out: seen.append(m.steps())],
                    progress=False)
-    c.train_and_evaluate(train_steps=10, eval_interval=5)
-    assert seen == [([], None), ([10], None)]
-    assert m.final_step() == 10
+    c.train_and_evaluate(train_steps=20, eval_interval=10)
+    assert seen == [[], [10]]  # evaluation first, then the checkpoint due at that step
+    assert m.steps() == [10, 20] and m.final_step() == 20
+    counts = {s: m.read_state(s)["state"]["eval_actions/0/CountingEvalAction"]["count"] for s in m.steps()}
+    assert counts == {10: 1, 20: 2}
+    assert m.read_state(20)["state"]["controller"] == {"last_eval_step": 20}
+
+
+def test_resume_at_an_eval_step_whose_eval_never_ran_evaluates_first(tmp_path):
+    m = manager(tmp_path, max_to_keep=None)
+
+    class Preempt:
+        def __init__(self, controller_ref):
+            self.ref = controller_ref
+
+        def __call__(self, output):
+            if self.ref[0].global_step == 10:
+                self.ref[0].save_checkpoint()  # as SaveCheckpointIfPreempted does
+                raise KeyboardInterrupt
+
+    ref = []
+    t = FakeTrainer()
+    ev = FakeEvaluator(t)
+    c = Controller(trainer=t, evaluator=ev, checkpoint_manager=m, steps_per_loop=5, progress=False)
+    ref.append(c)
+    c.train_actions.append(Preempt(ref))
+    with pytest.raises(KeyboardInterrupt):
+        c.train_and_evaluate(train_steps=20, eval_interval=10)
+    assert ev.calls == [] and m.steps() == [10]
+
+    t2 = FakeTrainer()
+    ev2 = FakeEvaluator(t2)
+    Controller(trainer=t2, evaluator=ev2, checkpoint_manager=manager(tmp_path), steps_per_loop=5,
+               progress=False).train_and_evaluate(train_steps=20, eval_interval=10)
+    assert [s for s, _ in ev2.calls] == [10, 20]  # the same evaluations as an uninterrupted run
+
+
+def test_attach_is_called_once_before_restore(tmp_path):
+    events = []
+
+    class Attaching:
+        def attach(self, controller):
+            events.append(("attach", controller.global_step))
+
+        def __call__(self, output):
+            events.append(("call", output["loss"]))
+
+    Controller(trainer=FakeTrainer(), checkpoint_manager=manager(tmp_path), steps_per_loop=2,
+               progress=False).train(4)
+    c = Controller(trainer=FakeTrainer(), checkpoint_manager=manager(tmp_path), steps_per_loop=2,
+                   train_actions=[Attaching()], progress=False)
+    assert events == [("attach", 0)]
+    c.train(6)
+    assert events[1:] == [("call", 1 / 6)]
+
+
+class RollbackTrainer(FakeTrainer):
+    """FakeTrainer whose data position (``position``) moves on after a rollback."""
+
+    def __init__(self):
+        super().__init__()
+        self.position = 0
+        self.rollback_kwargs = None
+
+    def train(self, num_steps):
+        self.position += num_steps
+        return super().train(num_steps)
+
+    def save_checkpoint(self, writer):
+        return {**super().save_checkpoint(writer), "position": self.position}
+
+    def load_checkpoint(self, reader, state, *, restore_data=True, restore_rng=True):
+        super().load_checkpoint(reader, state)
+        self.rollback_kwargs = (restore_data, restore_rng)
+        if restore_data:
+            self.position = state["position"]
+
+
+def test_rollback_restores_model_but_keeps_the_data_position(tmp_path):
+    m = manager(tmp_path)
+    t = RollbackTrainer()
+    rolled = []
+
+    def diverge_once(output):
+        if t.global_step == 12 and not rolled:
+            rolled.append(c.rollback())
+
+    c = Controller(trainer=t, checkpoint_manager=m, steps_per_loop=4, checkpoint_interval=8,
+                   train_actions=[diverge_once], progress=False)
+    c.train(16)
+    assert rolled == [8]
+    assert t.rollback_kwargs == (False, False)
+    # steps 9..12 were redone on new data: 16 steps of model state, 20 steps of data consumed
+    assert t.global_step == 16 and t.position == 20
+    assert m.steps()[-1] == 16
+
+
+def test_rollback_without_checkpoint_is_a_clear_error(tmp_path):
+    c = Controller(trainer=RollbackTrainer(), checkpoint_manager=manager(tmp_path), steps_per_loop=2,
+                   progress=False)
+    with pytest.raises(CheckpointError, match="no committed checkpoint"):
+        c.rollback()
+    with pytest.raises(ValueError, match="needs a checkpoint_manager"):
+        Controller(trainer=FakeTrainer(), steps_per_loop=2, progress=False).rollback()
 
 
 def test_train_and_evaluate_until_exhausted():

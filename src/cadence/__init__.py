@@ -27,6 +27,7 @@ _EXPORTS = {
     "CheckpointError": "cadence.errors",
     "CorruptCheckpointError": "cadence.errors",
     "UnsafeCheckpointError": "cadence.errors",
+    "TrainingDivergedError": "cadence.errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -55,6 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
         ConfigError,
         CorruptCheckpointError,
         StopTraining,
+        TrainingDivergedError,
         UnsafeCheckpointError,
     )
     from cadence.progress import ProgressReporter

@@ -2,6 +2,7 @@
 
     cadence train CONFIG [--model-dir DIR] [--set key=value ...]
     cadence evaluate CONFIG --model-dir DIR [--checkpoint STEP] [--set key=value ...]
+    cadence export MODEL_DIR [--checkpoint best|latest|STEP] --format FORMAT [--out DIR]
     cadence ls MODEL_DIR
 
 Exit status: 0 success; 1 a run failed (the message says why); 2 bad input (config, override,
@@ -52,6 +53,16 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--checkpoint", type=int, default=None, metavar="STEP",
                           help="the checkpoint's step (default: the latest committed)")
 
+    export = sub.add_parser("export", help="export a checkpoint as inference artefacts")
+    export.add_argument("model_dir", help="model directory (its config.yaml builds the model)")
+    export.add_argument("--checkpoint", default="best", metavar="best|latest|STEP",
+                        help="which checkpoint (default: best)")
+    export.add_argument("--format", dest="formats", action="append", required=True,
+                        choices=["safetensors", "torch_export", "torchscript", "onnx"],
+                        help="artefact format (repeatable)")
+    export.add_argument("--out", default=None, metavar="DIR",
+                        help="output directory (default: MODEL_DIR/export/best/<step> or export/checkpoint/<step>)")
+
     ls = sub.add_parser("ls", help="list a model dir's committed checkpoints")
     ls.add_argument("model_dir", help="model directory (local path or fsspec URL)")
     return parser
@@ -80,6 +91,18 @@ def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
 
     step, metrics = run_evaluation(cfg, args.checkpoint)
     print(json.dumps({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}))
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace, console: Console) -> int:
+    if args.checkpoint not in ("best", "latest") and not args.checkpoint.isdigit():
+        raise ConfigError(f"--checkpoint: expected best, latest or a step number, got {args.checkpoint!r}")
+    from cadence.torch.experiment import run_export
+
+    step, directory, files = run_export(args.model_dir, args.formats, args.checkpoint, args.out)
+    console.print(f"exported step {step} to {directory}")
+    for fmt, path in files.items():
+        print(f"{fmt}\t{path}")
     return 0
 
 
@@ -144,7 +167,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-COMMANDS = {"train": _cmd_train, "evaluate": _cmd_evaluate, "ls": _cmd_ls}
+COMMANDS = {"train": _cmd_train, "evaluate": _cmd_evaluate, "export": _cmd_export, "ls": _cmd_ls}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -43,7 +43,11 @@ from pydantic import (
 from cadence.errors import ConfigError
 
 __all__ = [
+    "BestCheckpointConfig",
+    "EarlyStoppingConfig",
     "ExperimentConfig",
+    "ExportConfig",
+    "RecoveryConfig",
     "TaskConfig",
     "TrainerConfig",
     "config_from_dict",
@@ -102,6 +106,55 @@ class TaskConfig(_Model):
         if not _TASK_CLASS_RE.match(value):
             raise ValueError("expected 'module:ClassName' or 'path/to/file.py:ClassName'")
         return value
+
+
+class BestCheckpointConfig(_Model):
+    """Keep the best checkpoint so far in `MODEL_DIR/best/` (with `best.json`)."""
+
+    metric: str = Field(description="The eval metric to compare (a key, or `a/b` for a nested one).")
+    higher_is_better: bool = Field(default=True, description="`true`: larger is better (accuracy); `false`: smaller (loss).")
+
+
+class EarlyStoppingConfig(_Model):
+    """Stop training when an eval metric stops improving."""
+
+    metric: str = Field(description="The eval metric to watch.")
+    patience: int = Field(ge=1, strict=True, description="Evaluations without improvement before stopping.")
+    min_delta: float = Field(default=0.0, ge=0, description="An improvement must exceed this much.")
+    higher_is_better: bool = Field(default=True, description="`true`: larger is better; `false`: smaller.")
+
+
+class RecoveryConfig(_Model):
+    """Roll back to the latest checkpoint when the training loss diverges (NaN/inf, or above a bound)."""
+
+    loss_upper_bound: float | None = Field(
+        default=None, description="A loss above this counts as diverged too; `null`: only NaN/inf."
+    )
+    recovery_begin_steps: int = Field(
+        default=0, ge=0, strict=True, description="The upper bound applies from this global step on."
+    )
+    max_trials: int = Field(
+        default=3, ge=0, strict=True, description="Recoveries allowed over the run; the next divergence fails the run."
+    )
+
+
+ExportFormat = Literal["safetensors", "torch_export", "torchscript", "onnx"]
+
+
+class ExportConfig(_Model):
+    """Inference artefacts written under `MODEL_DIR/export/<on>/<step>/`."""
+
+    formats: list[ExportFormat] = Field(
+        default_factory=lambda: ["safetensors"],
+        description="Artefacts per export: `safetensors`, `torch_export` (.pt2), `torchscript`, `onnx` (needs `cadence[onnx]`).",
+    )
+    on: Literal["best", "final", "every_eval"] = Field(
+        default="best",
+        description="When to export: on a new best checkpoint (needs `trainer.best_checkpoint`), at the end of training, or after every evaluation.",
+    )
+    max_to_keep: int | None = Field(
+        default=5, ge=0, strict=True, description="Newest exports kept; `null` keeps all."
+    )
 
 
 class TrainerConfig(_Model):
@@ -204,6 +257,19 @@ class TrainerConfig(_Model):
         default="auto",
         description="`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`.",
     )
+    best_checkpoint: BestCheckpointConfig | None = Field(
+        default=None, description="Keep the best checkpoint in `best/`; `null`: off."
+    )
+    early_stopping: EarlyStoppingConfig | None = Field(
+        default=None, description="Stop when an eval metric plateaus; `null`: off."
+    )
+    recovery: RecoveryConfig | None = Field(
+        default=None, description="Roll back on a diverged loss; `null`: off (a NaN loss is only logged)."
+    )
+    save_on_preemption: bool = Field(
+        default=True,
+        description="On SIGTERM, SIGUSR1 or SIGINT, commit a checkpoint at the end of the current loop and exit 0.",
+    )
 
     @field_validator("validation_steps")
     @classmethod
@@ -252,6 +318,9 @@ class ExperimentConfig(_Model):
     trainer: TrainerConfig = Field(
         default_factory=TrainerConfig, description="The training loop's schedule and numerics."
     )
+    export: ExportConfig | None = Field(
+        default=None, description="Export inference artefacts; `null`: no exports during training."
+    )
 
     _config_dir: Path | None = PrivateAttr(default=None)
 
@@ -259,6 +328,14 @@ class ExperimentConfig(_Model):
     @classmethod
     def _null_sections(cls, data: Any) -> Any:
         return _none_to_empty(data, ("task", "trainer"))
+
+    @model_validator(mode="after")
+    def _export_on_best_needs_best_checkpoint(self) -> "ExperimentConfig":
+        if self.export is not None and self.export.on == "best" and self.trainer.best_checkpoint is None:
+            raise ValueError(
+                "export.on is 'best' but trainer.best_checkpoint is not set (set it, or export.on: final)"
+            )
+        return self
 
     @property
     def config_dir(self) -> Path | None:
@@ -433,6 +510,15 @@ _EXPECTED: dict[str, str] = {
     "trainer.grad_accum_steps": "an integer >= 1",
     "trainer.grad_clip_norm": "a number > 0 or null",
     "trainer.device": "'auto', 'cpu', 'cuda' or 'cuda:N'",
+    "trainer.best_checkpoint": "a mapping with 'metric' and optional 'higher_is_better', or null",
+    "trainer.early_stopping": "a mapping with 'metric', 'patience', optional 'min_delta' and 'higher_is_better', or null",
+    "trainer.recovery": "a mapping with optional 'loss_upper_bound', 'recovery_begin_steps', 'max_trials', or null",
+    "trainer.save_on_preemption": "true or false",
+    "trainer.early_stopping.patience": "an integer >= 1",
+    "trainer.recovery.max_trials": "an integer >= 0",
+    "export": "a mapping with optional 'formats', 'on', 'max_to_keep', or null",
+    "export.formats": "a list of 'safetensors', 'torch_export', 'torchscript', 'onnx'",
+    "export.on": "one of 'best', 'final', 'every_eval'",
 }
 
 
@@ -452,11 +538,19 @@ def _model_at(loc: Sequence[str]) -> type[BaseModel] | None:
     model: type[BaseModel] = ExperimentConfig
     for part in loc[:-1]:
         field = _field(model, part)
-        sub = field.annotation if field is not None else None
-        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+        sub = _submodel(field.annotation) if field is not None else None
+        if sub is None:
             return None
         model = sub
     return model
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The model class of a field annotated ``Model`` or ``Model | None``, else None."""
+    for candidate in (annotation, *getattr(annotation, "__args__", ())):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
 
 
 def _field(model: type[BaseModel], key: str) -> Any:
@@ -490,6 +584,8 @@ def _format_error(err: Mapping[str, Any]) -> tuple[Loc, str]:
         return loc, f"{path}: required field missing"
     if kind in ("value_error", "assertion_error"):
         message = str(err.get("ctx", {}).get("error") or err["msg"]).removeprefix("Value error, ")
+        if not loc:  # a rule across fields: the message names them; the input is the whole file
+            return loc, message
         return loc, f"{path}: {message}, got {_short_repr(value)}"
     if path in _EXPECTED:
         return loc, f"{path}: expected {_EXPECTED[path]}, got {_short_repr(value)}"
@@ -582,8 +678,8 @@ def _check_override_path(parts: Sequence[str], text: str) -> list[str]:
         name = next(n for n, f in model.model_fields.items() if f is field)
         canonical.append(field.alias or name)
         sub = field.annotation
-        if isinstance(sub, type) and issubclass(sub, BaseModel):
-            model = sub
+        if _submodel(sub) is not None:
+            model = _submodel(sub)
         elif _is_mapping_type(sub):
             model = None
         elif i < len(parts) - 1:

@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Any, Callable, Iterable, Mapping
 
-from cadence.errors import StopTraining
+from cadence.errors import CheckpointError, StopTraining
 from cadence.progress import ProgressReporter
 from cadence.runner import Evaluator, Trainer
 from cadence.summary import SummaryWriter
@@ -48,6 +48,29 @@ def _stateful(obj: object) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+class _LoopState:
+    """The controller's own checkpointed state: the step of the last evaluation."""
+
+    def __init__(self) -> None:
+        self.last_eval_step: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_eval_step": self.last_eval_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_eval_step = state.get("last_eval_step")
+
+
+class _KeepDataPosition:
+    """Restores a trainer's model and optimizer state but not its data position or RNG."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def load_checkpoint(self, reader: Any, state: Any) -> None:
+        self.trainer.load_checkpoint(reader, state, restore_data=False, restore_rng=False)
+
+
 class Controller:
     """Runs training and evaluation in inner loops, with checkpoints, summaries and actions.
 
@@ -68,8 +91,9 @@ class Controller:
         no train summaries.
       eval_summary_dir: where eval summaries go. ``None``: ``summary_dir``'s value.
       train_actions: callables run on each inner loop's output dict, which includes
-        ``steps_per_second``. Actions with ``state_dict``/``load_state_dict`` are checkpointed.
-      eval_actions: callables run on each evaluation's metrics dict.
+        ``steps_per_second``. Actions with ``state_dict``/``load_state_dict`` are checkpointed;
+        an action with ``attach(controller)`` is handed this controller once, before the restore.
+      eval_actions: callables run on each evaluation's metrics dict (same rules).
       restore_step: the checkpoint restored on construction. ``None``: the latest committed one
         (a corrupt one is reported and skipped, falling back to the previous); an int: exactly that
         step (missing or corrupt raises :class:`~cadence.errors.CheckpointError`).
@@ -131,7 +155,13 @@ class Controller:
         self._eval_summary_dir = eval_summary_dir if eval_summary_dir is not None else summary_dir
         self._writers: dict[str, SummaryWriter] = {}
         self._step = 0  # global step of an evaluator-only controller (from its checkpoint)
+        self._loop = _LoopState()
+        self._save_pending = False
         self.stop_reason: str | None = None
+        for action in (*self.train_actions, *self.eval_actions):
+            attach = getattr(action, "attach", None)
+            if callable(attach):
+                attach(self)
         self.restored_step = self.restore(restore_step)
 
     # ------------------------------------------------------------------ state
@@ -141,9 +171,15 @@ class Controller:
         """The trainer's global step; without a trainer, the step of the restored checkpoint."""
         return self.trainer.global_step if self.trainer is not None else self._step
 
-    def _checkpoint_objects(self) -> dict[str, object]:
-        """What a checkpoint holds: the trainer (or lone evaluator) and stateful actions."""
-        objects: dict[str, object] = {}
+    @property
+    def last_eval_step(self) -> int | None:
+        """The global step of the last evaluation (checkpointed); None before any."""
+        return self._loop.last_eval_step
+
+    def checkpoint_objects(self) -> dict[str, object]:
+        """What a checkpoint holds: the trainer (or lone evaluator), stateful actions, and the
+        controller's own state. Actions that write checkpoints elsewhere (``best/``) use it."""
+        objects: dict[str, object] = {"controller": self._loop}
         runner = self.trainer if self.trainer is not None else self.evaluator
         if callable(getattr(runner, "load_checkpoint", None)):
             objects["trainer" if runner is self.trainer else "evaluator"] = runner
@@ -162,7 +198,7 @@ class Controller:
         """
         restored = None
         if self.checkpoint_manager is not None:
-            restored = self.checkpoint_manager.restore(self._checkpoint_objects(), step)
+            restored = self.checkpoint_manager.restore(self.checkpoint_objects(), step)
         if restored is None:
             runner = self.trainer if self.trainer is not None else self.evaluator
             initialize = getattr(runner, "initialize", None)
@@ -173,6 +209,27 @@ class Controller:
             self._step = restored
         return restored
 
+    def rollback(self) -> int:
+        """Restore model, optimizer, scheduler, grad scaler and global step from the latest
+        committed checkpoint, but keep the data position and RNG moving forward: the batches
+        consumed since that checkpoint are skipped. Returns the step rolled back to.
+
+        Used by NaN/loss-spike recovery. The trainer's ``load_checkpoint`` must accept the
+        keywords ``restore_data`` and ``restore_rng`` (``cadence.torch.TorchTrainer`` does).
+
+        Raises:
+          ValueError: no trainer or no checkpoint manager.
+          CheckpointError: there is no committed checkpoint to roll back to.
+        """
+        self._require("trainer", "rollback")
+        self._require("checkpoint_manager", "rollback")
+        restored = self.checkpoint_manager.restore({"trainer": _KeepDataPosition(self.trainer)})
+        if restored is None:
+            raise CheckpointError(
+                f"cannot roll back: no committed checkpoint in {self.checkpoint_manager.directory}"
+            )
+        return restored
+
     def save_checkpoint(self) -> str | None:
         """Commit a checkpoint at the current global step (no-op without a manager).
 
@@ -180,7 +237,7 @@ class Controller:
         """
         if self.checkpoint_manager is None:
             return None
-        return self.checkpoint_manager.save(self.global_step, self._checkpoint_objects())
+        return self.checkpoint_manager.save(self.global_step, self.checkpoint_objects())
 
     # ------------------------------------------------------------------ train
 
@@ -210,12 +267,16 @@ class Controller:
         if checkpoint_at_completion:
             self._complete()
 
-    def _train_until(self, target: int | None, progress: ProgressReporter, *, until_exhausted: bool) -> bool:
+    def _train_until(
+        self, target: int | None, progress: ProgressReporter, *, until_exhausted: bool, defer_save: bool = False
+    ) -> bool:
         """Run inner loops until ``target`` (None: no target) or a stop; True if the run is over.
 
         "Over" means the data ran out or an action asked to stop; reaching ``target`` is not.
         ``until_exhausted``: the run trains until the data runs out, so a trainer advancing fewer
-        steps than requested means exhaustion rather than an error.
+        steps than requested means exhaustion rather than an error. ``defer_save``: an interval
+        checkpoint due at the last loop is left to the caller (``_save_pending``), which saves it
+        after the evaluation that follows, so the eval actions' state is in it.
         """
         while (target is None or self.global_step < target) and self.stop_reason is None:
             before = self.global_step
@@ -240,8 +301,14 @@ class Controller:
                 self._write_summary("train", self._summary_dir, after, logs)
             progress.update(after, {k: v for k, v in logs.items() if k != "steps_per_second"})
             self._run_actions(self.train_actions, logs)
+            if self.global_step != after:  # an action rolled the trainer back: nothing to save
+                continue
             if self.checkpoint_manager is not None and _crossed(before, after, self.checkpoint_interval):
-                self.save_checkpoint()
+                last = exhausted or self.stop_reason is not None or after == target
+                if defer_save and last:
+                    self._save_pending = True
+                else:
+                    self.save_checkpoint()
             if exhausted:
                 logger.info("training data exhausted at step %d", after)
                 return True
@@ -275,6 +342,7 @@ class Controller:
         metrics = dict(self.evaluator.evaluate(steps) or {})
         elapsed = time.perf_counter() - start
         step = self.global_step
+        self._loop.last_eval_step = step
         self._write_summary("eval", self._eval_summary_dir, step, metrics)
         shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)))
         logger.info("eval at step %d (%.1fs): %s", step, elapsed, shown)
@@ -295,9 +363,12 @@ class Controller:
             cut at absolute multiples, so resumed runs evaluate at the same steps). ``None``:
             evaluate once, at the end.
 
-        At the end (target reached, data exhausted, or :class:`StopTraining` from an action) the
-        final checkpoint is saved *before* the last evaluation, so eval actions can find it, and
-        ``FINAL`` is written after it. A run that is already complete is evaluated once.
+        Each segment ends with an evaluation, *then* the checkpoint due at that step (interval or
+        final), so a checkpoint at step N holds the eval actions' state after the evaluation at
+        N. A run resumed at an evaluation step whose evaluation never ran (it was preempted right
+        before it) evaluates first. At the end (target reached, data exhausted, or
+        :class:`StopTraining` from an action) the final checkpoint is saved and ``FINAL``
+        written. A run that is already complete is evaluated once.
         """
         self._require("trainer", "train_and_evaluate")
         self._require("evaluator", "train_and_evaluate")
@@ -305,22 +376,25 @@ class Controller:
         self.stop_reason = None
         self._reopen_if_final(train_steps)
         output: dict[str, Any] | None = None
+        step = self.global_step
+        if eval_interval is not None and step > 0 and step % eval_interval == 0 and self.last_eval_step != step:
+            output = self.evaluate(eval_steps)
+        over = (train_steps is not None and step >= train_steps) or self.stop_reason is not None
         with self._progress(train_steps) as progress:
-            over = train_steps is not None and self.global_step >= train_steps
             while not over:
                 step = self.global_step
                 target = train_steps
                 if eval_interval is not None:
                     boundary = (step // eval_interval + 1) * eval_interval
                     target = boundary if target is None else min(target, boundary)
-                over = self._train_until(target, progress, until_exhausted=train_steps is None)
+                over = self._train_until(target, progress, until_exhausted=train_steps is None, defer_save=True)
                 over = over or (train_steps is not None and self.global_step >= train_steps)
-                if over:
-                    self.save_checkpoint()
                 output = self.evaluate(eval_steps)
                 over = over or self.stop_reason is not None
+                if self._save_pending and not over:
+                    self.save_checkpoint()
+                self._save_pending = False
         if output is None:
-            self.save_checkpoint()
             output = self.evaluate(eval_steps)
         self._complete()
         return output
@@ -369,10 +443,14 @@ class Controller:
         writer.flush()
 
     def close(self) -> None:
-        """Flush and close summary writers."""
+        """Flush and close summary writers; call ``close()`` on actions that have one."""
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()
+        for action in (*self.train_actions, *self.eval_actions):
+            close = getattr(action, "close", None)
+            if callable(close):
+                close()
 
     def __enter__(self) -> "Controller":
         return self

@@ -42,3 +42,7 @@ class CorruptCheckpointError(CheckpointError):
 
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file would need arbitrary unpickling to load; it was refused, nothing ran."""
+
+
+class TrainingDivergedError(CadenceError):
+    """The loss stayed NaN/inf (or above its bound) after the allowed number of recoveries."""

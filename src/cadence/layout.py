@@ -28,3 +28,17 @@ def eval_dir(model_dir: str, name: str | None = None) -> str:
 
 def config_path(model_dir: str) -> str:
     return join(model_dir, CONFIG)
+
+
+BEST = "best"
+EXPORT = "export"
+
+
+def best_dir(model_dir: str) -> str:
+    """``best/``: the best checkpoint so far and ``best.json``."""
+    return join(model_dir, BEST)
+
+
+def export_dir(model_dir: str, name: str, step: int | None = None) -> str:
+    """``export/<name>/`` or, with a step, ``export/<name>/<step>/``."""
+    return join(model_dir, EXPORT, name) if step is None else join(model_dir, EXPORT, name, str(step))

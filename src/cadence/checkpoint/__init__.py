@@ -4,6 +4,7 @@ Nothing here imports torch; ``cadence.torch`` provides checkpointable wrappers f
 optimizers. See :class:`CheckpointManager` for the contract and DESIGN.md for the on-disk layout.
 """
 
+from cadence.checkpoint.copy import JSONState, copy_objects
 from cadence.checkpoint.manager import FINAL_NAME, CheckpointManager
 from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.checkpoint.files import STATE_NAME
@@ -16,8 +17,10 @@ __all__ = [
     "CheckpointReader",
     "CheckpointWriter",
     "FINAL_NAME",
+    "JSONState",
     "MANIFEST_NAME",
     "STATE_NAME",
     "Stateful",
     "Storage",
+    "copy_objects",
 ]

@@ -291,6 +291,16 @@ class CheckpointManager:
         logger.info("restored checkpoint %s", reader.path)
         return reader.step
 
+    def read(self, step: int) -> tuple[VerifiedReader, dict[str, Any]]:
+        """Read and verify every file of committed checkpoint ``step``: ``(reader, state.json)``.
+
+        Changes nothing. Raises :class:`CheckpointError` when ``step`` is not committed and
+        :class:`CorruptCheckpointError` when its files do not match the manifest.
+        """
+        step = _check_step(step)
+        self._require_committed(step)
+        return self._load(step)
+
     def _load_latest(self) -> tuple[VerifiedReader, dict[str, Any]] | None:
         steps = self.steps()
         for step in reversed(steps):

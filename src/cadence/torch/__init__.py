@@ -7,6 +7,7 @@ from cadence.torch.batch import first_tensor, move_to_device
 from cadence.torch.context import Context
 from cadence.torch.data import ResumableLoader, ResumableSampler
 from cadence.torch.evaluator import TorchEvaluator
+from cadence.torch.export import FORMATS, ExportModel, export_model, load_exported
 from cadence.torch.precision import Precision, resolve_precision
 from cadence.torch.state import (
     get_rng_state,
@@ -36,6 +37,8 @@ def __getattr__(name: str):  # the config-driven entry points, imported on first
 
 __all__ = [
     "Context",
+    "ExportModel",
+    "FORMATS",
     "Precision",
     "ResumableLoader",
     "ResumableSampler",
@@ -43,8 +46,10 @@ __all__ = [
     "TorchEvaluator",
     "TorchTrainer",
     "build_runners",
+    "export_model",
     "first_tensor",
     "get_rng_state",
+    "load_exported",
     "load_model_safetensors",
     "load_torch_state",
     "model_to_safetensors",

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from cadence import layout
 from cadence.checkpoint import CheckpointManager
@@ -24,11 +25,14 @@ from cadence.config import ExperimentConfig, save_config
 from cadence.controller import Controller
 from cadence.errors import CheckpointError, ConfigError
 from cadence.torch.context import Context
-from cadence.torch.state import seed_everything
+from cadence.torch.state import seed_everything, unwrap_model
 from cadence.torch.task import Task
 from cadence.torch.trainer import build_runners
 
-__all__ = ["Run", "load_task_class", "build_task", "build_run", "run_training", "run_evaluation"]
+logger = logging.getLogger("cadence")
+
+__all__ = ["ModelExporter", "Run", "build_actions", "build_run", "build_task", "load_task_class",
+           "run_evaluation", "run_training"]
 
 
 def load_task_class(spec: str) -> type[Task]:
@@ -76,6 +80,90 @@ def build_task(cfg: ExperimentConfig) -> Task:
         raise ConfigError(f"task.params: {cls.__name__}(**params) failed: {exc}") from exc
 
 
+NEEDS_EXAMPLE_INPUTS = ("torch_export", "torchscript", "onnx")
+
+
+class ModelExporter:
+    """Writes the configured inference artefacts of the live model to ``export/<name>/<step>/``
+    and keeps the newest ``export.max_to_keep`` of them."""
+
+    def __init__(self, cfg: ExperimentConfig, task: Task, model: Any, name: str) -> None:
+        from cadence.actions import ExportFileManager
+
+        assert cfg.export is not None
+        self.formats = list(cfg.export.formats)
+        self.model = model
+        self.model_dir = cfg.model_dir
+        self.name = name
+        self.example_inputs = None
+        if any(f in NEEDS_EXAMPLE_INPUTS for f in self.formats):
+            try:
+                self.example_inputs = task.example_inputs()
+            except NotImplementedError as exc:
+                needing = [f for f in self.formats if f in NEEDS_EXAMPLE_INPUTS]
+                raise ConfigError(
+                    f"export.formats: {needing} need {type(task).__name__}.example_inputs(), which is not defined"
+                ) from exc
+        self.files = ExportFileManager(
+            layout.export_dir(cfg.model_dir, name), max_to_keep=cfg.export.max_to_keep, separator="/"
+        )
+
+    def __call__(self, step: int, metadata: Mapping[str, Any]) -> str:
+        from cadence.torch.export import export_model
+
+        directory = layout.export_dir(self.model_dir, self.name, step)
+        export_model(unwrap_model(self.model), directory, self.formats, example_inputs=self.example_inputs,
+                     metadata={**metadata, "step": step})
+        self.files.clean_up()
+        logger.info("exported %s to %s", ", ".join(self.formats), directory)
+        return directory
+
+
+class ExportEveryEval:
+    """An eval action: export after every evaluation, at the evaluated step."""
+
+    def __init__(self, export: ModelExporter) -> None:
+        self.export = export
+        self._controller: Any = None
+
+    def attach(self, controller: Any) -> None:
+        self._controller = controller
+
+    def __call__(self, metrics: dict[str, Any]) -> None:
+        self.export(self._controller.global_step, {"metrics": metrics})
+
+
+def build_actions(cfg: ExperimentConfig, task: Task, model: Any, *, train: bool) -> tuple[list, list]:
+    """``(train_actions, eval_actions)`` from the config's ``trainer`` and ``export`` sections.
+
+    Train actions: NaN/loss-spike recovery, then saving on preemption (last, so a preemption
+    save sees the state after a recovery). Eval actions: best-checkpoint export (and its
+    inference export), exporting after every evaluation, then early stopping.
+    """
+    from cadence.actions import BestCheckpointExporter, EarlyStopping, RecoveryAction, SaveCheckpointIfPreempted
+
+    t = cfg.trainer
+    train_actions: list[Any] = []
+    eval_actions: list[Any] = []
+    export_on = cfg.export.on if cfg.export is not None else None
+    if train and t.recovery is not None:
+        r = t.recovery
+        train_actions.append(RecoveryAction(r.loss_upper_bound, r.recovery_begin_steps, r.max_trials))
+    if train and t.save_on_preemption:
+        train_actions.append(SaveCheckpointIfPreempted())
+    if t.best_checkpoint is not None:
+        b = t.best_checkpoint
+        export_fn = ModelExporter(cfg, task, model, "best") if export_on == "best" else None
+        eval_actions.append(BestCheckpointExporter(layout.best_dir(cfg.model_dir), b.metric, b.higher_is_better,
+                                                   export_fn=export_fn))
+    if export_on == "every_eval":
+        eval_actions.append(ExportEveryEval(ModelExporter(cfg, task, model, "every_eval")))
+    if train and t.early_stopping is not None:
+        e = t.early_stopping
+        eval_actions.append(EarlyStopping(e.metric, e.patience, e.min_delta, e.higher_is_better))
+    return train_actions, eval_actions
+
+
 @dataclass
 class Run:
     """Everything one process needs to train and/or evaluate an experiment."""
@@ -85,6 +173,7 @@ class Run:
     ctx: Context
     controller: Controller
     checkpoint_manager: CheckpointManager
+    model: Any
 
     @property
     def model_dir(self) -> str:
@@ -93,10 +182,11 @@ class Run:
 
 def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = True,
               restore_step: int | None = None, progress: bool | None = None) -> Run:
-    """Seed, build the task and runners, and a controller that restores the latest checkpoint.
+    """Seed, build the task, runners and actions, and a controller that restores the latest
+    checkpoint.
 
     ``train=False`` builds an evaluator-only run that reads checkpoints without changing the
-    model directory (``restore_step``: that checkpoint; ``None``: the latest).
+    model directory (``restore_step``: that checkpoint; ``None``: the latest); it runs no actions.
     """
     if not cfg.model_dir:
         raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
@@ -108,6 +198,8 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
         task, ctx, precision=t.precision, grad_accum_steps=t.grad_accum_steps,
         grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate,
     )
+    model = (trainer or evaluator).model
+    train_actions, eval_actions = build_actions(cfg, task, model, train=train) if train else ([], [])
     manager = CheckpointManager(
         layout.checkpoints_dir(cfg.model_dir), max_to_keep=t.max_to_keep,
         keep_every_n_steps=t.keep_every_n_steps, writer=train,
@@ -121,25 +213,34 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
         summary_interval=t.summary_interval,
         summary_dir=layout.train_dir(cfg.model_dir) if train else None,
         eval_summary_dir=layout.eval_dir(cfg.model_dir) if train else None,
+        train_actions=train_actions,
+        eval_actions=eval_actions,
         restore_step=restore_step,
         progress=progress,
     )
-    return Run(config=cfg, task=task, ctx=ctx, controller=controller, checkpoint_manager=manager)
+    return Run(config=cfg, task=task, ctx=ctx, controller=controller, checkpoint_manager=manager, model=model)
 
 
 def run_training(cfg: ExperimentConfig, *, progress: bool | None = None) -> dict[str, Any]:
     """``train_and_evaluate`` the experiment in this process; return the last eval metrics.
 
     Writes the resolved ``config.yaml`` into the model dir and resumes from its latest
-    checkpoint if it has one.
+    checkpoint if it has one. With ``export.on: final``, exports the final model.
     """
     run = build_run(cfg, progress=progress)
+    export_final = (
+        ModelExporter(cfg, run.task, run.model, "final")
+        if cfg.export is not None and cfg.export.on == "final" else None
+    )
     save_config(cfg, layout.config_path(cfg.model_dir))
     t = cfg.trainer
     with run.controller as controller:
-        return controller.train_and_evaluate(
+        metrics = controller.train_and_evaluate(
             train_steps=t.train_steps, eval_steps=t.validation_steps, eval_interval=t.validation_interval
         )
+        if export_final is not None:
+            export_final(controller.global_step, {"metrics": metrics})
+    return metrics
 
 
 def run_evaluation(cfg: ExperimentConfig, step: int | None = None) -> tuple[int, dict[str, Any]]:
@@ -155,3 +256,53 @@ def run_evaluation(cfg: ExperimentConfig, step: int | None = None) -> tuple[int,
         )
     metrics = run.controller.evaluate(cfg.trainer.validation_steps)
     return run.controller.global_step, metrics
+
+
+def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
+               out: str | None = None) -> tuple[int, str, dict[str, str]]:
+    """Export a checkpoint of a model dir as inference artefacts; return ``(step, directory, files)``.
+
+    The model is built from the model dir's resolved ``config.yaml``. ``checkpoint``: ``"best"``
+    (``best/``), ``"latest"`` (the newest committed in ``checkpoints/``) or a step number.
+    ``out``: the directory to write; default ``export/best/<step>/`` for the best checkpoint and
+    ``export/checkpoint/<step>/`` otherwise.
+
+    Raises:
+      CadenceError: not a model dir (no ``config.yaml``), or no such checkpoint.
+      ConfigError: a format that needs ``Task.example_inputs()`` the task does not define.
+    """
+    from cadence.config import load_config
+    from cadence.errors import CadenceError
+    from cadence.storage import Storage
+    from cadence.torch.export import export_model
+
+    config_file = layout.config_path(model_dir)
+    if not Storage(config_file).exists(Storage(config_file).root):
+        raise CadenceError(f"{config_file} not found: {model_dir} is not a cadence model dir (or was never trained)")
+    cfg = load_config(config_file, model_dir=model_dir)
+    seed_everything(cfg.trainer.seed)
+    task = build_task(cfg)
+    ctx = Context.create(device="cpu", seed=cfg.trainer.seed)
+    _, evaluator = build_runners(task, ctx, train=False, evaluate=True)
+    if checkpoint == "best":
+        manager = CheckpointManager(layout.best_dir(model_dir), writer=False)
+        if manager.latest_step() is None:
+            raise CheckpointError(f"no best checkpoint in {layout.best_dir(model_dir)} (set trainer.best_checkpoint)")
+        step = None
+    else:
+        manager = CheckpointManager(layout.checkpoints_dir(model_dir), writer=False)
+        step = None if checkpoint == "latest" else int(checkpoint)
+    restored = manager.restore({"evaluator": evaluator}, step)
+    if restored is None:
+        raise CheckpointError(f"no committed checkpoint in {manager.directory}")
+    needing = [f for f in formats if f in NEEDS_EXAMPLE_INPUTS]
+    example_inputs = None
+    if needing:
+        try:
+            example_inputs = task.example_inputs()
+        except NotImplementedError as exc:
+            raise ConfigError(f"--format {needing}: needs {type(task).__name__}.example_inputs(), which is not defined") from exc
+    directory = out or layout.export_dir(model_dir, "best" if checkpoint == "best" else "checkpoint", restored)
+    files = export_model(evaluator.model, directory, formats, example_inputs=example_inputs,
+                         metadata={"step": restored, "source": manager.path(restored)})
+    return restored, directory, files

@@ -103,5 +103,20 @@ class Task(abc.ABC):
             )
         return int(t.shape[0]) if t.dim() > 0 else 1
 
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        """Example inputs for inference export: a tuple of tensors such that ``model(*inputs)`` runs.
+
+        Needed by the export formats that trace the model (``torch_export``, ``torchscript``,
+        ``onnx``); ``safetensors`` does not need them (they are recorded in its metadata when
+        defined). Batch dimension first, batch size 2 or more, so that the batch dimension can be
+        exported as dynamic. Values do not matter, shapes and dtypes do. Not defined by default.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__}.example_inputs() is not defined: the 'torch_export', "
+            f"'torchscript' and 'onnx' export formats trace the model on example inputs. Define it "
+            f"on the task to return a tuple of tensors for model(*inputs), batch dimension first "
+            f"with batch size >= 2, e.g. `def example_inputs(self): return (torch.zeros(2, 8),)`"
+        )
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params.items())})"

@@ -277,8 +277,18 @@ class TorchTrainer:
         )
         return {"global_step": self._global_step, "rng": get_rng_state(), "data": self._data_state()}
 
-    def load_checkpoint(self, reader: CheckpointReader, state: Mapping[str, Any] | None) -> None:
+    def load_checkpoint(
+        self,
+        reader: CheckpointReader,
+        state: Mapping[str, Any] | None,
+        *,
+        restore_data: bool = True,
+        restore_rng: bool = True,
+    ) -> None:
         """Restore model, optimizer, scheduler, grad scaler, global step, data position, then RNG.
+
+        ``restore_data=False`` / ``restore_rng=False`` keep the current data position / RNG
+        (a rollback after a loss spike moves on past the offending batches).
 
         Raises :class:`~cadence.errors.CheckpointError` (or its subclass
         ``UnsafeCheckpointError``) when a file does not match or would need unsafe unpickling.
@@ -308,14 +318,15 @@ class TorchTrainer:
         elif self.grad_scaler is not None:
             log.warning("%s: no grad-scaler state in the checkpoint: the fp16 loss scale starts afresh", source)
         self._global_step = int(state.get("global_step", reader.step))
-        # Data position: applied when iteration (re)starts, so a running iterator is dropped.
-        self._iterator = None
-        self._batches_consumed = 0
-        self._pending_data_state = state.get("data")
-        # Build the data and restart its iteration now, before the RNG is restored: whatever
-        # randomness that draws (a random split, a DataLoader's seed) then cannot shift the stream.
-        self._start_iterator()
-        if state.get("rng") is not None:
+        if restore_data:
+            # Data position: applied when iteration (re)starts, so a running iterator is dropped.
+            self._iterator = None
+            self._batches_consumed = 0
+            self._pending_data_state = state.get("data")
+            # Build the data and restart its iteration now, before the RNG is restored: whatever
+            # randomness that draws (a random split, a DataLoader's seed) cannot shift the stream.
+            self._start_iterator()
+        if restore_rng and state.get("rng") is not None:
             set_rng_state(state["rng"])
 
 

@@ -1,0 +1,66 @@
+"""Framework-agnostic actions: callables the Controller runs on each train loop's or evaluation's
+output (no torch here).
+
+The action contract: ``action(output: dict) -> Any``. An action with ``attach(controller)`` is
+given the controller once, when the controller is built; one with ``state_dict()`` /
+``load_state_dict(state)`` (JSON) is saved in and restored from checkpoints; raising
+:class:`~cadence.errors.StopTraining` ends training cleanly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from cadence.actions.best_metric import NewBestMetric
+from cadence.actions.conditional import Condition, ConditionalAction
+from cadence.actions.early_stopping import EarlyStopping
+from cadence.actions.export_files import ExportFileManager
+from cadence.actions.metric_path import Metric, MetricFn, MetricNotFoundError, get_metric
+from cadence.actions.periodic import PeriodicAction
+from cadence.actions.persisted import JSONPersistedValue, PersistedValueError
+
+# Actions in modules of their own that import more of cadence (checkpoints, signals): loaded on
+# first use, so that importing the basic actions stays light and independent of them.
+_LAZY = {
+    "BestCheckpointExporter": "cadence.actions.best_checkpoint",
+    "RecoveryAction": "cadence.actions.recovery",
+    "SaveCheckpointIfPreempted": "cadence.actions.preemption",
+}
+
+__all__ = [
+    "BestCheckpointExporter",
+    "Condition",
+    "ConditionalAction",
+    "EarlyStopping",
+    "ExportFileManager",
+    "JSONPersistedValue",
+    "Metric",
+    "MetricFn",
+    "MetricNotFoundError",
+    "NewBestMetric",
+    "PeriodicAction",
+    "PersistedValueError",
+    "RecoveryAction",
+    "SaveCheckpointIfPreempted",
+    "get_metric",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cadence.actions' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from cadence.actions.best_checkpoint import BestCheckpointExporter
+    from cadence.actions.preemption import SaveCheckpointIfPreempted
+    from cadence.actions.recovery import RecoveryAction

@@ -1,0 +1,139 @@
+"""Keep the best checkpoint in ``MODEL_DIR/best/`` (TF Model Garden's ``BestCheckpointExporter``,
+tf.estimator's ``BestExporter``) -- without tf.estimator's bug of exporting a worse model after a
+restart (tensorflow#47396)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import Any, Callable, Mapping
+
+from cadence.actions.best_metric import NewBestMetric
+from cadence.actions.metric_path import Metric, metric_name
+from cadence.checkpoint import CheckpointManager, JSONState, copy_objects
+from cadence.errors import CheckpointError
+
+logger = logging.getLogger("cadence.actions")
+
+BEST_JSON = "best.json"
+RECORD = "best"  # the name of the best record inside the best checkpoint's state.json
+
+ExportFn = Callable[[int, Mapping[str, Any]], Any]
+
+
+def _jsonable(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if hasattr(value, "item"):
+            value = value.item()
+        if isinstance(value, (bool, int, float, str)) or value is None:
+            out[key] = value if not (isinstance(value, float) and not math.isfinite(value)) else str(value)
+    return out
+
+
+class BestCheckpointExporter:
+    """An eval action: when ``metric`` improves, the checkpoint of that step becomes ``best/``.
+
+    ``best_dir`` (normally ``MODEL_DIR/best``) holds exactly one committed checkpoint
+    (``best/ckpt-<step>/``, written through the same commit protocol as every checkpoint, so a
+    crash never leaves a half-written best) whose ``state.json`` records the best (``metric``,
+    ``value``, ``step``, all eval ``metrics``), plus ``best/best.json`` with the same record for
+    people and tools. Retention of ``checkpoints/`` never touches ``best/``.
+
+    The checkpoint copied is the committed one at the evaluated step when it exists (the sidecar
+    case); otherwise the controller's live state is saved (in-process evaluation, which runs
+    before the step's own checkpoint is written).
+
+    **Restarts.** The best value is read back from the committed best checkpoint when the action
+    is built, so a restarted run (or sidecar) never replaces a better model with a worse one; an
+    equal value is not an improvement.
+
+    Args:
+      best_dir: where the best checkpoint lives (local path or fsspec URL).
+      metric: the eval metric (a key, ``"a/b"`` for a nested one, or a callable).
+      higher_is_better: direction of improvement.
+      export_fn: called as ``export_fn(step, record)`` after a new best is committed, e.g. to
+        write inference artefacts to ``export/best/<step>/``.
+    """
+
+    def __init__(
+        self,
+        best_dir: str,
+        metric: Metric,
+        higher_is_better: bool = True,
+        *,
+        export_fn: ExportFn | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.best_dir = best_dir
+        self.export_fn = export_fn
+        self.manager = CheckpointManager(best_dir, max_to_keep=1, storage_options=storage_options)
+        self._best = NewBestMetric(metric, higher_is_better)
+        self._controller: Any = None
+        self.record = self._read_record()
+        if self.record is not None:
+            self._best.load_state_dict(
+                {"best_value": self.record["value"], "metric": self.record["metric"],
+                 "higher_is_better": higher_is_better}
+            )
+            self._write_best_json(self.record)  # in case a crash came between commit and best.json
+
+    @property
+    def best_value(self) -> float | None:
+        return self._best.best_value
+
+    def attach(self, controller: Any) -> None:
+        self._controller = controller
+
+    def _read_record(self) -> dict[str, Any] | None:
+        step = self.manager.latest_step()
+        if step is None:
+            return None
+        record = self.manager.read_state(step)["state"].get(RECORD)
+        if not isinstance(record, dict) or "value" not in record:
+            raise CheckpointError(f"{self.manager.path(step)} has no best record in its state.json")
+        return record
+
+    def __call__(self, metrics: dict[str, Any]) -> bool:
+        """Commit ``best/`` when ``metrics`` hold a new best; return whether they did."""
+        if self._controller is None:
+            raise RuntimeError("BestCheckpointExporter must be attached to a Controller (pass it in eval_actions)")
+        if not self._best.test(metrics):
+            return False
+        step = self._controller.global_step
+        value = self._best.metric_value(metrics)
+        record = {
+            "metric": metric_name(self._best.metric),
+            "value": value,
+            "higher_is_better": self._best.higher_is_better,
+            "step": step,
+            "metrics": _jsonable(metrics),
+            "time": time.time(),
+        }
+        objects = self._checkpoint_objects(step)
+        objects[RECORD] = JSONState(record)
+        path = self.manager.save(step, objects)
+        self._best.commit(metrics)
+        self.record = record
+        self._write_best_json(record)
+        logger.info("new best %s=%.6g at step %d: %s", record["metric"], value, step, path)
+        if self.export_fn is not None:
+            self.export_fn(step, record)
+        return True
+
+    def _checkpoint_objects(self, step: int) -> dict[str, object]:
+        source = self._controller.checkpoint_manager
+        if source is not None and step in source.steps():
+            reader, state = source.read(step)
+            return copy_objects(reader, state)
+        if self._controller.trainer is None:
+            raise CheckpointError(
+                f"no committed checkpoint at step {step} to copy to {self.best_dir}, and no trainer state to save"
+            )
+        return dict(self._controller.checkpoint_objects())
+
+    def _write_best_json(self, record: Mapping[str, Any]) -> None:
+        storage = self.manager.storage
+        storage.write_atomic(storage.join(BEST_JSON), (json.dumps(record, indent=1) + "\n").encode())

@@ -1,0 +1,150 @@
+"""Names and retention of a group of exports: :class:`ExportFileManager` (Orbit's, fixed)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Callable
+
+from cadence.storage import Storage
+
+logger = logging.getLogger("cadence")
+
+__all__ = ["ExportFileManager"]
+
+_ID = re.compile(r"0|[1-9][0-9]*")  # the canonical decimal form next_name writes
+
+
+class ExportFileManager:
+    """Names the members of a group of exports ``{base_name}{separator}{id}`` and deletes old ones.
+
+    A member is a file or a directory whose name is *exactly* ``base_name + separator + <id>``,
+    ``<id>`` a non-negative integer in plain decimal (``base-7``; not ``base-07``, ``base-7.tmp``,
+    ``base-x`` or ``basefoo-7``). Anything else next to them is never touched. Members are
+    ordered by id, not by modification time.
+
+    ``separator="/"`` makes ``base_name`` a directory whose integer-named children are the members
+    (``export/best/200/``, ``export/best/400/``, ...).
+
+    Works on local paths and fsspec URLs (``memory://``, ``s3://``) through
+    :class:`~cadence.storage.Storage`; returned names have ``base_name``'s form (a URL stays a URL).
+
+    Args:
+      base_name: the members' common prefix (a path or URL). A trailing ``/`` is dropped.
+      max_to_keep: how many members :meth:`clean_up` keeps (the highest ids). ``None``: all are
+        kept. ``0``: none are kept (Orbit's ``max_to_keep=0`` deleted nothing).
+      next_id_fn: a callable returning the next id (an int >= 0), e.g. the global step, so that
+        exports are named by step. ``None``: a counter that starts after the highest existing id
+        (0 when there is none) and so resumes its numbering after a restart, gaps included.
+      separator: between ``base_name`` and the id; non-empty. ``"/"`` or ``"-"`` typically.
+      storage_options: passed to fsspec.
+
+    Raises:
+      ValueError: empty ``base_name`` or ``separator``; ``max_to_keep`` not None or an int >= 0.
+    """
+
+    def __init__(
+        self,
+        base_name: str,
+        max_to_keep: int | None = 5,
+        next_id_fn: Callable[[], int] | None = None,
+        separator: str = "-",
+        *,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(separator, str) or not separator:
+            raise ValueError(f"ExportFileManager: separator must be a non-empty string, got {separator!r}")
+        stripped = base_name.rstrip("/") if isinstance(base_name, str) else ""
+        if not stripped:
+            raise ValueError(f"ExportFileManager: base_name must be a non-empty path, got {base_name!r}")
+        if max_to_keep is not None and (
+            not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or max_to_keep < 0
+        ):
+            raise ValueError(
+                f"ExportFileManager: max_to_keep must be None (keep all) or an int >= 0, got {max_to_keep!r}"
+            )
+        self.base_name = stripped
+        self.separator = separator
+        self.max_to_keep = max_to_keep
+        self._next_id_fn = next_id_fn
+        self._storage = Storage(stripped, storage_options)
+        # Split "<fs path of base_name><separator>" at its last "/": the directory listed, and the
+        # prefix a member's name starts with inside it ("" when the separator is "/").
+        directory, _, self._prefix = (self._storage.root + separator).rpartition("/")
+        self._dir = directory or "/"
+        self._counter = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"ExportFileManager({self.base_name!r}, max_to_keep={self.max_to_keep!r}, "
+            f"separator={self.separator!r})"
+        )
+
+    def _name(self, id_: int) -> str:
+        return f"{self.base_name}{self.separator}{id_}"
+
+    def _members(self) -> list[tuple[int, str]]:
+        """``(id, file-system path)`` of every member, by increasing id."""
+        members = []
+        for entry in self._storage.listdir(self._dir):
+            if not entry.startswith(self._prefix):
+                continue
+            suffix = entry[len(self._prefix):]
+            if _ID.fullmatch(suffix):
+                members.append((int(suffix), f"{self._dir.rstrip('/')}/{entry}"))
+        return sorted(members)
+
+    @property
+    def managed_ids(self) -> list[int]:
+        """The ids of the existing members, increasing."""
+        return [id_ for id_, _ in self._members()]
+
+    @property
+    def managed_files(self) -> list[str]:
+        """The existing members' names (``base_name`` form), by increasing id."""
+        return [self._name(id_) for id_, _ in self._members()]
+
+    def next_name(self) -> str:
+        """A name for a new member: ``f"{base_name}{separator}{id}"``.
+
+        ``id`` is ``next_id_fn()`` when given (its name may already exist: the caller replaces
+        it). Otherwise it is one more than both the highest existing id and the last id this
+        manager handed out, so names are not repeated even before the previous one is written.
+
+        Raises:
+          ValueError: ``next_id_fn`` returned something other than an int >= 0.
+        """
+        if self._next_id_fn is not None:
+            id_ = self._next_id_fn()
+            if hasattr(id_, "item") and callable(id_.item):  # a tensor / NumPy step counter
+                id_ = id_.item()
+            if not isinstance(id_, int) or isinstance(id_, bool) or id_ < 0:
+                raise ValueError(f"ExportFileManager: next_id_fn returned {id_!r}; expected an int >= 0")
+        else:
+            ids = self.managed_ids
+            id_ = max(self._counter, ids[-1] + 1 if ids else 0)
+            self._counter = id_ + 1
+        return self._name(id_)
+
+    def clean_up(self) -> list[str]:
+        """Delete all members but the ``max_to_keep`` with the highest ids (files or directories).
+
+        ``max_to_keep=None`` deletes nothing; ``0`` deletes every member. A member that vanishes
+        meanwhile (deleted by another process) is skipped. Returns the deleted names, oldest first.
+        """
+        if self.max_to_keep is None:
+            return []
+        members = self._members()
+        doomed = members[: max(0, len(members) - self.max_to_keep)]
+        deleted = []
+        for id_, path in doomed:
+            try:
+                if self._storage.isdir(path):
+                    self._storage.rmtree(path)
+                else:
+                    self._storage.remove(path)
+            except FileNotFoundError:
+                continue
+            deleted.append(self._name(id_))
+            logger.debug("deleted old export %s", self._name(id_))
+        return deleted

@@ -1,0 +1,110 @@
+"""Looking up one metric in an action's output: :func:`get_metric`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping, Union
+
+from cadence.errors import CadenceError
+
+logger = logging.getLogger("cadence")
+
+MetricFn = Callable[[Mapping[str, Any]], Any]
+Metric = Union[str, MetricFn]
+
+__all__ = ["Metric", "MetricFn", "MetricNotFoundError", "get_metric", "metric_name", "same_metric"]
+
+
+class MetricNotFoundError(CadenceError, KeyError):
+    """The metric an action looks for is not in the output; the message lists the keys there are."""
+
+    def __init__(self, metric: str, available: list[str]) -> None:
+        message = (
+            f"metric {metric!r} not found in the output; available keys: "
+            + (", ".join(repr(k) for k in available) if available else "(none: the output is empty)")
+        )
+        super().__init__(message)
+        self.metric = metric
+        self.available = available
+        self.message = message
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return self.message
+
+
+def _flat_keys(output: Mapping[Any, Any], prefix: str = "") -> list[str]:
+    """Every key of ``output``, nested mappings flattened to ``a/b`` (as summaries write them)."""
+    keys: list[str] = []
+    for key, value in output.items():
+        name = f"{prefix}{key}"
+        keys.append(name)
+        if isinstance(value, Mapping):
+            keys.extend(_flat_keys(value, name + "/"))
+    return sorted(keys)
+
+
+def _lookup(output: Mapping[str, Any], metric: str) -> Any:
+    if metric in output:
+        return output[metric]
+    node: Any = output
+    for part in metric.split("/"):
+        if not isinstance(node, Mapping) or part not in node:
+            raise MetricNotFoundError(metric, _flat_keys(output))
+        node = node[part]
+    return node
+
+
+def get_metric(output: Mapping[str, Any], metric: Metric) -> float:
+    """The value of ``metric`` in ``output``, as a Python float.
+
+    Args:
+      output: a train loop's logs or an evaluation's metrics.
+      metric: a key (``"accuracy"``); a nested key ``"a/b"``, which looks up
+        ``output["a"]["b"]`` -- unless ``output`` has the flat key ``"a/b"`` itself (summaries
+        flatten nested dicts that way), which then wins; or a callable ``output -> value``.
+
+    Values with an ``.item()`` method (torch tensors, NumPy scalars and 1-element arrays) are
+    converted with it, without importing their library.
+
+    Raises:
+      MetricNotFoundError: (a ``KeyError``) the key is missing; the message names the metric and
+        lists the keys the output has (nested ones as ``a/b``).
+      TypeError: the value is not a number (e.g. a whole nested dict, or a string).
+    """
+    value = metric(output) if callable(metric) else _lookup(output, metric)
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, (Mapping, str, bytes)) or value is None:
+        raise TypeError(
+            f"metric {metric_name(metric)!r} is {type(value).__name__} {value!r:.200}, not a number"
+            + (f"; name a nested key as '{metric}/<key>'" if isinstance(value, Mapping) and isinstance(metric, str) else "")
+        )
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"metric {metric_name(metric)!r} is not a number: {value!r:.200} ({e})") from None
+
+
+def metric_name(metric: Metric) -> str:
+    """A name for ``metric`` in messages: the key, or the callable's name."""
+    if isinstance(metric, str):
+        return metric
+    return getattr(metric, "__qualname__", None) or getattr(metric, "__name__", None) or repr(metric)
+
+
+def same_metric(state: Mapping[str, Any], metric: Metric, higher_is_better: bool, owner: str) -> bool:
+    """Whether a checkpointed state was saved for the same metric and direction (else warn)."""
+    saved_metric = state.get("metric")
+    saved_direction = state.get("higher_is_better")
+    if isinstance(metric, str) and isinstance(saved_metric, str) and saved_metric != metric:
+        logger.warning(
+            "%s: the checkpoint's state is for metric %r, not %r; ignoring it", owner, saved_metric, metric
+        )
+        return False
+    if isinstance(saved_direction, bool) and saved_direction != higher_is_better:
+        logger.warning(
+            "%s(%r): the checkpoint's state is for higher_is_better=%s; ignoring it",
+            owner, metric_name(metric), saved_direction,
+        )
+        return False
+    return True
