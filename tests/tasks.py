@@ -23,14 +23,20 @@ class TinyTask(Task):
     """An 8-16-2 MLP with dropout (so RNG state matters) on a shuffled, resumable loader.
 
     ``step_sleep`` slows each step down so a test can kill the process mid-run.
+    ``poison_index`` puts a NaN into that training sample (and turns shuffling off, so the step
+    that meets it is known): its batch gives a NaN loss.
     """
 
-    def __init__(self, step_sleep: float = 0.0, batch_size: int = 8, n: int = 200) -> None:
+    def __init__(self, step_sleep: float = 0.0, batch_size: int = 8, n: int = 200,
+                 poison_index: int | None = None) -> None:
         super().__init__()
         self.step_sleep = step_sleep
         self.batch_size = batch_size
         self.train_set = synthetic(n, seed=1)
         self.val_set = synthetic(64, seed=2)
+        self.shuffle = poison_index is None
+        if poison_index is not None:
+            self.train_set.tensors[0][poison_index] = float("nan")
 
     def build_model(self) -> nn.Module:
         return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
@@ -43,8 +49,11 @@ class TinyTask(Task):
 
     def build_inputs(self, split, ctx):
         if split == "train":
-            return ResumableLoader(self.train_set, self.batch_size, shuffle=True, seed=ctx.seed)
+            return ResumableLoader(self.train_set, self.batch_size, shuffle=self.shuffle, seed=ctx.seed)
         return DataLoader(self.val_set, batch_size=16)
+
+    def example_inputs(self):
+        return (self.val_set.tensors[0][:4],)
 
     def train_step(self, model, batch):
         if self.step_sleep:

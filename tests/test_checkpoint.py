@@ -499,6 +499,19 @@ def test_just_saved_checkpoint_is_never_deleted(ckdir: str) -> None:
     assert manager.steps() == [20, 30]
 
 
+def test_delete_removes_a_committed_checkpoint(ckdir: str) -> None:
+    manager = CheckpointManager(ckdir, max_to_keep=None)
+    for step in (10, 20):
+        save_n(manager, step)
+    manager.delete(10)
+    assert manager.steps() == [20]
+    assert not os.path.exists(os.path.join(ckdir, "ckpt-10"))
+    with pytest.raises(CheckpointError, match="no committed checkpoint for step 10"):
+        manager.delete(10)
+    with pytest.raises(CheckpointError, match="reader"):
+        CheckpointManager(ckdir, writer=False).delete(20)
+
+
 def test_keep_every_n_steps_with_unaligned_intervals(ckdir: str) -> None:
     manager = CheckpointManager(ckdir, max_to_keep=1, keep_every_n_steps=10)
     for step in range(7, 60, 7):  # 7, 14, ..., 56

@@ -140,3 +140,57 @@ def test_bad_task_params_name_the_parameter(tmp_path):
                                     "trainer": {"train_steps": 5}}))
     proc = cadence("train", str(path), "--model-dir", str(tmp_path / "run"))
     assert proc.returncode == 2 and "bogus" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_best_checkpoint_is_the_most_accurate_evaluation(digits_run):
+    model_dir, _ = digits_run
+    evals = read_metrics(str(model_dir / "eval"))
+    best_row = max(evals, key=lambda r: r["accuracy"])  # max() keeps the first of equals: strict >
+    best = json.loads((model_dir / "best" / "best.json").read_text())
+    assert best["metric"] == "accuracy" and best["step"] == best_row["step"]
+    assert best["value"] == pytest.approx(best_row["accuracy"], abs=1e-9)
+    assert [p.name for p in (model_dir / "best").iterdir() if p.name.startswith("ckpt-")] == [
+        f"ckpt-{best['step']}"]
+    assert (model_dir / "export" / "best" / str(best["step"]) / "model.pt2").is_file()
+
+
+def test_export_command_writes_artefacts_that_match_the_checkpoint(digits_run, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from cadence.torch import load_exported
+
+    model_dir, _ = digits_run
+    out = tmp_path / "onnx-export"
+    proc = cadence("export", str(model_dir), "--checkpoint", "400", "--format", "onnx",
+                   "--format", "torchscript", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "onnx" in proc.stdout and "torchscript" in proc.stdout
+
+    sys.path.insert(0, str(DIGITS.parent))
+    try:
+        from task import DigitsTask
+    finally:
+        sys.path.remove(str(DIGITS.parent))
+    task = DigitsTask()
+    model = task.build_model().eval()
+    model.load_state_dict(load_file(model_dir / "checkpoints" / "ckpt-400" / "model.safetensors"))
+    x = task.val_set.tensors[0][:5]
+    with torch.no_grad():
+        expected = model(x)
+    scripted = load_exported(str(out), "torchscript")
+    assert torch.allclose(scripted(x), expected, atol=1e-6)
+    session = load_exported(str(out), "onnx")
+    (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    assert torch.allclose(torch.from_numpy(got), expected, atol=1e-5)
+    assert json.loads((out / "metadata.json").read_text())["step"] == 400
+
+
+def test_export_command_errors(digits_run, tmp_path):
+    model_dir, _ = digits_run
+    proc = cadence("export", str(tmp_path), "--format", "safetensors")
+    assert proc.returncode == 1 and "config.yaml" in proc.stderr and "Traceback" not in proc.stderr
+    proc = cadence("export", str(model_dir), "--checkpoint", "soon", "--format", "safetensors")
+    assert proc.returncode == 2 and "--checkpoint" in proc.stderr
+    proc = cadence("export", str(model_dir), "--checkpoint", "123", "--format", "safetensors")
+    assert proc.returncode == 1 and "123" in proc.stderr

@@ -198,7 +198,7 @@ def test_all_errors_one_per_line(tmp_path: Path) -> None:
         f"{path}: trainer.precision: expected one of '32', 'bf16', 'fp16', got 'fp8' (line 9)",
         f"{path}: trainer.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu' (line 10)",
         f"{path}: trainer.grad_clip_norm: expected a number > 0 or null, got 0 (line 11)",
-        f"{path}: trainer.max_to_keep: expected an integer >= 0 or null, got true (line 12)",
+        f"{path}: trainer.max_to_keep: expected an integer >= 0 or null, got 'yes' (line 12)",
     ]
 
 
@@ -446,3 +446,16 @@ def test_descriptions_for_every_field() -> None:
             assert info.description, f"{model.__name__}.{name} has no description"
     schema = ExperimentConfig.model_json_schema(by_alias=True)
     assert "class" in schema["$defs"]["TaskConfig"]["properties"]
+
+
+def test_yaml_1_2_booleans_so_export_on_is_a_key(tmp_path: Path) -> None:
+    text = VALID + "  best_checkpoint: {metric: accuracy}\nexport:\n  on: best\n  formats: [onnx]\n"
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.export is not None and cfg.export.on == "best" and cfg.export.formats == ["onnx"]
+    assert load_config(write(tmp_path, cfg.to_yaml())).export == cfg.export
+
+
+def test_export_on_best_needs_best_checkpoint(tmp_path: Path) -> None:
+    message = error_of(write(tmp_path, VALID + "export: {on: best}\n"))
+    assert "export.on is 'best' but trainer.best_checkpoint is not set" in message
+    assert "got {" not in message  # a cross-field rule does not dump the whole input

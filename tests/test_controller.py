@@ -552,3 +552,17 @@ def test_core_imports_no_torch():
     code = "import sys, cadence, cadence.controller, cadence.checkpoint; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_training_from_an_older_checkpoint_than_the_latest_is_refused(tmp_path):
+    Controller(trainer=FakeTrainer(), checkpoint_manager=manager(tmp_path, max_to_keep=None), steps_per_loop=5,
+               checkpoint_interval=5, progress=False).train(15)
+    with pytest.raises(ValueError, match=r"restore_step=5 .*checkpoints \[10, 15\] exist after it"):
+        Controller(trainer=FakeTrainer(), checkpoint_manager=manager(tmp_path), steps_per_loop=5, restore_step=5,
+                   progress=False)
+    # the latest is fine, and evaluating an older one is fine
+    Controller(trainer=FakeTrainer(), checkpoint_manager=manager(tmp_path), steps_per_loop=5, restore_step=15,
+               progress=False)
+    c = Controller(evaluator=FakeEvaluator(), checkpoint_manager=manager(tmp_path, writer=False), restore_step=5,
+                   progress=False)
+    assert c.global_step == 5

@@ -3,6 +3,7 @@ checkpoint, a resumed run reaches bit-identical weights to an uninterrupted one 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -93,7 +94,6 @@ class _RunsCode:
 
 def test_crafted_optimizer_pt_is_refused_and_nothing_runs(tmp_path):
     import hashlib
-    import json
     import pickle
 
     config = write_config(tmp_path, train_steps=10, checkpoint_interval=None, validation_interval=None)
@@ -121,8 +121,6 @@ def test_crafted_optimizer_pt_is_refused_and_nothing_runs(tmp_path):
 
 
 def test_model_dir_on_an_fsspec_store_trains_and_resumes(tmp_path):
-    import json
-
     import fsspec
 
     from cadence.config import load_config
@@ -140,3 +138,30 @@ def test_model_dir_on_an_fsspec_store_trains_and_resumes(tmp_path):
     train_rows = [json.loads(line) for line in fs.cat(f"{url}/train/metrics.jsonl").decode().splitlines()]
     assert [r["step"] for r in train_rows] == [5, 10, 15, 20]  # the second run resumed at 10
     fs.rm(f"memory://cadence-test-{os.getpid()}", recursive=True)
+
+
+def test_sigterm_commits_the_current_step_exits_0_and_resumes_exactly(tmp_path, uninterrupted):
+    config = write_config(tmp_path)
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cadence", "train", str(config), "--model-dir", str(run),
+         "--set", "task.params.step_sleep=0.02", "--set", "trainer.checkpoint_interval=null"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
+    )
+    metrics = run / "train" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while (not metrics.exists() or not metrics.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "received SIGTERM" in stderr
+    steps = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").iterdir() if p.name.startswith("ckpt-"))
+    assert len(steps) == 1 and 0 < steps[0] < STEPS and steps[0] % 5 == 0  # at a loop boundary
+    assert not (run / "checkpoints" / "FINAL").exists()
+    last_logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()][-1]
+    assert steps[0] == last_logged  # the step it had reached, not an older one
+
+    cadence("train", str(config), "--model-dir", str(run))
+    assert final_weights(run) == uninterrupted

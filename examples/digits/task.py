@@ -50,6 +50,10 @@ class DigitsTask(Task):
                                    rank=ctx.rank, world_size=ctx.world_size)
         return DataLoader(self.val_set, batch_size=256)
 
+    def example_inputs(self) -> tuple[torch.Tensor]:
+        """A batch of inputs, for exports that trace the model (torch.export, TorchScript, ONNX)."""
+        return (self.val_set.tensors[0][:8],)
+
     def train_step(self, model: nn.Module, batch) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(model(x), y)

@@ -28,6 +28,15 @@ _EXPORTS = {
     "CorruptCheckpointError": "cadence.errors",
     "UnsafeCheckpointError": "cadence.errors",
     "TrainingDivergedError": "cadence.errors",
+    "ConditionalAction": "cadence.actions",
+    "PeriodicAction": "cadence.actions",
+    "JSONPersistedValue": "cadence.actions",
+    "NewBestMetric": "cadence.actions",
+    "ExportFileManager": "cadence.actions",
+    "EarlyStopping": "cadence.actions",
+    "RecoveryAction": "cadence.actions",
+    "SaveCheckpointIfPreempted": "cadence.actions",
+    "BestCheckpointExporter": "cadence.actions",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -47,6 +56,17 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from cadence.actions import (
+        BestCheckpointExporter,
+        ConditionalAction,
+        EarlyStopping,
+        ExportFileManager,
+        JSONPersistedValue,
+        NewBestMetric,
+        PeriodicAction,
+        RecoveryAction,
+        SaveCheckpointIfPreempted,
+    )
     from cadence.checkpoint import CheckpointManager
     from cadence.config import ExperimentConfig, load_config
     from cadence.controller import Controller

@@ -417,12 +417,23 @@ Loc = tuple[str, ...]
 
 
 class _Loader(yaml.SafeLoader):
-    """Safe YAML loader (no custom tags) that also reads ``1e-3`` as a float (as YAML 1.2 does)."""
+    """Safe YAML loader (no custom tags) with YAML 1.2's scalars: ``1e-3`` is a float, and only
+    ``true``/``false`` are booleans (``on``, ``off``, ``yes``, ``no`` are strings)."""
 
 
 class _Dumper(yaml.SafeDumper):
     """Safe YAML dumper: quotes strings like ``"1e-3"``, which :class:`_Loader` reads as floats."""
 
+
+# YAML 1.2 booleans: only true/false. YAML 1.1 also reads on/off/yes/no/y/n as booleans, which
+# turns the key `on:` (export.on) into True and `country: no` into False.
+_Loader.yaml_implicit_resolvers = {
+    first: [r for r in resolvers if r[0] != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 for _cls in (_Loader, _Dumper):
     _cls.add_implicit_resolver(

@@ -158,11 +158,16 @@ class Controller:
         self._loop = _LoopState()
         self._save_pending = False
         self.stop_reason: str | None = None
-        for action in (*self.train_actions, *self.eval_actions):
-            attach = getattr(action, "attach", None)
-            if callable(attach):
-                attach(self)
-        self.restored_step = self.restore(restore_step)
+        try:
+            for action in (*self.train_actions, *self.eval_actions):
+                attach = getattr(action, "attach", None)
+                if callable(attach):
+                    attach(self)
+            self._check_branch(restore_step)
+            self.restored_step = self.restore(restore_step)
+        except BaseException:
+            self.close()  # e.g. signal handlers installed by attach()
+            raise
 
     # ------------------------------------------------------------------ state
 
@@ -189,6 +194,18 @@ class Controller:
                     name = getattr(action, "checkpoint_name", None) or type(action).__name__
                     objects[f"{kind}/{i}/{name}"] = action
         return objects
+
+    def _check_branch(self, restore_step: int | None) -> None:
+        """Training from a checkpoint older than the latest would mix two runs in one directory."""
+        if self.trainer is None or restore_step is None or self.checkpoint_manager is None:
+            return
+        later = [s for s in self.checkpoint_manager.steps() if s > restore_step]
+        if later:
+            raise ValueError(
+                f"restore_step={restore_step} with a trainer, but checkpoints {later} exist after it: "
+                "training from there would mix two runs in one model dir. Copy the checkpoint to a new "
+                "model dir, or delete the later checkpoints first."
+            )
 
     def restore(self, step: int | None = None) -> int | None:
         """Restore checkpoint ``step`` (``None``: the latest); return the restored step or None.

@@ -36,7 +36,7 @@ def _jsonable(metrics: Mapping[str, Any]) -> dict[str, Any]:
 class BestCheckpointExporter:
     """An eval action: when ``metric`` improves, the checkpoint of that step becomes ``best/``.
 
-    ``best_dir`` (normally ``MODEL_DIR/best``) holds exactly one committed checkpoint
+    ``best_dir`` (normally ``MODEL_DIR/best``) holds one committed checkpoint
     (``best/ckpt-<step>/``, written through the same commit protocol as every checkpoint, so a
     crash never leaves a half-written best) whose ``state.json`` records the best (``metric``,
     ``value``, ``step``, all eval ``metrics``), plus ``best/best.json`` with the same record for
@@ -48,7 +48,9 @@ class BestCheckpointExporter:
 
     **Restarts.** The best value is read back from the committed best checkpoint when the action
     is built, so a restarted run (or sidecar) never replaces a better model with a worse one; an
-    equal value is not an improvement.
+    equal value is not an improvement. The new best is committed before the old one is deleted;
+    after a crash between the two, the better-valued record wins. A step that is already the
+    best, re-evaluated with a better score, keeps its record (it is the same model).
 
     Args:
       best_dir: where the best checkpoint lives (local path or fsspec URL).
@@ -69,7 +71,9 @@ class BestCheckpointExporter:
     ) -> None:
         self.best_dir = best_dir
         self.export_fn = export_fn
-        self.manager = CheckpointManager(best_dir, max_to_keep=1, storage_options=storage_options)
+        # Retention is done here, not by step order: a new best can be at a lower step than the
+        # old one (a resumed run re-evaluating), so "keep the newest step" would keep the wrong one.
+        self.manager = CheckpointManager(best_dir, max_to_keep=None, storage_options=storage_options)
         self._best = NewBestMetric(metric, higher_is_better)
         self._controller: Any = None
         self.record = self._read_record()
@@ -88,13 +92,18 @@ class BestCheckpointExporter:
         self._controller = controller
 
     def _read_record(self) -> dict[str, Any] | None:
-        step = self.manager.latest_step()
-        if step is None:
+        """The record of the best-valued committed checkpoint in ``best/`` (normally the only one;
+        a crash between committing a new best and deleting the old one leaves two)."""
+        records = []
+        for step in self.manager.steps():
+            record = self.manager.read_state(step)["state"].get(RECORD)
+            if not isinstance(record, dict) or not isinstance(record.get("value"), (int, float)):
+                raise CheckpointError(f"{self.manager.path(step)} has no best record in its state.json")
+            records.append(record)
+        if not records:
             return None
-        record = self.manager.read_state(step)["state"].get(RECORD)
-        if not isinstance(record, dict) or "value" not in record:
-            raise CheckpointError(f"{self.manager.path(step)} has no best record in its state.json")
-        return record
+        pick = max if self._best.higher_is_better else min
+        return pick(records, key=lambda r: r["value"])
 
     def __call__(self, metrics: dict[str, Any]) -> bool:
         """Commit ``best/`` when ``metrics`` hold a new best; return whether they did."""
@@ -104,6 +113,12 @@ class BestCheckpointExporter:
             return False
         step = self._controller.global_step
         value = self._best.metric_value(metrics)
+        if self.record is not None and self.record["step"] == step:
+            # The same step re-evaluated with a better score: the same model, already in best/.
+            # Its committed record is kept, so what a restart reads back never changes.
+            logger.info("step %d re-evaluated at %s=%.6g, better than its recorded %.6g: best/ keeps the record",
+                        step, self.record["metric"], value, self.record["value"])
+            return False
         record = {
             "metric": metric_name(self._best.metric),
             "value": value,
@@ -115,6 +130,9 @@ class BestCheckpointExporter:
         objects = self._checkpoint_objects(step)
         objects[RECORD] = JSONState(record)
         path = self.manager.save(step, objects)
+        for old in self.manager.steps():
+            if old != step:
+                self.manager.delete(old)
         self._best.commit(metrics)
         self.record = record
         self._write_best_json(record)

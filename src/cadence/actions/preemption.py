@@ -41,6 +41,7 @@ class SaveCheckpointIfPreempted:
         self.keep_running = keep_running
         self.exit_code = exit_code
         self.received: int | None = None
+        self._sigint = False
         self._saving = False
         self._controller: Any = None
         self._previous: dict[int, Any] = {}
@@ -56,11 +57,14 @@ class SaveCheckpointIfPreempted:
             logger.warning("SaveCheckpointIfPreempted: not in the main thread; signal handlers not installed")
             return
         for signum in self.signals:
-            self._previous[signum] = signal.signal(signum, self._handle)
+            previous = signal.signal(signum, self._handle)
+            self._previous.setdefault(signum, previous)  # attached twice: keep the originals
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGINT and self.received == signal.SIGINT and not self._saving:
-            raise KeyboardInterrupt
+        if signum == signal.SIGINT:
+            if self._sigint and not self._saving:
+                raise KeyboardInterrupt
+            self._sigint = True
         if self.received is None:
             self.received = signum
 
@@ -76,6 +80,7 @@ class SaveCheckpointIfPreempted:
         logger.warning("received %s: committed checkpoint %s at step %d", name, path, self._controller.global_step)
         if self.keep_running:
             self.received = None
+            self._sigint = False
             return
         raise SystemExit(self.exit_code)
 

@@ -248,6 +248,15 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - the save itself succeeded
                 logger.warning("could not delete checkpoint %s", self.path(step), exc_info=True)
 
+    def delete(self, step: int) -> None:
+        """Delete committed checkpoint ``step``: its manifest first (readers stop seeing it at
+        once), then its directory. Raises :class:`CheckpointError` when it is not committed or
+        this manager is a reader."""
+        step = _check_step(step)
+        self._require_writer("delete")
+        self._require_committed(step)
+        self._delete(step)
+
     def _delete(self, step: int) -> None:
         """Manifest first (readers stop seeing the checkpoint), then the directory."""
         self.storage.remove(self.storage.join(f"ckpt-{step}", MANIFEST_NAME))

@@ -115,7 +115,6 @@ class ModelExporter:
         export_model(unwrap_model(self.model), directory, self.formats, example_inputs=self.example_inputs,
                      metadata={**metadata, "step": step})
         self.files.clean_up()
-        logger.info("exported %s to %s", ", ".join(self.formats), directory)
         return directory
 
 

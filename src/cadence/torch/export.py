@@ -474,7 +474,7 @@ def export_model(
             for fmt in formats:
                 start = time.perf_counter()
                 infos[fmt] = {"file": FILES[fmt], **_WRITERS[fmt](job, stage)}
-                log.info("exported %s in %.2f s", fmt, time.perf_counter() - start)
+                log.debug("exported %s in %.2f s", fmt, time.perf_counter() - start)
             files = sorted(os.listdir(stage)) + [METADATA_FILE]
             meta = _metadata(job, infos, files, extra)
             with open(os.path.join(stage, METADATA_FILE), "w", encoding="utf-8") as f:
