@@ -21,7 +21,7 @@ demo: $(STAMP)
 	rm -rf runs/digits
 	$(BIN)/cadence train examples/digits/config.yaml --model-dir runs/digits
 	$(BIN)/cadence ls runs/digits
-	@echo "Results in runs/digits: checkpoints/, train/ and eval/ (TensorBoard: tensorboard --logdir runs/digits)"
+	@echo "Results in runs/digits: checkpoints/, best/, export/best/, train/ and eval/ (TensorBoard: tensorboard --logdir runs/digits)"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

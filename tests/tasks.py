@@ -65,3 +65,10 @@ class TinyTask(Task):
         x, y = batch
         logits = model(x)
         return {"loss": F.cross_entropy(logits, y), "accuracy": (logits.argmax(1) == y).float().mean()}
+
+
+class NoExampleTask(TinyTask):
+    """TinyTask without example inputs (the Task default raises NotImplementedError)."""
+
+    def example_inputs(self):
+        return Task.example_inputs(self)

@@ -12,38 +12,7 @@ import pytest
 from cadence import CheckpointError, Controller
 from cadence.actions.best_checkpoint import BEST_JSON, BestCheckpointExporter
 from cadence.checkpoint import CheckpointManager
-
-MODEL_FILE = "model.bin"
-
-
-class FakeTrainer:
-    """Counts steps; its "model state" is the sum of the steps seen, written to ``model.bin``."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.value = 0
-
-    @property
-    def global_step(self) -> int:
-        return self.step
-
-    def train(self, num_steps: int):
-        for _ in range(num_steps):
-            self.step += 1
-            self.value += self.step
-        return {"loss": 1.0 / self.step}
-
-    def model_bytes(self) -> bytes:
-        return json.dumps({"step": self.step, "value": self.value}).encode()
-
-    def save_checkpoint(self, writer):
-        writer.write(MODEL_FILE, self.model_bytes())
-        return {"global_step": self.step}
-
-    def load_checkpoint(self, reader, state):
-        model = json.loads(reader.read(MODEL_FILE))
-        self.step, self.value = model["step"], model["value"]
-        assert state["global_step"] == self.step
+from fakes import MODEL_FILE, FakeTrainer
 
 
 class FakeEvaluator:

@@ -12,40 +12,7 @@ import pytest
 from cadence import CheckpointError, Controller, StopTraining
 from cadence.checkpoint import CheckpointManager
 from cadence.summary import read_metrics
-
-
-class FakeTrainer:
-    """Counts steps; ``data`` limits the number of steps available (None: endless)."""
-
-    def __init__(self, data: int | None = None) -> None:
-        self.step = 0
-        self.data = data
-        self.requests: list[int] = []
-        self.initialized = 0
-        self.value = 0.0  # "model state": sum of steps seen
-
-    @property
-    def global_step(self) -> int:
-        return self.step
-
-    def train(self, num_steps: int):
-        self.requests.append(num_steps)
-        n = num_steps if self.data is None else max(0, min(num_steps, self.data - self.step))
-        for _ in range(n):
-            self.step += 1
-            self.value += self.step
-        return {"loss": 1.0 / self.step if self.step else 0.0}
-
-    def initialize(self) -> None:
-        self.initialized += 1
-
-    def save_checkpoint(self, writer):
-        writer.write("model.bin", json.dumps(self.value).encode())
-        return {"global_step": self.step}
-
-    def load_checkpoint(self, reader, state):
-        self.value = json.loads(reader.read("model.bin"))
-        self.step = state["global_step"]
+from fakes import MODEL_FILE, FakeTrainer
 
 
 class FakeEvaluator:
@@ -61,7 +28,7 @@ class FakeEvaluator:
         return {"accuracy": self.metric(step)}
 
     def load_checkpoint(self, reader, state):
-        self.loaded.append(json.loads(reader.read("model.bin")))
+        self.loaded.append(json.loads(reader.read(MODEL_FILE))["value"])
 
 
 class Recorder:

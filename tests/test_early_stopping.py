@@ -12,34 +12,9 @@ import pytest
 from cadence import Controller
 from cadence.actions import EarlyStopping
 from cadence.checkpoint import CheckpointManager
+from fakes import FakeTrainer
 
 ES_KEY = "eval_actions/0/EarlyStopping"
-
-
-class FakeTrainer:
-    """Counts steps; its "model state" is the sum of the steps seen, written to ``model.bin``."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.value = 0
-
-    @property
-    def global_step(self) -> int:
-        return self.step
-
-    def train(self, num_steps: int):
-        for _ in range(num_steps):
-            self.step += 1
-            self.value += self.step
-        return {"loss": 1.0 / self.step}
-
-    def save_checkpoint(self, writer):
-        writer.write("model.bin", json.dumps(self.value).encode())
-        return {"global_step": self.step}
-
-    def load_checkpoint(self, reader, state):
-        self.value = json.loads(reader.read("model.bin"))
-        self.step = state["global_step"]
 
 
 class FakeEvaluator:

@@ -14,6 +14,7 @@ import pytest
 from cadence import CheckpointError, Controller
 from cadence.actions import SaveCheckpointIfPreempted
 from cadence.checkpoint import CheckpointManager
+from fakes import MODEL_FILE, FakeTrainer
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -30,45 +31,6 @@ def restore_handlers():
 
 def kill(sig: int) -> None:
     os.kill(os.getpid(), sig)
-
-
-class FakeTrainer:
-    """Counts steps; ``on_step[n]`` is called when the step reaches n, ``on_save[n]`` while the
-    checkpoint at step n is being written (between its model file and its return)."""
-
-    def __init__(self, on_step=None, on_save=None) -> None:
-        self.step = 0
-        self.value = 0
-        self.on_step = dict(on_step or {})
-        self.on_save = dict(on_save or {})
-        self.saves: list[int] = []
-
-    @property
-    def global_step(self) -> int:
-        return self.step
-
-    def train(self, num_steps: int):
-        for _ in range(num_steps):
-            self.step += 1
-            self.value += self.step
-            hook = self.on_step.pop(self.step, None)
-            if hook is not None:
-                hook()
-        return {"loss": 1.0 / self.step}
-
-    def save_checkpoint(self, writer):
-        writer.write("model.bin", json.dumps(self.value).encode())
-        hook = self.on_save.pop(self.step, None)
-        if hook is not None:
-            hook()
-        writer.write("extra.bin", json.dumps(self.step).encode())
-        self.saves.append(self.step)
-        return {"global_step": self.step}
-
-    def load_checkpoint(self, reader, state):
-        self.value = json.loads(reader.read("model.bin"))
-        self.step = state["global_step"]
-        assert json.loads(reader.read("extra.bin")) == self.step
 
 
 def ckpt_manager(tmp_path: Path, **kw) -> CheckpointManager:
@@ -89,7 +51,7 @@ def assert_verifies(tmp_path: Path, step: int) -> None:
     """Checkpoint ``step`` is committed, its files match the manifest, and it restores."""
     manager = ckpt_manager(tmp_path, writer=False)
     reader, state = manager.read(step)
-    assert set(reader.names()) == {"model.bin", "extra.bin", "state.json"}
+    assert set(reader.names()) == {MODEL_FILE, "extra.bin", "state.json"}
     fresh = FakeTrainer()
     assert manager.restore({"trainer": fresh}, step) == step
     assert (fresh.step, fresh.value) == (step, sum_to(step))

@@ -97,6 +97,8 @@ class Controller:
       restore_step: the checkpoint restored on construction. ``None``: the latest committed one
         (a corrupt one is reported and skipped, falling back to the previous); an int: exactly that
         step (missing or corrupt raises :class:`~cadence.errors.CheckpointError`).
+      restore: False restores nothing on construction (nor calls ``initialize()``): a continuous
+        evaluator restores each checkpoint itself. :attr:`restored_step` is then None.
       progress: show progress (a bar on a terminal, periodic lines otherwise). ``None``: on,
         except in processes of a non-zero ``RANK``.
 
@@ -122,6 +124,7 @@ class Controller:
         eval_actions: Iterable[Action] = (),
         *,
         restore_step: int | None = None,
+        restore: bool = True,
         progress: bool | None = None,
     ) -> None:
         if trainer is None and evaluator is None:
@@ -164,7 +167,7 @@ class Controller:
                 if callable(attach):
                     attach(self)
             self._check_branch(restore_step)
-            self.restored_step = self.restore(restore_step)
+            self.restored_step = self.restore(restore_step) if restore else None
         except BaseException:
             self.close()  # e.g. signal handlers installed by attach()
             raise
@@ -366,10 +369,58 @@ class Controller:
         self._run_actions(self.eval_actions, metrics)
         return metrics
 
+    def evaluate_continuously(
+        self,
+        steps: int = -1,
+        timeout: float | None = None,
+        timeout_fn: Callable[[], bool] | None = None,
+        *,
+        mode: str = "latest",
+        poll_interval: float = 1.0,
+    ) -> dict[str, Any] | None:
+        """Evaluate checkpoints as they are committed; return the last evaluation's metrics.
+
+        Orbit's contract: waits for new checkpoints, polling every ``poll_interval`` seconds;
+        ``mode="latest"`` evaluates the newest one each time (checkpoints written during a slow
+        evaluation are skipped), ``mode="every"`` each one in step order. After ``timeout``
+        seconds without a new checkpoint, ``timeout_fn()`` decides: True (or no ``timeout_fn``)
+        stops, False keeps waiting; ``timeout=None`` waits for ever. Unlike Orbit, it also stops
+        once the final checkpoint (``checkpoints/FINAL``) has been evaluated. A checkpoint that
+        cannot be read is reported and skipped. Returns None when nothing was evaluated.
+
+        For a separate evaluator process with leases, progress that survives restarts and
+        retries, use :class:`cadence.sidecar.SidecarEvaluator`.
+
+        Raises:
+          ValueError: no evaluator or no checkpoint manager.
+        """
+        from cadence.checkpoint.watcher import CheckpointWatcher
+
+        self._require("evaluator", "evaluate_continuously")
+        self._require("checkpoint_manager", "evaluate_continuously")
+        watcher = CheckpointWatcher(self.checkpoint_manager, mode=mode, poll_interval=poll_interval,
+                                    timeout=timeout, timeout_fn=timeout_fn)
+        output = None
+        for step in watcher:
+            try:
+                self.restore(step)
+            except CheckpointError as e:
+                logger.warning("skipping checkpoint %d: %s", step, e)
+                continue
+            output = self.evaluate(steps)
+        logger.info("evaluate_continuously: stopped (%s) after step %s", watcher.stop_reason, watcher.after)
+        return output
+
     # ------------------------------------------------------------------ both
 
     def train_and_evaluate(
-        self, train_steps: int | None = None, eval_steps: int = -1, eval_interval: int | None = None
+        self,
+        train_steps: int | None = None,
+        eval_steps: int = -1,
+        eval_interval: int | None = None,
+        *,
+        throttle_secs: float = 0.0,
+        start_delay_secs: float = 0.0,
     ) -> dict[str, Any]:
         """Alternate training and evaluation; return the last evaluation's metrics.
 
@@ -379,6 +430,11 @@ class Controller:
           eval_interval: evaluate whenever the global step reaches a multiple of it (segments are
             cut at absolute multiples, so resumed runs evaluate at the same steps). ``None``:
             evaluate once, at the end.
+          throttle_secs: tf.estimator's ``EvalSpec.throttle_secs``: an evaluation due less than
+            this many seconds after the previous one started is skipped. 0: never skipped.
+          start_delay_secs: tf.estimator's ``EvalSpec.start_delay_secs``: evaluations due in the
+            first this many seconds of the call are skipped. 0: none. The final evaluation is
+            never skipped by either (tf.estimator also always evaluates after the last step).
 
         Each segment ends with an evaluation, *then* the checkpoint due at that step (interval or
         final), so a checkpoint at step N holds the eval actions' state after the evaluation at
@@ -392,10 +448,23 @@ class Controller:
         _check_interval("eval_interval", eval_interval)
         self.stop_reason = None
         self._reopen_if_final(train_steps)
+        if throttle_secs < 0 or start_delay_secs < 0:
+            raise ValueError(f"throttle_secs and start_delay_secs must be >= 0, got {throttle_secs}, {start_delay_secs}")
+        started = time.monotonic()
+        last_eval: list[float] = []  # when the last evaluation of this call started
+
+        def evaluate() -> dict[str, Any]:
+            last_eval[:] = [time.monotonic()]
+            return self.evaluate(eval_steps)
+
+        def throttled() -> bool:
+            now = time.monotonic()
+            return now - started < start_delay_secs or bool(last_eval and now - last_eval[0] < throttle_secs)
+
         output: dict[str, Any] | None = None
         step = self.global_step
         if eval_interval is not None and step > 0 and step % eval_interval == 0 and self.last_eval_step != step:
-            output = self.evaluate(eval_steps)
+            output = evaluate()
         over = (train_steps is not None and step >= train_steps) or self.stop_reason is not None
         with self._progress(train_steps) as progress:
             while not over:
@@ -406,13 +475,16 @@ class Controller:
                     target = boundary if target is None else min(target, boundary)
                 over = self._train_until(target, progress, until_exhausted=train_steps is None, defer_save=True)
                 over = over or (train_steps is not None and self.global_step >= train_steps)
-                output = self.evaluate(eval_steps)
+                if over or not throttled():
+                    output = evaluate()
+                else:
+                    logger.info("evaluation at step %d skipped (start_delay_secs / throttle_secs)", self.global_step)
                 over = over or self.stop_reason is not None
                 if self._save_pending and not over:
                     self.save_checkpoint()
                 self._save_pending = False
-        if output is None:
-            output = self.evaluate(eval_steps)
+        if output is None or self.last_eval_step != self.global_step:
+            output = evaluate()
         self._complete()
         return output
 
