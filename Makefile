@@ -19,9 +19,11 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	rm -rf runs/digits
-	$(BIN)/cadence train examples/digits/config.yaml --model-dir runs/digits
+	# The trainer and a sidecar evaluator, two processes on one model dir.
+	$(BIN)/cadence launch examples/digits/config.yaml --sidecar --model-dir runs/digits
 	$(BIN)/cadence ls runs/digits
-	@echo "Results in runs/digits: checkpoints/, best/, export/best/, train/ and eval/ (TensorBoard: tensorboard --logdir runs/digits)"
+	@echo "Results in runs/digits: checkpoints/, best/, export/best/, train/, eval/ (evaluations.jsonl)."
+	@echo "TensorBoard: $(BIN)/tensorboard --logdir runs/digits"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -23,14 +23,16 @@ class TinyTask(Task):
     """An 8-16-2 MLP with dropout (so RNG state matters) on a shuffled, resumable loader.
 
     ``step_sleep`` slows each step down so a test can kill the process mid-run.
+    ``eval_sleep`` slows each validation batch down (a slow sidecar).
     ``poison_index`` puts a NaN into that training sample (and turns shuffling off, so the step
     that meets it is known): its batch gives a NaN loss.
     """
 
     def __init__(self, step_sleep: float = 0.0, batch_size: int = 8, n: int = 200,
-                 poison_index: int | None = None) -> None:
+                 poison_index: int | None = None, eval_sleep: float = 0.0) -> None:
         super().__init__()
         self.step_sleep = step_sleep
+        self.eval_sleep = eval_sleep
         self.batch_size = batch_size
         self.train_set = synthetic(n, seed=1)
         self.val_set = synthetic(64, seed=2)
@@ -62,6 +64,8 @@ class TinyTask(Task):
         return F.cross_entropy(model(x), y)
 
     def validation_step(self, model, batch):
+        if self.eval_sleep:
+            time.sleep(self.eval_sleep)
         x, y = batch
         logits = model(x)
         return {"loss": F.cross_entropy(logits, y), "accuracy": (logits.argmax(1) == y).float().mean()}

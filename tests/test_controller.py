@@ -533,3 +533,32 @@ def test_training_from_an_older_checkpoint_than_the_latest_is_refused(tmp_path):
     c = Controller(evaluator=FakeEvaluator(), checkpoint_manager=manager(tmp_path, writer=False), restore_step=5,
                    progress=False)
     assert c.global_step == 5
+
+
+def test_throttle_and_start_delay_skip_evaluations_but_never_the_final(monkeypatch):
+    import cadence.controller as controller_module
+
+    now = [0.0]
+    monkeypatch.setattr(controller_module.time, "monotonic", lambda: now[0])
+
+    class Clocked(FakeTrainer):
+        def train(self, num_steps):
+            now[0] += num_steps  # one "second" per step
+            return super().train(num_steps)
+
+    t = Clocked()
+    ev = FakeEvaluator(t)
+    Controller(trainer=t, evaluator=ev, steps_per_loop=5, progress=False).train_and_evaluate(
+        train_steps=40, eval_interval=5, throttle_secs=12)
+    # due at 5, 10, ...: at most one per 12 "seconds", and always the last one
+    assert [s for s, _ in ev.calls] == [5, 20, 35, 40]
+
+    now[0] = 0.0
+    t2 = Clocked()
+    ev2 = FakeEvaluator(t2)
+    Controller(trainer=t2, evaluator=ev2, steps_per_loop=5, progress=False).train_and_evaluate(
+        train_steps=30, eval_interval=5, start_delay_secs=18)
+    assert [s for s, _ in ev2.calls] == [20, 25, 30]
+    with pytest.raises(ValueError, match="throttle_secs"):
+        Controller(trainer=FakeTrainer(), evaluator=FakeEvaluator(), steps_per_loop=5,
+                   progress=False).train_and_evaluate(10, throttle_secs=-1)

@@ -37,6 +37,9 @@ _EXPORTS = {
     "RecoveryAction": "cadence.actions",
     "SaveCheckpointIfPreempted": "cadence.actions",
     "BestCheckpointExporter": "cadence.actions",
+    "SidecarEvaluator": "cadence.sidecar",
+    "train_and_evaluate": "cadence.cluster",
+    "resolve_role": "cadence.cluster",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -68,6 +71,7 @@ if TYPE_CHECKING:  # pragma: no cover
         SaveCheckpointIfPreempted,
     )
     from cadence.checkpoint import CheckpointManager
+    from cadence.cluster import resolve_role, train_and_evaluate
     from cadence.config import ExperimentConfig, load_config
     from cadence.controller import Controller
     from cadence.errors import (
@@ -81,4 +85,5 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from cadence.progress import ProgressReporter
     from cadence.runner import Evaluator, Trainer
+    from cadence.sidecar import SidecarEvaluator
     from cadence.summary import SummaryWriter

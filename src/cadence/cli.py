@@ -2,7 +2,9 @@
 
     cadence train CONFIG [--model-dir DIR] [--set key=value ...]
     cadence evaluate CONFIG --model-dir DIR [--checkpoint STEP] [--set key=value ...]
+    cadence evaluate CONFIG --model-dir DIR --continuous [--mode every|latest] [--timeout S] ...
     cadence export MODEL_DIR [--checkpoint best|latest|STEP] --format FORMAT [--out DIR]
+    cadence launch CONFIG --sidecar [--model-dir DIR] [--set key=value ...]
     cadence ls MODEL_DIR
 
 Exit status: 0 success; 1 a run failed (the message says why); 2 bad input (config, override,
@@ -17,13 +19,13 @@ import json
 import logging
 import math
 import sys
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from cadence import __version__
+from cadence import __version__, layout
 from cadence.errors import CadenceError, ConfigError
 
 logger = logging.getLogger("cadence")
@@ -52,6 +54,22 @@ def _parser() -> argparse.ArgumentParser:
     add_config_args(evaluate, model_dir_required=True)
     evaluate.add_argument("--checkpoint", type=int, default=None, metavar="STEP",
                           help="the checkpoint's step (default: the latest committed)")
+    evaluate.add_argument("--continuous", action="store_true",
+                          help="run as the sidecar evaluator: evaluate checkpoints as the trainer commits them")
+    evaluate.add_argument("--mode", choices=["every", "latest"], default=None,
+                          help="with --continuous: every checkpoint in order, or only the newest (sidecar.mode)")
+    evaluate.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                          help="with --continuous: stop after this long without a new checkpoint (sidecar.timeout)")
+    evaluate.add_argument("--max-evaluations", type=int, default=None, metavar="N",
+                          help="with --continuous: stop after N evaluations (sidecar.max_evaluations)")
+    evaluate.add_argument("--name", default=None, help="with --continuous: write to eval_<name>/ (sidecar.name)")
+
+    launch = sub.add_parser("launch", help="train with a sidecar evaluator, as two processes on this machine")
+    add_config_args(launch, model_dir_required=False)
+    launch.add_argument("--sidecar", action="store_true",
+                        help="start the trainer and a continuous evaluator; stream both with a prefix")
+    launch.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
+                        help="seconds between SIGTERM and SIGKILL when stopping them (default 30)")
 
     export = sub.add_parser("export", help="export a checkpoint as inference artefacts")
     export.add_argument("model_dir", help="model directory (its config.yaml builds the model)")
@@ -76,22 +94,77 @@ def _load(args: argparse.Namespace):
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     cfg = _load(args)
-    from cadence.torch.experiment import run_training
+    from cadence.cluster import resolve_role, train_and_evaluate
 
-    metrics = run_training(cfg, progress=False if args.no_progress else None)
-    shown = "  ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+    spec = resolve_role()
+    if spec.source != "default":
+        console.print(f"role: {spec.role} (from {spec.source})")
+    metrics = train_and_evaluate(cfg, role=spec, progress=False if args.no_progress else None)
+    if isinstance(metrics, Mapping) and "stop_reason" in metrics:  # the evaluator role ran the sidecar
+        print(json.dumps(metrics, default=str))
+        return 1 if metrics["stop_reason"] == "timeout" else 0
+    shown = "  ".join(f"{k}={_fmt(v)}" for k, v in (metrics or {}).items()) or "trained (no in-process evaluation)"
     console.print(f"[bold]done[/bold]: {shown}")
     console.print(f"model dir: {cfg.model_dir}  (cadence ls {cfg.model_dir}; tensorboard --logdir {cfg.model_dir})")
     return 0
 
 
 def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
+    sidecar_flags = {"sidecar.mode": args.mode, "sidecar.timeout": args.timeout,
+                     "sidecar.max_evaluations": args.max_evaluations, "sidecar.name": args.name}
+    given = [flag for flag, value in sidecar_flags.items() if value is not None]
+    if args.continuous:
+        args.overrides += [f"{flag}={json.dumps(sidecar_flags[flag])}" for flag in given]
+        return _cmd_sidecar(args, console)
+    if given:
+        raise ConfigError(f"--mode, --timeout, --max-evaluations and --name need --continuous (got {', '.join(given)})")
     cfg = _load(args)
     from cadence.torch.experiment import run_evaluation
 
     step, metrics = run_evaluation(cfg, args.checkpoint)
     print(json.dumps({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}))
     return 0
+
+
+def _cmd_sidecar(args: argparse.Namespace, console: Console) -> int:
+    if args.checkpoint is not None:
+        raise ConfigError("--checkpoint and --continuous exclude each other")
+    cfg = _load(args)
+    from cadence.sidecar import run_sidecar
+
+    result = run_sidecar(cfg)
+    print(json.dumps(result, default=str))
+    if result["stop_reason"] == "timeout":
+        console.print(f"[red]cadence: sidecar stopped:[/red] {result['message']}", highlight=False)
+        return 1
+    return 0
+
+
+def _cmd_launch(args: argparse.Namespace, console: Console) -> int:
+    if not args.sidecar:
+        raise ConfigError("launch: nothing to launch; add --sidecar")
+    cfg = _load(args)  # a bad config fails here (exit 2), before anything starts
+    if not cfg.model_dir:
+        raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
+    from cadence.checkpoint.leases import Leases
+    from cadence.launch import launch, launch_exit_code, sidecar_commands
+    from cadence.sidecar import lease_holder
+
+    leases = Leases(layout.checkpoints_dir(cfg.model_dir))
+    holder = lease_holder(cfg.sidecar.name)
+
+    def sidecar_ready() -> bool:  # its lease protects every checkpoint from the trainer's retention
+        return any(lease.holder == holder for lease in leases.active())
+
+    codes = launch(sidecar_commands(args.config, cfg.model_dir, args.overrides), env={"COLUMNS": "120"},
+                   stop_others_on_failure=["trainer"], grace_s=args.grace,
+                   start_when={"trainer": sidecar_ready})
+    for name, code in codes.items():
+        console.print(f"{name}: exit {code}")
+    if codes.get("sidecar") == 0:
+        console.print(f"evaluations: {layout.eval_dir(cfg.model_dir, cfg.sidecar.name)}/evaluations.jsonl; "
+                      f"cadence ls {cfg.model_dir}")
+    return launch_exit_code(codes)
 
 
 def _cmd_export(args: argparse.Namespace, console: Console) -> int:
@@ -167,7 +240,8 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-COMMANDS = {"train": _cmd_train, "evaluate": _cmd_evaluate, "export": _cmd_export, "ls": _cmd_ls}
+COMMANDS = {"train": _cmd_train, "evaluate": _cmd_evaluate, "launch": _cmd_launch, "export": _cmd_export,
+            "ls": _cmd_ls}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -48,6 +48,7 @@ __all__ = [
     "ExperimentConfig",
     "ExportConfig",
     "RecoveryConfig",
+    "SidecarConfig",
     "TaskConfig",
     "TrainerConfig",
     "config_from_dict",
@@ -154,6 +155,32 @@ class ExportConfig(_Model):
     )
     max_to_keep: int | None = Field(
         default=5, ge=0, strict=True, description="Newest exports kept; `null` keeps all."
+    )
+
+
+class SidecarConfig(_Model):
+    """The sidecar evaluator (`cadence evaluate --continuous`, `cadence launch --sidecar`)."""
+
+    mode: Literal["every", "latest"] = Field(
+        default="every", description="`every`: each committed checkpoint in step order; `latest`: jump to the newest."
+    )
+    timeout: float | None = Field(
+        default=3600.0, ge=0,
+        description="Stop after this many seconds without a new checkpoint (a dead trainer); `null`: wait for `FINAL`.",
+    )
+    poll_interval: float = Field(default=0.5, gt=0, description="Seconds between looks for new checkpoints.")
+    max_pending: int | None = Field(
+        default=8, ge=1, strict=True,
+        description="Unevaluated checkpoints protected from the trainer's retention; the oldest beyond it are skipped.",
+    )
+    max_evaluations: int | None = Field(
+        default=None, ge=1, strict=True, description="Stop after this many evaluations in total; `null`: no limit."
+    )
+    lease_ttl: float = Field(
+        default=60.0, gt=0, description="Seconds a lease lives without renewal (a killed sidecar's lease ends then)."
+    )
+    name: str | None = Field(
+        default=None, description="Write to `eval_<name>/` instead of `eval/` (several sidecars on one model dir)."
     )
 
 
@@ -266,6 +293,18 @@ class TrainerConfig(_Model):
     recovery: RecoveryConfig | None = Field(
         default=None, description="Roll back on a diverged loss; `null`: off (a NaN loss is only logged)."
     )
+    in_process_validation: bool = Field(
+        default=True,
+        description="Evaluate inside `cadence train`; `false`: only train (a sidecar evaluates the checkpoints).",
+    )
+    throttle_secs: float = Field(
+        default=0.0, ge=0,
+        description="tf.estimator's `throttle_secs`: skip an in-process evaluation due sooner than this after the previous one (never the final).",
+    )
+    start_delay_secs: float = Field(
+        default=0.0, ge=0,
+        description="tf.estimator's `start_delay_secs`: skip in-process evaluations due in the first this many seconds (never the final).",
+    )
     save_on_preemption: bool = Field(
         default=True,
         description="On SIGTERM, SIGUSR1 or SIGINT, commit a checkpoint at the end of the current loop and exit 0.",
@@ -318,6 +357,9 @@ class ExperimentConfig(_Model):
     trainer: TrainerConfig = Field(
         default_factory=TrainerConfig, description="The training loop's schedule and numerics."
     )
+    sidecar: SidecarConfig = Field(
+        default_factory=SidecarConfig, description="The sidecar evaluator's settings."
+    )
     export: ExportConfig | None = Field(
         default=None, description="Export inference artefacts; `null`: no exports during training."
     )
@@ -327,7 +369,7 @@ class ExperimentConfig(_Model):
     @model_validator(mode="before")
     @classmethod
     def _null_sections(cls, data: Any) -> Any:
-        return _none_to_empty(data, ("task", "trainer"))
+        return _none_to_empty(data, ("task", "trainer", "sidecar"))
 
     @model_validator(mode="after")
     def _export_on_best_needs_best_checkpoint(self) -> "ExperimentConfig":
@@ -530,6 +572,12 @@ _EXPECTED: dict[str, str] = {
     "export": "a mapping with optional 'formats', 'on', 'max_to_keep', or null",
     "export.formats": "a list of 'safetensors', 'torch_export', 'torchscript', 'onnx'",
     "export.on": "one of 'best', 'final', 'every_eval'",
+    "sidecar": "a mapping",
+    "sidecar.mode": "'every' or 'latest'",
+    "sidecar.timeout": "a number of seconds >= 0, or null",
+    "sidecar.max_pending": "an integer >= 1 or null",
+    "sidecar.max_evaluations": "an integer >= 1 or null",
+    "trainer.in_process_validation": "true or false",
 }
 
 

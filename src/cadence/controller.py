@@ -185,12 +185,16 @@ class Controller:
         return self._loop.last_eval_step
 
     def checkpoint_objects(self) -> dict[str, object]:
-        """What a checkpoint holds: the trainer (or lone evaluator), stateful actions, and the
-        controller's own state. Actions that write checkpoints elsewhere (``best/``) use it."""
+        """What a checkpoint holds: the trainer (or lone evaluator), the controller's own state,
+        and (with a trainer) stateful actions. Actions that write checkpoints elsewhere
+        (``best/``) use it. An evaluator-only controller leaves its actions' state alone: the
+        checkpoint's action states belong to the training run that saved them."""
         objects: dict[str, object] = {"controller": self._loop}
         runner = self.trainer if self.trainer is not None else self.evaluator
         if callable(getattr(runner, "load_checkpoint", None)):
             objects["trainer" if runner is self.trainer else "evaluator"] = runner
+        if self.trainer is None:  # actions' state belongs to the training run that saved it
+            return objects
         for kind, actions in (("train_actions", self.train_actions), ("eval_actions", self.eval_actions)):
             for i, action in enumerate(actions):
                 if _stateful(action):

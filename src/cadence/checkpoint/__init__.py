@@ -5,6 +5,7 @@ optimizers. See :class:`CheckpointManager` for the contract and DESIGN.md for th
 """
 
 from cadence.checkpoint.copy import JSONState, copy_objects
+from cadence.checkpoint.leases import Lease, LeaseKeeper, Leases
 from cadence.checkpoint.manager import FINAL_NAME, CheckpointManager
 from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.checkpoint.files import STATE_NAME
@@ -18,6 +19,9 @@ __all__ = [
     "CheckpointWriter",
     "FINAL_NAME",
     "JSONState",
+    "Lease",
+    "LeaseKeeper",
+    "Leases",
     "MANIFEST_NAME",
     "STATE_NAME",
     "Stateful",

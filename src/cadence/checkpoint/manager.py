@@ -5,7 +5,7 @@ Layout of the managed directory (the model dir's ``checkpoints/``)::
     ckpt-<step>/            one committed checkpoint: its files, state.json, MANIFEST.json (last)
     ckpt-<step>.tmp-<hex>/  a checkpoint being written (local disks); invisible, cleaned at start-up
     FINAL                   {"step": N, "time": ...}: training completed at step N
-    .leases/                readers' leases (see ``protected_steps``)
+    .leases/                readers' leases (not a checkpoint; see :mod:`cadence.checkpoint.leases`)
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from cadence.checkpoint import manifest as manifest_lib
 from cadence.checkpoint import retention
+from cadence.checkpoint.leases import Leases
 from cadence.checkpoint.files import STATE_NAME, DirectoryWriter, VerifiedReader
 from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.storage import Storage
@@ -30,6 +31,8 @@ FINAL_NAME = "FINAL"
 _COMMITTED = re.compile(r"ckpt-(0|[1-9][0-9]*)")
 _TEMP = re.compile(r"ckpt-(0|[1-9][0-9]*)\.tmp-[0-9a-f]+")
 _FINAL_TEMP = re.compile(re.escape(FINAL_NAME) + r"\.tmp-[0-9a-f]+")
+STALE_LEASE_GRACE = 3600.0
+"""Seconds a lease must have been expired before the writer's start-up clean-up removes its file."""
 
 
 def _cadence_version() -> str:
@@ -57,17 +60,26 @@ class CheckpointManager:
       keep_every_n_steps: also keep, for each multiple of n, the first checkpoint at or after it
         (see :func:`cadence.checkpoint.retention.kept_every_n`). None: no such checkpoints.
       storage_options: passed to fsspec.
-      protected_steps: called at each retention pass; the steps it returns are not deleted
-        (readers' leases).
+      protected_steps: called at each retention pass; the steps it returns are not deleted either
+        (on top of the readers' leases, which are always honoured; see below).
       writer: True for the one process that saves (the chief): it creates ``directory`` and cleans
         up after crashed saves -- temp dirs ``ckpt-N.tmp-*`` and ``ckpt-N/`` dirs without a
-        manifest. False for readers (sidecar evaluators, tools): nothing on disk is changed, and
-        :meth:`save`, :meth:`mark_final` and :meth:`clear_final` raise :class:`CheckpointError`.
+        manifest -- and removes lease files expired for more than :data:`STALE_LEASE_GRACE`
+        seconds (dead readers'; unexpired ones are never touched). False for readers (sidecar
+        evaluators, tools): nothing on disk is changed, and :meth:`save`, :meth:`mark_final` and :meth:`clear_final` raise :class:`CheckpointError`.
         There must be at most one writer per directory at a time.
 
     Each object saved or restored under a name is either *Checkpointable* (``save_checkpoint`` /
     ``load_checkpoint``) or *Stateful* (``state_dict`` / ``load_state_dict``), see
     :mod:`cadence.checkpoint.protocol`; the Checkpointable methods win when both exist.
+
+    Retention honours readers' leases: a checkpoint protected by an unexpired lease in
+    ``directory/.leases/`` (its ``reading`` step, or any step after its ``after``; see
+    :mod:`cadence.checkpoint.leases`, :attr:`leases`) is kept until the lease ends or is released.
+    Each retention pass reads them once (one listing of ``.leases/`` and one small read per lease);
+    when they, or ``protected_steps``, cannot be read, nothing is deleted that time (a warning is
+    logged). ``.leases/`` is not a checkpoint: listing, restoring and clean-up ignore it.
+    :meth:`delete` is an explicit request and ignores leases.
     """
 
     def __init__(
@@ -90,6 +102,7 @@ class CheckpointManager:
         self.protected_steps = protected_steps
         self.writer = writer
         self.storage = Storage(directory, storage_options)
+        self.leases = Leases(directory, storage_options=storage_options)
         if writer:
             self.storage.makedirs(self.storage.root)
             self._clean_up()
@@ -230,13 +243,23 @@ class CheckpointManager:
     # -- retention -----------------------------------------------------------------------------
 
     def _apply_retention(self, just_saved: int) -> None:
+        if self.max_to_keep is None:
+            return  # keeps everything: no need to read the leases
+        steps = self.steps()
         try:
-            protected = set(self.protected_steps()) if self.protected_steps is not None else set()
+            protected = self.leases.protected_steps(steps)
+        except Exception:  # noqa: BLE001 - unknown leases: delete nothing this time
+            logger.warning("could not read the readers' leases in %s; skipping retention this time",
+                           self.storage.url(self.leases.root), exc_info=True)
+            return
+        try:
+            if self.protected_steps is not None:
+                protected |= set(self.protected_steps())
         except Exception:  # noqa: BLE001 - unknown leases: delete nothing this time
             logger.warning("protected_steps failed; skipping retention this time", exc_info=True)
             return
         doomed = retention.steps_to_delete(
-            self.steps(),
+            steps,
             just_saved=just_saved,
             max_to_keep=self.max_to_keep,
             keep_every_n_steps=self.keep_every_n_steps,
@@ -410,7 +433,12 @@ class CheckpointManager:
             )
 
     def _clean_up(self) -> None:
-        """Remove what crashed saves left: temp dirs, ``ckpt-N/`` without manifest, FINAL temps."""
+        """Remove what crashed saves left: temp dirs, ``ckpt-N/`` without manifest, FINAL temps;
+        and the lease files of readers dead for more than :data:`STALE_LEASE_GRACE` seconds."""
+        try:
+            self.leases.remove_expired(grace=STALE_LEASE_GRACE)
+        except Exception:  # noqa: BLE001 - stale leases protect nothing anyway
+            logger.warning("could not clean up stale leases in %s", self.storage.url(self.leases.root), exc_info=True)
         for name in self.storage.listdir(self.storage.root):
             path = self.storage.join(name)
             try:

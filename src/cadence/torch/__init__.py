@@ -24,7 +24,7 @@ from cadence.torch.state import (
 from cadence.torch.task import Task
 from cadence.torch.trainer import TorchTrainer, build_runners
 
-_EXPERIMENT = ("Run", "build_run", "build_task", "load_task_class", "run_evaluation", "run_training")
+_EXPERIMENT = ("Run", "build_run", "build_sidecar", "build_task", "load_task_class", "run_evaluation", "run_training")
 
 
 def __getattr__(name: str):  # the config-driven entry points, imported on first use

@@ -31,8 +31,8 @@ from cadence.torch.trainer import build_runners
 
 logger = logging.getLogger("cadence")
 
-__all__ = ["ModelExporter", "Run", "build_actions", "build_run", "build_task", "load_task_class",
-           "run_evaluation", "run_training"]
+__all__ = ["ModelExporter", "Run", "build_actions", "build_run", "build_sidecar", "build_task",
+           "load_task_class", "run_evaluation", "run_training"]
 
 
 def load_task_class(spec: str) -> type[Task]:
@@ -132,12 +132,14 @@ class ExportEveryEval:
         self.export(self._controller.global_step, {"metrics": metrics})
 
 
-def build_actions(cfg: ExperimentConfig, task: Task, model: Any, *, train: bool) -> tuple[list, list]:
+def build_actions(cfg: ExperimentConfig, task: Task, model: Any, *, train: bool,
+                  evaluate: bool = True) -> tuple[list, list]:
     """``(train_actions, eval_actions)`` from the config's ``trainer`` and ``export`` sections.
 
-    Train actions: NaN/loss-spike recovery, then saving on preemption (last, so a preemption
-    save sees the state after a recovery). Eval actions: best-checkpoint export (and its
-    inference export), exporting after every evaluation, then early stopping.
+    Train actions (``train``): NaN/loss-spike recovery, then saving on preemption (last, so a
+    preemption save sees the state after a recovery). Eval actions (``evaluate``): best-checkpoint
+    export (and its inference export), exporting after every evaluation, then early stopping
+    (only with ``train``: a sidecar cannot stop the trainer).
     """
     from cadence.actions import BestCheckpointExporter, EarlyStopping, RecoveryAction, SaveCheckpointIfPreempted
 
@@ -150,6 +152,8 @@ def build_actions(cfg: ExperimentConfig, task: Task, model: Any, *, train: bool)
         train_actions.append(RecoveryAction(r.loss_upper_bound, r.recovery_begin_steps, r.max_trials))
     if train and t.save_on_preemption:
         train_actions.append(SaveCheckpointIfPreempted())
+    if not evaluate:
+        return train_actions, eval_actions
     if t.best_checkpoint is not None:
         b = t.best_checkpoint
         export_fn = ModelExporter(cfg, task, model, "best") if export_on == "best" else None
@@ -198,7 +202,7 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
         grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate,
     )
     model = (trainer or evaluator).model
-    train_actions, eval_actions = build_actions(cfg, task, model, train=train) if train else ([], [])
+    train_actions, eval_actions = build_actions(cfg, task, model, train=train, evaluate=evaluate) if train else ([], [])
     manager = CheckpointManager(
         layout.checkpoints_dir(cfg.model_dir), max_to_keep=t.max_to_keep,
         keep_every_n_steps=t.keep_every_n_steps, writer=train,
@@ -220,12 +224,19 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     return Run(config=cfg, task=task, ctx=ctx, controller=controller, checkpoint_manager=manager, model=model)
 
 
-def run_training(cfg: ExperimentConfig, *, progress: bool | None = None) -> dict[str, Any]:
+def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
+                 in_process_validation: bool | None = None) -> dict[str, Any]:
     """``train_and_evaluate`` the experiment in this process; return the last eval metrics.
 
     Writes the resolved ``config.yaml`` into the model dir and resumes from its latest
     checkpoint if it has one. With ``export.on: final``, exports the final model.
+    ``in_process_validation`` (default: ``trainer.in_process_validation``): False only trains,
+    for a sidecar to evaluate; the result is then ``{}``.
     """
+    if in_process_validation is None:
+        in_process_validation = cfg.trainer.in_process_validation
+    if not in_process_validation:
+        return _train_only(cfg, progress)
     run = build_run(cfg, progress=progress)
     export_final = (
         ModelExporter(cfg, run.task, run.model, "final")
@@ -235,11 +246,49 @@ def run_training(cfg: ExperimentConfig, *, progress: bool | None = None) -> dict
     t = cfg.trainer
     with run.controller as controller:
         metrics = controller.train_and_evaluate(
-            train_steps=t.train_steps, eval_steps=t.validation_steps, eval_interval=t.validation_interval
+            train_steps=t.train_steps, eval_steps=t.validation_steps, eval_interval=t.validation_interval,
+            throttle_secs=t.throttle_secs, start_delay_secs=t.start_delay_secs,
         )
         if export_final is not None:
             export_final(controller.global_step, {"metrics": metrics})
     return metrics
+
+
+def _train_only(cfg: ExperimentConfig, progress: bool | None) -> dict[str, Any]:
+    """Train without evaluating (a sidecar evaluates the checkpoints); FINAL marks the end."""
+    if cfg.trainer.checkpoint_interval is None:
+        logger.warning("trainer.checkpoint_interval is null: a sidecar will only see the final checkpoint")
+    run = build_run(cfg, evaluate=False, progress=progress)
+    save_config(cfg, layout.config_path(cfg.model_dir))
+    with run.controller as controller:
+        controller.train(cfg.trainer.train_steps)
+    return {}
+
+
+def build_sidecar(cfg: ExperimentConfig) -> Any:
+    """A :class:`~cadence.sidecar.SidecarEvaluator` for the experiment: the task's torch
+    evaluator, the ``sidecar:`` settings, and the configured eval actions (best checkpoint and
+    its export, export on every evaluation). Early stopping needs the trainer's loop and is
+    ignored here, with a warning."""
+    from cadence.sidecar import SidecarEvaluator
+
+    if not cfg.model_dir:
+        raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
+    t, sc = cfg.trainer, cfg.sidecar
+    seed_everything(t.seed)
+    task = build_task(cfg)
+    ctx = Context.create(device=t.device, seed=t.seed)
+    _, evaluator = build_runners(task, ctx, precision=t.precision, train=False, evaluate=True)
+    _, eval_actions = build_actions(cfg, task, evaluator.model, train=False)
+    if t.early_stopping is not None:
+        logger.warning("trainer.early_stopping is ignored by the sidecar: only an in-process evaluation can stop training")
+    best = t.best_checkpoint
+    return SidecarEvaluator(
+        evaluator, cfg.model_dir, mode=sc.mode, steps=t.validation_steps, max_evaluations=sc.max_evaluations,
+        timeout=sc.timeout, poll_interval=sc.poll_interval, name=sc.name, eval_actions=eval_actions,
+        train_steps=t.train_steps, max_pending=sc.max_pending, lease_ttl=sc.lease_ttl,
+        best_metric=best.metric if best else None, higher_is_better=best.higher_is_better if best else True,
+    )
 
 
 def run_evaluation(cfg: ExperimentConfig, step: int | None = None) -> tuple[int, dict[str, Any]]:
