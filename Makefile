@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install demo test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Side-by-side measurements (peers installed from the bench extra); writes benchmarks/results/.
+bench: $(STAMP)
+	$(BIN)/pip install -q -e ".[bench]"
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run.py
 
 clean:
 	rm -rf $(VENV) runs build dist src/*.egg-info

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,13 +26,16 @@ class TinyTask(Task):
 
     ``step_sleep`` slows each step down so a test can kill the process mid-run.
     ``eval_sleep`` slows each validation batch down (a slow sidecar).
+    ``pid_dir`` gets a file ``rank<N>`` with each process's pid.
     ``poison_index`` puts a NaN into that training sample (and turns shuffling off, so the step
     that meets it is known): its batch gives a NaN loss.
     """
 
     def __init__(self, step_sleep: float = 0.0, batch_size: int = 8, n: int = 200,
-                 poison_index: int | None = None, eval_sleep: float = 0.0) -> None:
+                 poison_index: int | None = None, eval_sleep: float = 0.0, pid_dir: str | None = None) -> None:
         super().__init__()
+        if pid_dir is not None:  # lets a test signal one rank of a multi-process job
+            Path(pid_dir, f"rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
         self.step_sleep = step_sleep
         self.eval_sleep = eval_sleep
         self.batch_size = batch_size
@@ -51,8 +56,9 @@ class TinyTask(Task):
 
     def build_inputs(self, split, ctx):
         if split == "train":
-            return ResumableLoader(self.train_set, self.batch_size, shuffle=self.shuffle, seed=ctx.seed)
-        return DataLoader(self.val_set, batch_size=16)
+            return ResumableLoader(self.train_set, self.batch_size, shuffle=self.shuffle, seed=ctx.seed,
+                                   rank=ctx.rank, world_size=ctx.world_size, drop_last=ctx.world_size > 1)
+        return DataLoader(ctx.wrap_dataset(self.val_set), batch_size=16)
 
     def example_inputs(self):
         return (self.val_set.tensors[0][:4],)

@@ -302,7 +302,8 @@ def test_checkpoint_before_training_and_files():
     trainer, _ = make(Regression())
     reader, state = save(trainer)
     assert reader.names() == ["model.safetensors", "optimizer.pt"]
-    assert state["global_step"] == 0 and state["data"] is None and set(state["rng"]) >= {"python", "numpy", "torch"}
+    assert state["global_step"] == 0 and state["data"] is None
+    assert len(state["rng"]) == 1 and set(state["rng"][0]) >= {"python", "numpy", "torch"}  # one per rank
     trainer.train(2)
     _, state = save(trainer)
     assert state["data"] == {"kind": "stateful", "state": {"epoch": 0, "offset": 32}}

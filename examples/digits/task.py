@@ -45,10 +45,12 @@ class DigitsTask(Task):
 
     def build_inputs(self, split: str, ctx: Context):
         if split == "train":
-            # Endless, shuffled, resumable mid-epoch: the data position is checkpointed.
+            # Endless, shuffled, resumable mid-epoch, sharded over ranks: the data position is
+            # checkpointed in global samples, so a run can resume on another number of processes.
             return ResumableLoader(self.train_set, self.batch_size, shuffle=True, seed=ctx.seed,
-                                   rank=ctx.rank, world_size=ctx.world_size)
-        return DataLoader(self.val_set, batch_size=256)
+                                   rank=ctx.rank, world_size=ctx.world_size, drop_last=ctx.world_size > 1)
+        # Each rank evaluates its own unpadded shard; the metrics are reduced exactly across ranks.
+        return DataLoader(ctx.wrap_dataset(self.val_set), batch_size=256)
 
     def example_inputs(self) -> tuple[torch.Tensor]:
         """A batch of inputs, for exports that trace the model (torch.export, TorchScript, ONNX)."""

@@ -293,6 +293,10 @@ class TrainerConfig(_Model):
     recovery: RecoveryConfig | None = Field(
         default=None, description="Roll back on a diverged loss; `null`: off (a NaN loss is only logged)."
     )
+    async_checkpoint: bool = Field(
+        default=False,
+        description="Snapshot the state to memory at a save and commit it from a background thread (one save in flight).",
+    )
     in_process_validation: bool = Field(
         default=True,
         description="Evaluate inside `cadence train`; `false`: only train (a sidecar evaluates the checkpoints).",

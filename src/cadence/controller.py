@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Any, Callable, Iterable, Mapping
 
+from cadence.coordination import Coordinator, LocalCoordinator
 from cadence.errors import CheckpointError, StopTraining
 from cadence.progress import ProgressReporter
 from cadence.runner import Evaluator, Trainer
@@ -101,6 +102,11 @@ class Controller:
         evaluator restores each checkpoint itself. :attr:`restored_step` is then None.
       progress: show progress (a bar on a terminal, periodic lines otherwise). ``None``: on,
         except in processes of a non-zero ``RANK``.
+      coordinator: how the ranks of a multi-process job agree (``cadence.torch`` passes one on
+        ``torch.distributed``). ``None``: a single process. With several ranks, the chief (rank 0)
+        alone writes checkpoints, ``FINAL`` and summaries; no rank goes on past a save until it
+        is committed; a stop asked for on any rank (an action's :class:`StopTraining`) is agreed
+        at the end of the inner loop, so all ranks save and stop at the same step.
 
     On construction the controller restores a checkpoint if the manager has one (model, optimizer,
     data position, RNG, actions' state: whatever the trainer and actions save). When none exists,
@@ -126,6 +132,7 @@ class Controller:
         restore_step: int | None = None,
         restore: bool = True,
         progress: bool | None = None,
+        coordinator: Coordinator | None = None,
     ) -> None:
         if trainer is None and evaluator is None:
             raise ValueError("Controller needs a trainer, an evaluator, or both; got neither")
@@ -153,7 +160,8 @@ class Controller:
         self.summary_interval = summary_interval
         self.train_actions = list(train_actions)
         self.eval_actions = list(eval_actions)
-        self.progress = progress
+        self.coordinator: Coordinator = coordinator if coordinator is not None else LocalCoordinator()
+        self.progress = progress if self.coordinator.is_chief else False
         self._summary_dir = summary_dir
         self._eval_summary_dir = eval_summary_dir if eval_summary_dir is not None else summary_dir
         self._writers: dict[str, SummaryWriter] = {}
@@ -257,11 +265,24 @@ class Controller:
     def save_checkpoint(self) -> str | None:
         """Commit a checkpoint at the current global step (no-op without a manager).
 
-        Saving twice at the same step writes once. Returns the checkpoint's path.
+        A collective in a multi-process job: every rank calls it, the chief writes, all wait for
+        the commit. Saving twice at the same step writes once. Returns the checkpoint's path.
         """
         if self.checkpoint_manager is None:
             return None
-        return self.checkpoint_manager.save(self.global_step, self.checkpoint_objects())
+        self.prepare_checkpoint()
+        path = self.checkpoint_manager.path(self.global_step)
+        if self.coordinator.is_chief:
+            path = self.checkpoint_manager.save(self.global_step, self.checkpoint_objects())
+        self.coordinator.barrier()  # no rank goes on before the checkpoint is committed
+        return path
+
+    def prepare_checkpoint(self) -> None:
+        """Collective: let the trainer gather what the chief saves from every rank (its
+        ``prepare_checkpoint()``, e.g. each rank's RNG state). Called on all ranks before a save."""
+        prepare = getattr(self.trainer, "prepare_checkpoint", None)
+        if callable(prepare):
+            prepare()
 
     # ------------------------------------------------------------------ train
 
@@ -308,6 +329,9 @@ class Controller:
             start = time.perf_counter()
             logs = dict(self.trainer.train(requested) or {})
             elapsed = time.perf_counter() - start
+            raise_if_failed = getattr(self.checkpoint_manager, "raise_if_failed", None)
+            if callable(raise_if_failed):
+                raise_if_failed()  # an asynchronous save that failed surfaces at the next loop
             after = self.global_step
             advanced = after - before
             exhausted = until_exhausted and advanced < requested
@@ -325,6 +349,7 @@ class Controller:
                 self._write_summary("train", self._summary_dir, after, logs)
             progress.update(after, {k: v for k, v in logs.items() if k != "steps_per_second"})
             self._run_actions(self.train_actions, logs)
+            self._agree_on_stop()
             if self.global_step != after:  # an action rolled the trainer back: nothing to save
                 continue
             if self.checkpoint_manager is not None and _crossed(before, after, self.checkpoint_interval):
@@ -483,6 +508,7 @@ class Controller:
                     output = evaluate()
                 else:
                     logger.info("evaluation at step %d skipped (start_delay_secs / throttle_secs)", self.global_step)
+                self._agree_on_stop()
                 over = over or self.stop_reason is not None
                 if self._save_pending and not over:
                     self.save_checkpoint()
@@ -506,17 +532,24 @@ class Controller:
                 self.stop_reason = stop.reason
                 logger.info("stop requested at step %d: %s", self.global_step, stop.reason)
 
+    def _agree_on_stop(self) -> None:
+        """Collective (several ranks): a stop asked for on any rank stops every rank."""
+        if self.coordinator.world_size > 1 and self.coordinator.any(self.stop_reason is not None):
+            if self.stop_reason is None:
+                self.stop_reason = "stop requested on another rank"
+
     def _complete(self) -> None:
         """Save the final checkpoint and mark the run FINAL."""
         if self.checkpoint_manager is None:
             return
         self.save_checkpoint()
-        self.checkpoint_manager.mark_final(self.global_step)
+        if self.coordinator.is_chief:
+            self.checkpoint_manager.mark_final(self.global_step)
 
     def _reopen_if_final(self, target: int | None) -> None:
         """A run marked FINAL that trains further is no longer final: remove the marker."""
         manager = self.checkpoint_manager
-        if manager is None:
+        if manager is None or not self.coordinator.is_chief:
             return
         final = manager.final_step()
         if final is not None and (target is None or target > final):
@@ -526,7 +559,7 @@ class Controller:
         return ProgressReporter(total, initial_step=self.global_step, enabled=self.progress)
 
     def _write_summary(self, kind: str, logdir: str | None, step: int, metrics: Mapping[str, Any]) -> None:
-        if logdir is None:
+        if logdir is None or not self.coordinator.is_chief:
             return
         key = f"{kind}:{logdir}"
         if key not in self._writers:
@@ -536,14 +569,20 @@ class Controller:
         writer.flush()
 
     def close(self) -> None:
-        """Flush and close summary writers; call ``close()`` on actions that have one."""
-        for writer in self._writers.values():
-            writer.close()
-        self._writers.clear()
-        for action in (*self.train_actions, *self.eval_actions):
-            close = getattr(action, "close", None)
-            if callable(close):
-                close()
+        """Wait for a pending asynchronous checkpoint (raising its failure), flush and close
+        summary writers, and call ``close()`` on actions that have one -- the last two always."""
+        try:
+            close_manager = getattr(self.checkpoint_manager, "close", None)
+            if callable(close_manager):
+                close_manager()
+        finally:
+            for writer in self._writers.values():
+                writer.close()
+            self._writers.clear()
+            for action in (*self.train_actions, *self.eval_actions):
+                close = getattr(action, "close", None)
+                if callable(close):
+                    close()
 
     def __enter__(self) -> "Controller":
         return self

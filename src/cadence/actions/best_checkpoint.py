@@ -76,6 +76,7 @@ class BestCheckpointExporter:
         self.manager = CheckpointManager(best_dir, max_to_keep=None, storage_options=storage_options)
         self._best = NewBestMetric(metric, higher_is_better)
         self._controller: Any = None
+        self._chief = True
         self.record = self._read_record()
         if self.record is not None:
             self._best.load_state_dict(
@@ -90,6 +91,8 @@ class BestCheckpointExporter:
 
     def attach(self, controller: Any) -> None:
         self._controller = controller
+        coordinator = getattr(controller, "coordinator", None)
+        self._chief = coordinator is None or coordinator.is_chief
 
     def _read_record(self) -> dict[str, Any] | None:
         """The record of the best-valued committed checkpoint in ``best/`` (normally the only one;
@@ -127,29 +130,36 @@ class BestCheckpointExporter:
             "metrics": _jsonable(metrics),
             "time": time.time(),
         }
-        objects = self._checkpoint_objects(step)
-        objects[RECORD] = JSONState(record)
-        path = self.manager.save(step, objects)
-        for old in self.manager.steps():
-            if old != step:
-                self.manager.delete(old)
+        objects = self._checkpoint_objects(step)  # collective with live state (all ranks)
+        if self._chief:  # every rank took the same decision (metrics are reduced over ranks)
+            objects[RECORD] = JSONState(record)
+            path = self.manager.save(step, objects)
+            for old in self.manager.steps():
+                if old != step:
+                    self.manager.delete(old)
+            self._write_best_json(record)
+            logger.info("new best %s=%.6g at step %d: %s", record["metric"], value, step, path)
+            if self.export_fn is not None:
+                self.export_fn(step, record)
         self._best.commit(metrics)
         self.record = record
-        self._write_best_json(record)
-        logger.info("new best %s=%.6g at step %d: %s", record["metric"], value, step, path)
-        if self.export_fn is not None:
-            self.export_fn(step, record)
+        coordinator = getattr(self._controller, "coordinator", None)
+        if coordinator is not None:
+            coordinator.barrier()
         return True
 
     def _checkpoint_objects(self, step: int) -> dict[str, object]:
         source = self._controller.checkpoint_manager
         if source is not None and step in source.steps():
+            if not self._chief:
+                return {}
             reader, state = source.read(step)
             return copy_objects(reader, state)
         if self._controller.trainer is None:
             raise CheckpointError(
                 f"no committed checkpoint at step {step} to copy to {self.best_dir}, and no trainer state to save"
             )
+        self._controller.prepare_checkpoint()
         return dict(self._controller.checkpoint_objects())
 
     def _write_best_json(self, record: Mapping[str, Any]) -> None:

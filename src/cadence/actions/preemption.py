@@ -29,6 +29,9 @@ class SaveCheckpointIfPreempted:
     *before* the save starts raises ``KeyboardInterrupt`` at once -- a way out of a loop that
     will not end -- which loses only the steps since the last checkpoint.
 
+    In a multi-process job a signal received by *any* rank is agreed on at the end of the inner
+    loop: all ranks commit the same step and exit.
+
     Handlers can only be installed from the main thread; elsewhere a warning is logged and the
     action does nothing. :meth:`close` (called by ``Controller.close``) restores the previous
     handlers.
@@ -69,9 +72,15 @@ class SaveCheckpointIfPreempted:
             self.received = signum
 
     def __call__(self, output: dict[str, Any]) -> None:
-        if self.received is None or self._controller is None:
+        if self._controller is None:
             return
-        name = signal.Signals(self.received).name
+        coordinator = getattr(self._controller, "coordinator", None)
+        preempted = self.received is not None
+        if coordinator is not None and coordinator.world_size > 1:
+            preempted = coordinator.any(preempted)  # a signal to any rank preempts them all
+        if not preempted:
+            return
+        name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
         self._saving = True
         try:
             path = self._controller.save_checkpoint()

@@ -75,7 +75,11 @@ class RecoveryAction:
             raise KeyError(f"RecoveryAction: no {self.loss_key!r} in the train output; it has {sorted(output)}")
         loss = float(output[self.loss_key])
         step = self._controller.global_step
-        if not self.diverged(loss, step):
+        diverged = self.diverged(loss, step)
+        coordinator = getattr(self._controller, "coordinator", None)
+        if coordinator is not None and coordinator.world_size > 1:
+            diverged = coordinator.any(diverged)  # every rank rolls back together
+        if not diverged:
             return
         if self.trials >= self.max_trials:
             raise TrainingDivergedError(

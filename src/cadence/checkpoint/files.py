@@ -100,3 +100,36 @@ class VerifiedReader:
             return self._files[name]
         except KeyError:
             raise CheckpointError(f"checkpoint {self.path} has no file {name!r}; it has {self.names()}") from None
+
+
+class MemoryWriter:
+    """A :class:`~cadence.checkpoint.protocol.CheckpointWriter` that keeps the files in memory:
+    the foreground half of an asynchronous save (a snapshot, written to disk later)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.files: dict[str, bytes] = {}
+
+    def write(self, name: str, data: bytes | bytearray | memoryview) -> None:
+        self.files[name] = bytes(data)
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[IO[bytes]]:
+        import io
+
+        buffer = io.BytesIO()
+        yield buffer
+        self.files[name] = buffer.getvalue()
+
+
+class Snapshot:
+    """An object's checkpoint captured at one moment: its files (bytes) and its JSON state."""
+
+    def __init__(self, files: Mapping[str, bytes], state: object) -> None:
+        self.files = dict(files)
+        self.state = state
+
+    def save_checkpoint(self, writer: object) -> object:
+        for name, data in self.files.items():
+            writer.write(name, data)  # type: ignore[attr-defined]
+        return self.state

@@ -10,17 +10,19 @@ Layout of the managed directory (the model dir's ``checkpoints/``)::
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
 import secrets
+import threading
 import time
 from typing import Any, Callable, Iterable, Mapping
 
 from cadence.checkpoint import manifest as manifest_lib
 from cadence.checkpoint import retention
 from cadence.checkpoint.leases import Leases
-from cadence.checkpoint.files import STATE_NAME, DirectoryWriter, VerifiedReader
+from cadence.checkpoint.files import STATE_NAME, DirectoryWriter, MemoryWriter, Snapshot, VerifiedReader
 from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.storage import Storage
 from cadence.errors import CheckpointError, CorruptCheckpointError
@@ -68,6 +70,12 @@ class CheckpointManager:
         seconds (dead readers'; unexpired ones are never touched). False for readers (sidecar
         evaluators, tools): nothing on disk is changed, and :meth:`save`, :meth:`mark_final` and :meth:`clear_final` raise :class:`CheckpointError`.
         There must be at most one writer per directory at a time.
+      async_save: :meth:`save` returns once the objects are snapshotted into memory; a
+        background thread writes and commits (same protocol). At most one save is in flight: the
+        next :meth:`save` waits for it. A failed background save is raised (as
+        :class:`CheckpointError`) by the next :meth:`save`, :meth:`wait` or
+        :meth:`raise_if_failed`. :meth:`close` (and interpreter exit: the thread is not a daemon)
+        waits for the pending commit.
 
     Each object saved or restored under a name is either *Checkpointable* (``save_checkpoint`` /
     ``load_checkpoint``) or *Stateful* (``state_dict`` / ``load_state_dict``), see
@@ -91,6 +99,7 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         protected_steps: Callable[[], Iterable[int]] | None = None,
         writer: bool = True,
+        async_save: bool = False,
     ) -> None:
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 0):
             raise ValueError(f"max_to_keep must be None or an int >= 0, got {max_to_keep!r}")
@@ -101,6 +110,9 @@ class CheckpointManager:
         self.keep_every_n_steps = keep_every_n_steps
         self.protected_steps = protected_steps
         self.writer = writer
+        self.async_save = async_save
+        self._pending: threading.Thread | None = None
+        self._pending_error: BaseException | None = None
         self.storage = Storage(directory, storage_options)
         self.leases = Leases(directory, storage_options=storage_options)
         if writer:
@@ -169,6 +181,48 @@ class CheckpointManager:
     # -- saving --------------------------------------------------------------------------------
 
     def save(self, step: int, objects: Mapping[str, object]) -> str:
+        """Commit checkpoint ``step`` holding ``objects`` and apply retention; return its path.
+
+        With ``async_save``, returns once ``objects`` are snapshotted; see the class doc.
+        """
+        if not self.async_save:
+            return self._save_now(step, objects)
+        self.wait()  # one save in flight at most; raises a previous failure
+        step = _check_step(step)
+        self._require_writer("save")
+        if self._has_manifest(f"ckpt-{step}"):
+            return self.path(step)
+        snapshot = _snapshot(step, objects)
+
+        def commit() -> None:
+            try:
+                self._save_now(step, snapshot)
+            except BaseException as e:  # noqa: BLE001 - surfaced by the next save/wait
+                self._pending_error = e
+
+        self._pending = threading.Thread(target=commit, name=f"cadence-save-{step}", daemon=False)
+        self._pending.start()
+        return self.path(step)
+
+    def wait(self) -> None:
+        """Block until an asynchronous save in flight is committed; raise its failure if it failed."""
+        pending = self._pending
+        if pending is not None:
+            pending.join()
+            self._pending = None
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        """Raise :class:`CheckpointError` if a finished asynchronous save failed (does not block)."""
+        error, self._pending_error = self._pending_error, None
+        if error is not None:
+            raise CheckpointError(f"asynchronous checkpoint save failed: {error}") from error
+
+    def close(self) -> None:
+        """Wait for a pending asynchronous save (raising its failure)."""
+        self.wait()
+
+    def _save_now(self, step: int, objects: Mapping[str, object]) -> str:
         """Commit checkpoint ``step`` holding ``objects`` and apply retention; return its path.
 
         Each object with ``save_checkpoint(writer)`` writes its files through the writer and its
@@ -275,6 +329,7 @@ class CheckpointManager:
         """Delete committed checkpoint ``step``: its manifest first (readers stop seeing it at
         once), then its directory. Raises :class:`CheckpointError` when it is not committed or
         this manager is a reader."""
+        self.wait()
         step = _check_step(step)
         self._require_writer("delete")
         self._require_committed(step)
@@ -307,6 +362,7 @@ class CheckpointManager:
         Errors raised by the objects' own loading (e.g. ``UnsafeCheckpointError``) propagate
         unchanged, with no fall-back.
         """
+        self.wait()
         for name, obj in objects.items():
             if not (hasattr(obj, "load_checkpoint") or hasattr(obj, "load_state_dict")):
                 raise TypeError(f"cannot restore {name!r}: {type(obj).__name__} has neither load_checkpoint nor load_state_dict")
@@ -387,6 +443,7 @@ class CheckpointManager:
 
         Raises :class:`CheckpointError` when ``step`` is not committed or this is a reader.
         """
+        self.wait()  # FINAL names a committed checkpoint
         step = _check_step(step)
         self._require_writer("mark_final")
         self._require_committed(step)
@@ -454,3 +511,19 @@ class CheckpointManager:
                 logger.warning("could not remove leftover %s", self.storage.url(path), exc_info=True)
                 continue
             logger.info("removed leftover of an interrupted save: %s", self.storage.url(path))
+
+
+def _snapshot(step: int, objects: Mapping[str, object]) -> dict[str, object]:
+    """Each object's checkpoint as of now (files in memory, state deep-copied), to commit later."""
+    snapshot: dict[str, object] = {}
+    for name, obj in objects.items():
+        save = getattr(obj, "save_checkpoint", None)
+        if save is not None:
+            memory = MemoryWriter(step)
+            state = save(memory)
+            snapshot[name] = Snapshot(memory.files, copy.deepcopy(state))
+        elif hasattr(obj, "state_dict"):
+            snapshot[name] = Snapshot({}, copy.deepcopy(obj.state_dict()))  # type: ignore[attr-defined]
+        else:
+            raise TypeError(f"cannot checkpoint {name!r}: {type(obj).__name__} has neither save_checkpoint nor state_dict")
+    return snapshot

@@ -6,8 +6,10 @@ Everything in cadence that imports torch lives in this package.
 from cadence.torch.batch import first_tensor, move_to_device
 from cadence.torch.context import Context
 from cadence.torch.data import ResumableLoader, ResumableSampler
+from cadence.torch.distributed import TorchCoordinator, init_distributed, rank_env, shutdown_distributed
 from cadence.torch.evaluator import TorchEvaluator
 from cadence.torch.export import FORMATS, ExportModel, export_model, load_exported
+from cadence.torch.metrics import TorchMetricsReducer
 from cadence.torch.precision import Precision, resolve_precision
 from cadence.torch.state import (
     get_rng_state,
@@ -43,20 +45,25 @@ __all__ = [
     "ResumableLoader",
     "ResumableSampler",
     "Task",
+    "TorchCoordinator",
     "TorchEvaluator",
+    "TorchMetricsReducer",
     "TorchTrainer",
     "build_runners",
     "export_model",
     "first_tensor",
     "get_rng_state",
+    "init_distributed",
     "load_exported",
     "load_model_safetensors",
     "load_torch_state",
     "model_to_safetensors",
     "move_to_device",
+    "rank_env",
     "resolve_precision",
     "seed_everything",
     "set_rng_state",
+    "shutdown_distributed",
     "state_dict_from_safetensors",
     "state_dict_to_safetensors",
     "torch_state_to_bytes",

@@ -99,7 +99,8 @@ class ResumableLoader:
     Built on ``torch.utils.data.DataLoader`` with a :class:`ResumableSampler`; ``batch_size`` is
     per rank. ``epochs=None`` repeats forever with a new permutation each epoch; ``epochs=k``
     stops after ``k`` passes. ``drop_last=True`` drops each epoch's incomplete global batch, so
-    that every rank yields the same number of batches (use it for multi-rank training).
+    that every rank yields the same number of batches (use it for multi-rank training), also
+    after resuming a position saved by another world size.
 
     It counts the batches *handed out* (not what workers prefetched): :meth:`state_dict` is
     ``{"epoch": e, "offset": global samples consumed in epoch e}``. Each ``iter()`` starts
@@ -201,7 +202,12 @@ class ResumableLoader:
             epoch, offset = self._epoch, self._offset
             self.sampler.set_epoch(epoch)
             self.sampler.set_offset(offset)
-            left = self._num_batches(len(self.sampler))
+            if self.drop_last:
+                # Whole global batches left: the same count on every rank, also when the offset
+                # was saved by another world size and is not a multiple of this one.
+                left = max(0, self.sampler.epoch_size - offset) // step
+            else:
+                left = self._num_batches(len(self.sampler))
             if left == 0:
                 if offset == 0:
                     return  # a whole epoch holds no batch for this rank: stop instead of spinning
@@ -227,5 +233,7 @@ class ResumableLoader:
                 yield batch
                 if generation != self._generation:
                     return
-            if left > 0:  # pragma: no cover - DataLoader yields exactly `left` batches
+                if left <= 0:  # with drop_last, this rank's sampler may hold a few more samples
+                    break
+            if left > 0:  # pragma: no cover - DataLoader yields at least `left` batches
                 self._epoch, self._offset = epoch + 1, 0

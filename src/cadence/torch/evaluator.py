@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Callable, Iterable, Mapping
 
@@ -10,8 +11,11 @@ import torch
 from torch import nn
 
 from cadence.checkpoint.protocol import CheckpointReader
+from cadence.coordination import LocalCoordinator
+from cadence.metrics import MetricReducer, merge_slot_states, slot_states
 from cadence.torch.batch import move_to_device
 from cadence.torch.context import Context
+from cadence.torch.metrics import TorchMetricsReducer, as_reducer
 from cadence.torch.precision import resolve_precision
 from cadence.torch.state import MODEL_FILE, RNGSnapshot, load_model_safetensors
 from cadence.torch.task import Task
@@ -19,6 +23,33 @@ from cadence.torch.task import Task
 
 def _overrides(task: Task, name: str) -> bool:
     return getattr(type(task), name) is not getattr(Task, name)
+
+
+def _host_sums(sums: dict[str, Any]) -> dict[str, float]:
+    """The running sums as Python floats (float64), with one host sync for all the tensors."""
+    out: dict[str, float] = {}
+    tensor_keys = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
+    if tensor_keys:
+        stacked = torch.stack([sums[k] for k in tensor_keys]).to("cpu", torch.float64).tolist()
+        out.update(zip(tensor_keys, stacked))
+    for k, v in sums.items():
+        if not isinstance(v, torch.Tensor):
+            out[k] = float(v)
+    return {k: out[k] for k in sums}  # first-seen order
+
+
+def _fsum(parts: list[float]) -> float:
+    try:
+        return math.fsum(parts)  # the ranks' partial sums, summed without rounding error
+    except (ValueError, OverflowError):  # inf - inf, overflow: as IEEE addition says
+        return float(sum(parts))
+
+
+def _plain(v: Any) -> Any:
+    """1-element tensors and numpy scalars as Python numbers."""
+    if (isinstance(v, torch.Tensor) and v.numel() == 1) or isinstance(v, np.generic):
+        return v.item()
+    return v
 
 
 class TorchEvaluator:
@@ -63,24 +94,52 @@ class TorchEvaluator:
         """Evaluate ``num_steps`` batches (``-1``: all of the validation data); return metrics.
 
         Scalar outputs of ``validation_step`` (numbers, 1-element tensors) are averaged weighted
-        by ``task.batch_size_of(batch)``; a key that is ever non-scalar is not averaged. If
-        the task overrides ``aggregate_logs``, every step's outputs go to it and
-        ``reduce_aggregated_logs(state, global_step)`` is merged into the result. The model's
-        train/eval modes and the global RNG states are restored afterwards, so evaluating
-        never changes what training does next.
+        by ``task.batch_size_of(batch)``; a key that is ever non-scalar is not averaged. Outputs
+        named in ``task.build_metrics()`` (fresh reducers for each evaluation) go to their reducer
+        instead. If the task overrides ``aggregate_logs``, every step's outputs go to it and
+        ``reduce_aggregated_logs(state, global_step)`` is merged into the result.
+
+        In a multi-process evaluation (``ctx.coordinator`` with ``world_size > 1``) each rank
+        evaluates its own shard (``num_steps`` batches of it); the weighted sums, the reducers'
+        states and the ``aggregate_logs`` states of all ranks are gathered in one ``all_gather``,
+        so every rank returns the same metrics, those of one process over the union of the shards
+        (exact with unpadded shards, e.g. ``ctx.wrap_dataset``). The ``aggregate_logs`` states
+        are merged by ``task.merge_aggregated_logs(states)`` (one per rank that ran a batch, in
+        rank order), which the task must define. An error on one rank is raised on every rank.
+
+        The model's train/eval modes and the global RNG states are restored afterwards, so
+        evaluating never changes what training does next.
         """
         if num_steps < -1:
             raise ValueError(f"num_steps must be -1 (all) or >= 0, got {num_steps}")
         task, device, autocast = self.task, self.ctx.device, self.precision.autocast
+        coordinator = getattr(self.ctx, "coordinator", None) or LocalCoordinator()
+        world_size = int(getattr(coordinator, "world_size", 1))
         aggregate = _overrides(task, "aggregate_logs")
+        merge_aggregated = getattr(task, "merge_aggregated_logs", None)
+        if aggregate and world_size > 1 and not callable(merge_aggregated):
+            raise TypeError(
+                f"{type(task).__name__} overrides aggregate_logs, whose state is per process: in an "
+                f"evaluation over {world_size} processes each rank aggregates only its own shard. Define "
+                f"{type(task).__name__}.merge_aggregated_logs(self, states) -> state, merging the states of "
+                f"all ranks (a list in rank order) before reduce_aggregated_logs, or compute these metrics "
+                f"with Task.build_metrics() reducers (e.g. cadence.metrics.Concat(fn=...)), which merge "
+                f"across processes by themselves"
+            )
+        # Running sums on the device (no host sync per step), float64 where the device has it.
+        acc_dtype = torch.float32 if device.type == "mps" else torch.float64
         sums: dict[str, Any] = {}
         weights: dict[str, int] = {}
         non_scalar: set[str] = set()
         agg_state: Any = None
+        reducers: dict[str, MetricReducer] = {}
         steps = 0
+        payload: dict[str, Any] = {}
+        failure: BaseException | None = None
         modes = [(m, m.training) for m in self.model.modules()]
         rng = RNGSnapshot()
         try:
+            reducers = self._build_reducers()
             self.model.eval()
             with torch.no_grad():
                 it = self._eval_iterator() if num_steps != 0 else iter(())
@@ -95,15 +154,20 @@ class TorchEvaluator:
                         )
                     bs = task.batch_size_of(batch)
                     for key, v in out.items():
+                        if key in reducers:
+                            if v is not None:  # None: nothing for this reducer in this batch
+                                reducers[key].update(v)
+                            continue
                         if key in non_scalar:
                             continue
                         if isinstance(v, torch.Tensor) and v.numel() == 1:
-                            v = v.detach().reshape(()).to(torch.float32) * bs
+                            v = v.detach().reshape(()).to(acc_dtype) * bs
                         elif isinstance(v, numbers.Real):
                             v = float(v) * bs
                         else:  # once non-scalar, never averaged (a last batch of 1 is not a scalar)
                             non_scalar.add(key)
                             sums.pop(key, None)
+                            weights.pop(key, None)
                             continue
                         if key in sums:
                             sums[key] = sums[key] + v
@@ -115,24 +179,85 @@ class TorchEvaluator:
                     steps += 1
                     if steps == num_steps:
                         break
+            payload = {
+                "sums": _host_sums(sums),
+                "weights": weights,
+                "non_scalar": sorted(non_scalar),
+                "steps": steps,
+                "reducers": slot_states(reducers),
+                "aggregated": move_to_device(agg_state, torch.device("cpu")) if aggregate and world_size > 1 else None,
+                "error": None,
+            }
+        except Exception as e:
+            if world_size == 1:
+                raise
+            failure = e  # still take part in the gather below, so that the other ranks do not hang
+            payload = {"error": f"{type(e).__name__}: {e}"}
         finally:
             for m, training in modes:
                 m.training = training
             rng.restore()
-        result: dict[str, Any] = {}
-        tensor_keys = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
-        if tensor_keys:
-            stacked = torch.stack([sums[k].to(device) for k in tensor_keys]).tolist()  # one host sync
-            result.update({k: s / weights[k] if weights[k] else float("nan") for k, s in zip(tensor_keys, stacked)})
-        for k, v in sums.items():
-            if not isinstance(v, torch.Tensor):
-                result[k] = v / weights[k] if weights[k] else float("nan")
-        if aggregate and steps:
-            reduced = task.reduce_aggregated_logs(agg_state, self.global_step)
+
+        gathered = coordinator.all_gather(payload) if world_size > 1 else [payload]
+        if failure is not None:
+            raise failure
+        failed = [(rank, p["error"]) for rank, p in enumerate(gathered) if p.get("error")]
+        if failed:
+            raise RuntimeError(
+                "evaluation failed on rank(s) " + ", ".join(f"{rank} ({err})" for rank, err in failed)
+            )
+        return self._merge(gathered, reducers, agg_state, merge_aggregated)
+
+    def _build_reducers(self) -> dict[str, MetricReducer]:
+        build = getattr(self.task, "build_metrics", None)
+        built = build() if callable(build) else {}
+        if built is None:
+            return {}
+        if not isinstance(built, Mapping):
+            raise TypeError(
+                f"{type(self.task).__name__}.build_metrics() must return a dict of name -> reducer, "
+                f"got {type(built).__name__}"
+            )
+        reducers: dict[str, MetricReducer] = {}
+        for name, obj in built.items():
+            r = as_reducer(obj, name=name)
+            if isinstance(r, TorchMetricsReducer):
+                r.to(self.ctx.device)
+            r.reset()  # fresh even if the task hands back the same instances each time
+            reducers[name] = r
+        return reducers
+
+    def _merge(
+        self,
+        gathered: list[dict[str, Any]],
+        reducers: dict[str, MetricReducer],
+        agg_state: Any,
+        merge_aggregated: Any,
+    ) -> dict[str, Any]:
+        """The metrics over all ranks, from every rank's payload (the same on every rank)."""
+        non_scalar = {k for p in gathered for k in p["non_scalar"]}
+        totals: dict[str, list[float]] = {}
+        counts: dict[str, int] = {}
+        for p in gathered:
+            for k, s in p["sums"].items():
+                if k in non_scalar:
+                    continue
+                totals.setdefault(k, []).append(s)
+                counts[k] = counts.get(k, 0) + p["weights"][k]
+        result: dict[str, Any] = {
+            k: _fsum(parts) / counts[k] if counts[k] else float("nan") for k, parts in totals.items()
+        }
+        total_steps = sum(p["steps"] for p in gathered)
+        if reducers and total_steps:
+            for k, v in merge_slot_states(reducers, [p["reducers"] for p in gathered]).items():
+                result[k] = _plain(v)
+        if _overrides(self.task, "aggregate_logs") and total_steps:
+            if len(gathered) > 1:
+                states = [p["aggregated"] for p in gathered if p["steps"]]
+                agg_state = merge_aggregated(states)
+            reduced = self.task.reduce_aggregated_logs(agg_state, self.global_step)
             for k, v in (reduced or {}).items():
-                if (isinstance(v, torch.Tensor) and v.numel() == 1) or isinstance(v, np.generic):
-                    v = v.item()
-                result[k] = v
+                result[k] = _plain(v)
         return result
 
     def load_checkpoint(self, reader: CheckpointReader, state: Mapping[str, Any] | None) -> None:

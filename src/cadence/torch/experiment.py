@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,11 +108,14 @@ class ModelExporter:
         self.files = ExportFileManager(
             layout.export_dir(cfg.model_dir, name), max_to_keep=cfg.export.max_to_keep, separator="/"
         )
+        self.chief = int(os.environ.get("RANK", "0")) == 0  # one process writes exports
 
     def __call__(self, step: int, metadata: Mapping[str, Any]) -> str:
         from cadence.torch.export import export_model
 
         directory = layout.export_dir(self.model_dir, self.name, step)
+        if not self.chief:
+            return directory
         export_model(unwrap_model(self.model), directory, self.formats, example_inputs=self.example_inputs,
                      metadata={**metadata, "step": step})
         self.files.clean_up()
@@ -203,9 +207,12 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     )
     model = (trainer or evaluator).model
     train_actions, eval_actions = build_actions(cfg, task, model, train=train, evaluate=evaluate) if train else ([], [])
-    manager = CheckpointManager(
+    coordinator = getattr(ctx, "coordinator", None)
+    chief = coordinator is None or coordinator.is_chief
+    manager = CheckpointManager(  # one writer: the chief; the other ranks only read
         layout.checkpoints_dir(cfg.model_dir), max_to_keep=t.max_to_keep,
-        keep_every_n_steps=t.keep_every_n_steps, writer=train,
+        keep_every_n_steps=t.keep_every_n_steps, writer=train and chief,
+        async_save=t.async_checkpoint and train,
     )
     controller = Controller(
         trainer=trainer,
@@ -220,6 +227,7 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
         eval_actions=eval_actions,
         restore_step=restore_step,
         progress=progress,
+        coordinator=coordinator,
     )
     return Run(config=cfg, task=task, ctx=ctx, controller=controller, checkpoint_manager=manager, model=model)
 

@@ -86,6 +86,29 @@ class Task(abc.ABC):
         """Turn the aggregated state into metrics, merged into the evaluation's result."""
         return {}
 
+    def build_metrics(self) -> Mapping[str, Any]:
+        """Metric reducers, by the name of the ``validation_step`` output each one is fed; ``{}`` by default.
+
+        Called at the start of each evaluation (return fresh reducers). For each name, the value
+        under that name in every ``validation_step`` output goes to ``reducer.update(value)`` (a
+        tuple as a tuple, e.g. ``(scores, labels)``), and the reducer's value over all ranks is
+        that metric in the result: exact for any number of processes with unpadded shards. Such
+        keys are not batch-averaged. A value may be a :class:`cadence.metrics.MetricReducer`
+        (``Mean``, ``Sum``, ``Max``, ``Min``, ``Concat(fn)``, ``FunctionReducer(fn)``, or your own),
+        a ``torchmetrics.Metric`` (wrapped in :class:`cadence.torch.metrics.TorchMetricsReducer`),
+        or a plain function of the list of all values (a ``FunctionReducer``). The reducer gets the
+        value as it is, without the batch size: give ``Mean`` per-example values or a
+        ``(value_sum, count)`` tuple, not a batch mean (that would weigh every batch alike)::
+
+            def build_metrics(self):
+                return {"auc": Concat(lambda scores, labels: roc_auc_score(labels, scores))}
+
+            def validation_step(self, model, batch):
+                x, y = batch
+                return {"auc": (model(x).sigmoid(), y)}
+        """
+        return {}
+
     # -- helpers -------------------------------------------------------------------------------
 
     def batch_size_of(self, batch: Any) -> int:

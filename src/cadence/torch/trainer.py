@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import warnings
 from typing import Any, Iterable, Iterator, Mapping
@@ -22,6 +23,7 @@ from cadence.torch.state import (
     load_model_safetensors,
     load_torch_state,
     model_to_safetensors,
+    seed_everything,
     set_rng_state,
     torch_state_to_bytes,
     unwrap_model,
@@ -84,6 +86,7 @@ class TorchTrainer:
         self._global_step = 0
         self._batches_consumed = 0  # for replay when the data is not stateful
         self._pending_data_state: dict[str, Any] | None = None
+        self._gathered_rng: list[dict[str, Any]] | None = None  # from prepare_checkpoint()
 
     # -- protocol ------------------------------------------------------------------------------
 
@@ -100,8 +103,21 @@ class TorchTrainer:
         return self._train_data
 
     def initialize(self) -> None:
-        """Fresh start (no checkpoint): ``task.initialize(model)`` with the unwrapped model."""
-        self.task.initialize(unwrap_model(self.model))
+        """Fresh start (no checkpoint): ``task.initialize(model)`` with the unwrapped model.
+
+        With several ranks, rank 0's parameters and buffers are then broadcast to the others
+        (a collective), so that every replica starts from the same weights whatever
+        ``initialize`` did, and each rank's RNG is seeded from ``(ctx.seed, rank, 0)``: the
+        ranks draw different random numbers (dropout masks, augmentations), reproducibly.
+        """
+        module = unwrap_model(self.model)
+        self.task.initialize(module)
+        if self.ctx.world_size > 1:
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                with torch.no_grad():
+                    for tensor in [*module.parameters(), *module.buffers()]:
+                        torch.distributed.broadcast(tensor.data, src=0)
+            seed_everything(_rank_seed(self.ctx.seed, self.ctx.rank, 0))
 
     def train(self, num_steps: int) -> dict[str, float]:
         """Run up to ``num_steps`` optimizer steps (``grad_accum_steps`` batches each).
@@ -261,8 +277,32 @@ class TorchTrainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
+    def prepare_checkpoint(self) -> None:
+        """Collective, on every rank before the chief's :meth:`save_checkpoint`: gather each
+        rank's RNG state (through ``ctx.coordinator``) for the chief to save."""
+        own = get_rng_state()
+        coord = self.ctx.coordinator
+        self._gathered_rng = coord.all_gather(own) if coord is not None and self.ctx.world_size > 1 else [own]
+
+    def _rng_states(self) -> list[dict[str, Any]]:
+        gathered, self._gathered_rng = self._gathered_rng, None  # used once: never a stale state
+        if gathered is not None:
+            return gathered
+        if self.ctx.world_size > 1:
+            log.warning(
+                "save_checkpoint without prepare_checkpoint() on all ranks: only rank %d's RNG state is "
+                "saved; the other ranks' RNG will be re-seeded on resume", self.ctx.rank,
+            )
+        return [get_rng_state()]
+
     def save_checkpoint(self, writer: CheckpointWriter) -> dict[str, Any]:
-        """Write ``model.safetensors`` and ``optimizer.pt``; return ``{"global_step", "rng", "data"}``."""
+        """Write ``model.safetensors`` and ``optimizer.pt``; return ``{"global_step", "rng", "data"}``.
+
+        ``rng`` is a list: the RNG state of every rank, in rank order, as gathered by
+        :meth:`prepare_checkpoint` (called on all ranks first; with one process, optional).
+        ``data`` is the train data's position: with a :class:`~cadence.torch.ResumableLoader`,
+        in global samples, the same on every rank. Called on the chief only.
+        """
         writer.write(MODEL_FILE, model_to_safetensors(self.model))
         writer.write(
             OPTIMIZER_FILE,
@@ -275,7 +315,7 @@ class TorchTrainer:
                 OPTIMIZER_FILE,
             ),
         )
-        return {"global_step": self._global_step, "rng": get_rng_state(), "data": self._data_state()}
+        return {"global_step": self._global_step, "rng": self._rng_states(), "data": self._data_state()}
 
     def load_checkpoint(
         self,
@@ -289,6 +329,10 @@ class TorchTrainer:
 
         ``restore_data=False`` / ``restore_rng=False`` keep the current data position / RNG
         (a rollback after a loss spike moves on past the offending batches).
+
+        Every rank loads the same files; rank ``r`` restores ``rng[r]``. A checkpoint saved by
+        fewer ranks than now (an elastic resume) has no state for the new ranks: they are seeded
+        from ``(ctx.seed, rank, global_step)``, with a warning.
 
         Raises :class:`~cadence.errors.CheckpointError` (or its subclass
         ``UnsafeCheckpointError``) when a file does not match or would need unsafe unpickling.
@@ -327,7 +371,33 @@ class TorchTrainer:
             # randomness that draws (a random split, a DataLoader's seed) cannot shift the stream.
             self._start_iterator()
         if restore_rng and state.get("rng") is not None:
-            set_rng_state(state["rng"])
+            self._restore_rng(state["rng"], source)
+
+    def _restore_rng(self, saved: Any, source: str) -> None:
+        states = [saved] if isinstance(saved, Mapping) else list(saved)  # a dict: before per-rank states
+        rank, world_size = self.ctx.rank, self.ctx.world_size
+        if rank < len(states):
+            set_rng_state(states[rank])
+        else:
+            seed = _rank_seed(self.ctx.seed, rank, self._global_step)
+            log.warning(
+                "%s: the checkpoint holds the RNG states of %d rank(s), none for rank %d of %d (an elastic "
+                "resume): its RNG is seeded from (seed=%d, rank=%d, global_step=%d) instead",
+                source or "checkpoint", len(states), rank, world_size, self.ctx.seed, rank, self._global_step,
+            )
+            seed_everything(seed)
+        if rank == 0 and len(states) > world_size:
+            unused = f"rank {world_size}" if len(states) == world_size + 1 else f"ranks {world_size}-{len(states) - 1}"
+            log.warning(
+                "%s: the checkpoint holds the RNG states of %d ranks, this job has %d: that of %s is not used "
+                "(an elastic resume)", source or "checkpoint", len(states), world_size, unused,
+            )
+
+
+def _rank_seed(seed: int, rank: int, global_step: int) -> int:
+    """A seed for a rank that has no saved RNG state: the same for the same (seed, rank, step)."""
+    digest = hashlib.sha256(f"cadence-rng:{seed}:{rank}:{global_step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % 2**63
 
 
 _FOLD = 4096
@@ -378,17 +448,23 @@ def build_runners(
     """``(trainer, evaluator)`` sharing one model built by ``task.build_model()`` on ``ctx.device``.
 
     The optimizer and LR scheduler are built only when ``train``; the evaluator reports the
-    trainer's global step. A role not asked for is ``None``.
+    trainer's global step. A role not asked for is ``None``. The trainer trains
+    ``ctx.wrap_model(model)`` (DistributedDataParallel when ``ctx.world_size > 1``: a
+    collective, every rank builds its runners at the same point); the evaluator runs the
+    unwrapped model (the same parameters).
     """
     if not (train or evaluate):
         raise ValueError("build_runners: nothing to build (train=False and evaluate=False)")
     model = task.build_model().to(ctx.device)
     trainer = None
     if train:
+        # DDP's parameters are the module's own tensors: the optimizer built on the module updates
+        # the wrapped model (and the task's build_optimizer may reach into the module's attributes).
+        wrapped = ctx.wrap_model(model)
         optimizer = task.build_optimizer(model)
         trainer = TorchTrainer(
             task,
-            model,
+            wrapped,
             optimizer,
             task.build_lr_scheduler(optimizer),
             ctx=ctx,
