@@ -4,7 +4,6 @@ because the patience count came back from the checkpoint."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

@@ -4,7 +4,6 @@ fixture that puts back pytest's own handlers, whatever happens."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import itertools
 import json
 import logging
 import os
 import random
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from cadence.errors import CheckpointError, UnsafeCheckpointError
+from cadence.checkpoint.files import MemoryWriter
 from cadence.torch import (
     Context,
     ResumableLoader,
@@ -32,21 +32,6 @@ from cadence.torch import (
 # -- in-memory checkpoint files (the CheckpointWriter / CheckpointReader protocol) ---------------
 
 
-class MemWriter:
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.files: dict[str, bytes] = {}
-
-    def write(self, name: str, data: bytes | bytearray | memoryview) -> None:
-        self.files[name] = bytes(data)
-
-    @contextlib.contextmanager
-    def open(self, name: str) -> Iterator[io.BytesIO]:
-        buf = io.BytesIO()
-        yield buf
-        self.files[name] = buf.getvalue()
-
-
 class MemReader:
     def __init__(self, files: dict[str, bytes], step: int, path: str = "mem://ckpt") -> None:
         self.files, self.step, self.path = dict(files), step, path
@@ -59,7 +44,7 @@ class MemReader:
 
 
 def save(trainer: TorchTrainer) -> tuple[MemReader, Any]:
-    writer = MemWriter(trainer.global_step)
+    writer = MemoryWriter(trainer.global_step)
     state = json.loads(json.dumps(trainer.save_checkpoint(writer)))  # as state.json would hold it
     return MemReader(writer.files, writer.step, f"mem://ckpt-{writer.step}"), state
 

@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import logging
-import math
 import os
 import shutil
 import sys
@@ -29,6 +28,7 @@ from rich.table import Table
 
 from cadence import __version__, layout
 from cadence.errors import CadenceError, ConfigError
+from cadence.summary import json_value
 
 logger = logging.getLogger("cadence")
 
@@ -280,7 +280,7 @@ def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     from cadence.torch.experiment import run_evaluation
 
     step, metrics = run_evaluation(cfg, args.checkpoint)
-    print(json.dumps({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}))
+    print(json.dumps({"step": step, **{k: json_value(v) for k, v in metrics.items()}}))
     return 0
 
 
@@ -388,14 +388,6 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
-
-
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
 
 
 COMMANDS = {"train": _cmd_train, "evaluate": _cmd_evaluate, "launch": _cmd_launch, "export": _cmd_export,

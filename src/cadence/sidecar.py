@@ -27,20 +27,12 @@ from cadence.checkpoint.watcher import CheckpointWatcher
 from cadence.controller import Controller
 from cadence.errors import CheckpointError
 from cadence.storage import Storage
-from cadence.summary import read_metrics
+from cadence.summary import json_value, read_metrics
 
 logger = logging.getLogger("cadence.sidecar")
 
 EVALUATIONS_FILE = "evaluations.jsonl"
 Status = Literal["evaluated", "failed", "skipped"]
-
-
-def _number(value: Any) -> Any:
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
 
 
 def lease_holder(name: str | None = None) -> str:
@@ -290,7 +282,7 @@ class SidecarEvaluator:
             return self._record(step, "failed", error=str(error))
         start = time.perf_counter()
         metrics = controller.evaluate(self.steps)
-        record = self._record(step, "evaluated", metrics={k: _number(v) for k, v in metrics.items()})
+        record = self._record(step, "evaluated", metrics={k: json_value(v) for k, v in metrics.items()})
         record["duration_s"] = round(time.perf_counter() - start, 6)
         return record
 

@@ -17,6 +17,7 @@ Nothing here imports tensorboard or numpy until it is needed.
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import operator
 import os
@@ -28,7 +29,7 @@ from collections.abc import Mapping
 
 from cadence.storage import Storage
 
-__all__ = ["METRICS_FILE", "SummaryWriter", "flatten_scalars", "read_metrics", "to_scalar"]
+__all__ = ["METRICS_FILE", "SummaryWriter", "flatten_scalars", "json_value", "read_metrics", "to_scalar"]
 
 METRICS_FILE = "metrics.jsonl"
 """Name of the JSON-lines file written next to the event files."""
@@ -64,6 +65,16 @@ def to_scalar(value: Any) -> int | float | None:
     if result is value or not isinstance(result, numbers.Real):
         return None
     return to_scalar(result)
+
+
+def json_value(value: Any) -> Any:
+    """A metric value for a JSON record: ``.item()`` of tensors/arrays taken, NaN/inf as strings
+    (strict JSON has no NaN), anything else unchanged."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
 
 
 def flatten_scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, int | float]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from typing import Any, Callable, Mapping
 
@@ -14,6 +13,7 @@ from cadence.actions.best_metric import NewBestMetric
 from cadence.actions.metric_path import Metric, metric_name
 from cadence.checkpoint import CheckpointManager, JSONState, copy_objects
 from cadence.errors import CheckpointError
+from cadence.summary import json_value
 
 logger = logging.getLogger("cadence.actions")
 
@@ -24,13 +24,9 @@ ExportFn = Callable[[int, Mapping[str, Any]], Any]
 
 
 def _jsonable(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in metrics.items():
-        if hasattr(value, "item"):
-            value = value.item()
-        if isinstance(value, (bool, int, float, str)) or value is None:
-            out[key] = value if not (isinstance(value, float) and not math.isfinite(value)) else str(value)
-    return out
+    """The JSON-representable scalar metrics (see :func:`cadence.summary.json_value`)."""
+    values = {key: json_value(value) for key, value in metrics.items()}
+    return {k: v for k, v in values.items() if isinstance(v, (bool, int, float, str)) or v is None}
 
 
 class BestCheckpointExporter:
