@@ -71,9 +71,21 @@ def raw_load(model, opt, directory: str) -> float:
 def _trainer(model, opt):
     from cadence.torch import Context, Task, TorchTrainer
 
-    class Stub(Task):
+    class Stub(Task):  # only its checkpointing is used
+        def build_model(self):
+            return model
+
+        def build_optimizer(self, m):
+            return opt
+
         def build_inputs(self, split, ctx):
             return []
+
+        def train_step(self, m, batch):
+            raise NotImplementedError
+
+        def validation_step(self, m, batch):
+            raise NotImplementedError
 
     return TorchTrainer(Stub(), model, opt, ctx=Context.create(device="cpu"))
 

@@ -671,3 +671,23 @@ def test_storage_local_basics(tmp_path: Path) -> None:
     storage.rmtree(storage.join("e"))
     storage.rmtree(storage.join("e"))
     assert storage.listdir(storage.root) == []
+
+
+def test_large_file_hashed_in_chunks_matches_hashlib(ckdir: str) -> None:
+    import hashlib
+
+    data = os.urandom(3 * (8 << 20) + 12345)  # several chunks and a partial one
+
+    class Big:
+        def save_checkpoint(self, writer):
+            writer.write("big.bin", data)
+            return None
+
+    manager = CheckpointManager(ckdir)
+    manager.save(1, {"big": Big()})
+    entry = manager.manifest(1)["files"]["big.bin"]
+    on_disk = (Path(ckdir) / "ckpt-1" / "big.bin").read_bytes()
+    assert on_disk == data
+    assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    reader, _ = manager.read(1)
+    assert reader.read("big.bin") == data

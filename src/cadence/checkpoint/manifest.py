@@ -8,6 +8,7 @@ A checkpoint exists only when its manifest exists and its files match it. The ma
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import io
 import json
@@ -41,6 +42,17 @@ def name_problem(name: object) -> str | None:
     return None
 
 
+_CHUNK = 8 << 20
+_HASHER: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _hasher() -> concurrent.futures.ThreadPoolExecutor:
+    global _HASHER
+    if _HASHER is None:
+        _HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadence-sha256")
+    return _HASHER
+
+
 class HashingStream(io.RawIOBase):
     """A write-only binary stream that forwards to ``raw`` and hashes and counts what it writes."""
 
@@ -57,8 +69,17 @@ class HashingStream(io.RawIOBase):
         if self.closed:
             raise ValueError("write to a closed checkpoint file")
         view = memoryview(data).cast("B")
-        self._raw.write(view)
-        self._sha.update(view)
+        if view.nbytes <= _CHUNK:
+            self._raw.write(view)
+            self._sha.update(view)
+        else:
+            # Large buffers: hash each chunk on a helper thread (hashlib releases the GIL) while
+            # the same chunk is written, so hashing costs (almost) no time beside the write.
+            for start in range(0, view.nbytes, _CHUNK):
+                chunk = view[start:start + _CHUNK]
+                hashed = _hasher().submit(self._sha.update, chunk)
+                self._raw.write(chunk)
+                hashed.result()
         self.size += view.nbytes
         return view.nbytes
 
