@@ -92,7 +92,9 @@ def main() -> None:
     args = parser.parse_args()
     out_dir = HERE / "results"
     out_dir.mkdir(exist_ok=True)
-    results: dict = {"machine": machine()}
+    latest = out_dir / "latest.json"
+    results: dict = json.loads(latest.read_text()) if latest.exists() else {}  # --only updates a part
+    results["machine"] = machine()
     for name in args.only.split(","):
         print(f"running {name} ...", flush=True)
         start = time.time()

@@ -131,7 +131,8 @@ class TorchTrainer:
             raise ValueError(f"num_steps must be >= 0, got {num_steps}")
         it = self._iterator if self._iterator is not None else self._start_iterator()
         model, optimizer, scheduler, scaler = self.model, self.optimizer, self.lr_scheduler, self.grad_scaler
-        task, device, autocast = self.task, self.ctx.device, self.precision.autocast
+        task, device = self.task, self.ctx.device
+        autocast = self.precision.autocast if self.precision.dtype is not None else None
         k = self.grad_accum_steps
         clip = self.grad_clip_norm
         params = [p for group in optimizer.param_groups for p in group["params"]] if clip is not None else []
@@ -214,8 +215,11 @@ class TorchTrainer:
     def _forward_backward(
         task: Task, model: nn.Module, batch: Any, autocast: Any, scaler: Any, k: int
     ) -> tuple[torch.Tensor, Mapping[str, Any] | None]:
-        with autocast():
+        if autocast is None:  # full precision: no context to enter on the hot path
             out = task.train_step(model, batch)
+        else:
+            with autocast():
+                out = task.train_step(model, batch)
         if isinstance(out, torch.Tensor):
             loss, extras = out, None
         else:
