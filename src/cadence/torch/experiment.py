@@ -14,11 +14,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from cadence import layout
 from cadence.checkpoint import CheckpointManager
@@ -26,6 +25,7 @@ from cadence.config import ExperimentConfig, save_config
 from cadence.controller import Controller
 from cadence.errors import CheckpointError, ConfigError
 from cadence.torch.context import Context
+from cadence.torch.export import TRACED_FORMATS
 from cadence.torch.state import seed_everything, unwrap_model
 from cadence.torch.task import Task
 from cadence.torch.trainer import build_runners
@@ -81,14 +81,26 @@ def build_task(cfg: ExperimentConfig) -> Task:
         raise ConfigError(f"task.params: {cls.__name__}(**params) failed: {exc}") from exc
 
 
-NEEDS_EXAMPLE_INPUTS = ("torch_export", "torchscript", "onnx")
+def _example_inputs(task: Task, formats: Sequence[str], where: str) -> Any:
+    """``task.example_inputs()`` when a format traces the model, else None.
+
+    Raises:
+      ConfigError: a traced format, and the task does not define ``example_inputs()``.
+    """
+    needing = [f for f in formats if f in TRACED_FORMATS]
+    if not needing:
+        return None
+    try:
+        return task.example_inputs()
+    except NotImplementedError as exc:
+        raise ConfigError(f"{where}: {needing} need {type(task).__name__}.example_inputs(), which is not defined") from exc
 
 
 class ModelExporter:
     """Writes the configured inference artefacts of the live model to ``export/<name>/<step>/``
-    and keeps the newest ``export.max_to_keep`` of them."""
+    and keeps the newest ``export.max_to_keep`` of them. Only the chief writes (``chief``)."""
 
-    def __init__(self, cfg: ExperimentConfig, task: Task, model: Any, name: str) -> None:
+    def __init__(self, cfg: ExperimentConfig, task: Task, model: Any, name: str, *, chief: bool = True) -> None:
         from cadence.actions import ExportFileManager
 
         assert cfg.export is not None
@@ -96,19 +108,11 @@ class ModelExporter:
         self.model = model
         self.model_dir = cfg.model_dir
         self.name = name
-        self.example_inputs = None
-        if any(f in NEEDS_EXAMPLE_INPUTS for f in self.formats):
-            try:
-                self.example_inputs = task.example_inputs()
-            except NotImplementedError as exc:
-                needing = [f for f in self.formats if f in NEEDS_EXAMPLE_INPUTS]
-                raise ConfigError(
-                    f"export.formats: {needing} need {type(task).__name__}.example_inputs(), which is not defined"
-                ) from exc
+        self.example_inputs = _example_inputs(task, self.formats, "export.formats")
         self.files = ExportFileManager(
             layout.export_dir(cfg.model_dir, name), max_to_keep=cfg.export.max_to_keep, separator="/"
         )
-        self.chief = int(os.environ.get("RANK", "0")) == 0  # one process writes exports
+        self.chief = chief  # one process writes exports
 
     def __call__(self, step: int, metadata: Mapping[str, Any]) -> str:
         from cadence.torch.export import export_model
@@ -137,7 +141,7 @@ class ExportEveryEval:
 
 
 def build_actions(cfg: ExperimentConfig, task: Task, model: Any, *, train: bool,
-                  evaluate: bool = True) -> tuple[list, list]:
+                  evaluate: bool = True, chief: bool = True) -> tuple[list, list]:
     """``(train_actions, eval_actions)`` from the config's ``trainer`` and ``export`` sections.
 
     Train actions (``train``): NaN/loss-spike recovery, then saving on preemption (last, so a
@@ -160,15 +164,32 @@ def build_actions(cfg: ExperimentConfig, task: Task, model: Any, *, train: bool,
         return train_actions, eval_actions
     if t.best_checkpoint is not None:
         b = t.best_checkpoint
-        export_fn = ModelExporter(cfg, task, model, "best") if export_on == "best" else None
+        export_fn = ModelExporter(cfg, task, model, "best", chief=chief) if export_on == "best" else None
         eval_actions.append(BestCheckpointExporter(layout.best_dir(cfg.model_dir), b.metric, b.higher_is_better,
                                                    export_fn=export_fn))
     if export_on == "every_eval":
-        eval_actions.append(ExportEveryEval(ModelExporter(cfg, task, model, "every_eval")))
+        eval_actions.append(ExportEveryEval(ModelExporter(cfg, task, model, "every_eval", chief=chief)))
     if train and t.early_stopping is not None:
         e = t.early_stopping
         eval_actions.append(EarlyStopping(e.metric, e.patience, e.min_delta, e.higher_is_better))
     return train_actions, eval_actions
+
+
+def _build_runners_for(cfg: ExperimentConfig, *, train: bool, evaluate: bool = True,
+                       device: str | None = None, precision: str | None = None) -> tuple[Task, Context, Any, Any]:
+    """Seed, build the configured task, its context and runners: ``(task, ctx, trainer, evaluator)``.
+
+    ``device`` / ``precision`` override ``trainer.device`` / ``trainer.precision``.
+    """
+    t = cfg.trainer
+    seed_everything(t.seed)
+    task = build_task(cfg)
+    ctx = Context.create(device=device or t.device, seed=t.seed)
+    trainer, evaluator = build_runners(
+        task, ctx, precision=precision or t.precision, grad_accum_steps=t.grad_accum_steps,
+        grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate,
+    )
+    return task, ctx, trainer, evaluator
 
 
 @dataclass
@@ -198,20 +219,14 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     if not cfg.model_dir:
         raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
     t = cfg.trainer
-    seed_everything(t.seed)
-    task = build_task(cfg)
-    ctx = Context.create(device=t.device, seed=t.seed)
-    trainer, evaluator = build_runners(
-        task, ctx, precision=t.precision, grad_accum_steps=t.grad_accum_steps,
-        grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate,
-    )
+    task, ctx, trainer, evaluator = _build_runners_for(cfg, train=train, evaluate=evaluate)
     model = (trainer or evaluator).model
-    train_actions, eval_actions = build_actions(cfg, task, model, train=train, evaluate=evaluate) if train else ([], [])
-    coordinator = getattr(ctx, "coordinator", None)
-    chief = coordinator is None or coordinator.is_chief
+    train_actions, eval_actions = (
+        build_actions(cfg, task, model, train=train, evaluate=evaluate, chief=ctx.is_chief) if train else ([], [])
+    )
     manager = CheckpointManager(  # one writer: the chief; the other ranks only read
         layout.checkpoints_dir(cfg.model_dir), max_to_keep=t.max_to_keep,
-        keep_every_n_steps=t.keep_every_n_steps, writer=train and chief,
+        keep_every_n_steps=t.keep_every_n_steps, writer=train and ctx.is_chief,
         async_save=t.async_checkpoint and train,
     )
     controller = Controller(
@@ -227,7 +242,7 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
         eval_actions=eval_actions,
         restore_step=restore_step,
         progress=progress,
-        coordinator=coordinator,
+        coordinator=ctx.coordinator,
     )
     return Run(config=cfg, task=task, ctx=ctx, controller=controller, checkpoint_manager=manager, model=model)
 
@@ -247,7 +262,7 @@ def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
         return _train_only(cfg, progress)
     run = build_run(cfg, progress=progress)
     export_final = (
-        ModelExporter(cfg, run.task, run.model, "final")
+        ModelExporter(cfg, run.task, run.model, "final", chief=run.ctx.is_chief)
         if cfg.export is not None and cfg.export.on == "final" else None
     )
     save_config(cfg, layout.config_path(cfg.model_dir))
@@ -283,11 +298,8 @@ def build_sidecar(cfg: ExperimentConfig) -> Any:
     if not cfg.model_dir:
         raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
     t, sc = cfg.trainer, cfg.sidecar
-    seed_everything(t.seed)
-    task = build_task(cfg)
-    ctx = Context.create(device=t.device, seed=t.seed)
-    _, evaluator = build_runners(task, ctx, precision=t.precision, train=False, evaluate=True)
-    _, eval_actions = build_actions(cfg, task, evaluator.model, train=False)
+    task, ctx, _, evaluator = _build_runners_for(cfg, train=False)
+    _, eval_actions = build_actions(cfg, task, evaluator.model, train=False, chief=ctx.is_chief)
     if t.early_stopping is not None:
         logger.warning("trainer.early_stopping is ignored by the sidecar: only an in-process evaluation can stop training")
     best = t.best_checkpoint
@@ -336,10 +348,7 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
     if not Storage(config_file).exists(Storage(config_file).root):
         raise CadenceError(f"{config_file} not found: {model_dir} is not a cadence model dir (or was never trained)")
     cfg = load_config(config_file, model_dir=model_dir)
-    seed_everything(cfg.trainer.seed)
-    task = build_task(cfg)
-    ctx = Context.create(device="cpu", seed=cfg.trainer.seed)
-    _, evaluator = build_runners(task, ctx, train=False, evaluate=True)
+    task, _, _, evaluator = _build_runners_for(cfg, train=False, device="cpu", precision="32")
     if checkpoint == "best":
         manager = CheckpointManager(layout.best_dir(model_dir), writer=False)
         if manager.latest_step() is None:
@@ -351,13 +360,7 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
     restored = manager.restore({"evaluator": evaluator}, step)
     if restored is None:
         raise CheckpointError(f"no committed checkpoint in {manager.directory}")
-    needing = [f for f in formats if f in NEEDS_EXAMPLE_INPUTS]
-    example_inputs = None
-    if needing:
-        try:
-            example_inputs = task.example_inputs()
-        except NotImplementedError as exc:
-            raise ConfigError(f"--format {needing}: needs {type(task).__name__}.example_inputs(), which is not defined") from exc
+    example_inputs = _example_inputs(task, formats, "--format")
     directory = out or layout.export_dir(model_dir, "best" if checkpoint == "best" else "checkpoint", restored)
     files = export_model(evaluator.model, directory, formats, example_inputs=example_inputs,
                          metadata={"step": restored, "source": manager.path(restored)})
