@@ -132,6 +132,7 @@ def test_bad_task_class_is_a_clear_error(tmp_path):
         proc = cadence("train", str(path), "--model-dir", str(tmp_path / "run"))
         assert proc.returncode == 2, proc.stderr
         assert text in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1  # one line, however long the path
 
 
 def test_bad_task_params_name_the_parameter(tmp_path):

@@ -263,7 +263,7 @@ def _train_with_torchrun(args: argparse.Namespace, console: Console) -> int:
             signal.signal(sig, handler)
     if code != 0:
         console.print(f"[red]cadence: failed:[/red] the distributed job exited with status {code}; "
-                      "torchrun's report above names the failed rank", highlight=False)
+                      "torchrun's report above names the failed rank", highlight=False, soft_wrap=True)
     return code
 
 
@@ -293,7 +293,7 @@ def _cmd_sidecar(args: argparse.Namespace, console: Console) -> int:
     result = run_sidecar(cfg)
     print(json.dumps(result, default=str))
     if result["stop_reason"] == "timeout":
-        console.print(f"[red]cadence: sidecar stopped:[/red] {result['message']}", highlight=False)
+        console.print(f"[red]cadence: sidecar stopped:[/red] {result['message']}", highlight=False, soft_wrap=True)
         return 1
     return 0
 
@@ -404,10 +404,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args, err)
     except ConfigError as exc:
-        err.print(f"[red]cadence: error:[/red] {exc}", highlight=False)
+        err.print(f"[red]cadence: error:[/red] {exc}", highlight=False, soft_wrap=True)  # one line, never wrapped
         return 2
     except CadenceError as exc:
-        err.print(f"[red]cadence: failed:[/red] {exc}", highlight=False)
+        err.print(f"[red]cadence: failed:[/red] {exc}", highlight=False, soft_wrap=True)
         return 1
     except KeyboardInterrupt:
         err.print("cadence: interrupted")
