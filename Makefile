@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run.py
+
+# Regenerate docs/config.md and docs/cli.md from the code (tests/test_docgen.py fails when stale).
+docs: $(STAMP)
+	$(BIN)/python -m cadence.docgen
 
 clean:
 	rm -rf $(VENV) runs build dist src/*.egg-info

@@ -691,3 +691,25 @@ def test_large_file_hashed_in_chunks_matches_hashlib(ckdir: str) -> None:
     assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     reader, _ = manager.read(1)
     assert reader.read("big.bin") == data
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "extend"])
+def test_large_files_are_verified_while_read_in_chunks(ckdir: str, damage: str) -> None:
+    """Files over the 8 MiB chunk are read and hashed chunk by chunk: damage anywhere is found."""
+    payload = bytes(range(256)) * (80_000)  # 20 MB: several chunks, not a multiple of the chunk
+    manager = CheckpointManager(ckdir)
+    manager.save(1, {"blob": Blob({"big.bin": payload})})
+    blob = Blob()
+    assert manager.restore({"blob": blob}, step=1) == 1 and blob.files["big.bin"] == payload
+    path = Path(ckdir, "ckpt-1", "big.bin")
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) - 3_000_000] ^= 1  # in the third chunk
+    elif damage == "truncate":
+        del data[-1]
+    else:
+        data += b"\0"
+    path.write_bytes(bytes(data))
+    reason = "sha256" if damage == "flip" else "truncated or changed"
+    with pytest.raises(CorruptCheckpointError, match=reason):
+        manager.restore({"blob": Blob()}, step=1)

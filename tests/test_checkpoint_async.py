@@ -120,7 +120,7 @@ sys.path.insert(0, {str(Path(__file__).parent)!r})
 from cadence import CheckpointManager
 class Slow:
     def save_checkpoint(self, writer):
-        writer.write("big.bin", b"x" * 1_000_000)
+        writer.write("big.bin", b"x" * 20_000_000)  # > 8 MiB: hashed on the helper thread during exit
         return None
 m = CheckpointManager({str(tmp_path / "ckpts")!r}, async_save=True)
 real = m._save_now

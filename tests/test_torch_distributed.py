@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
+from cadence.checkpoint.files import MemoryWriter
 from cadence.coordination import LocalCoordinator
 from cadence.torch import Context, ResumableLoader, ResumableSampler, TorchTrainer, seed_everything
 from cadence.torch.distributed import init_distributed, rank_env, shutdown_distributed
@@ -188,14 +189,12 @@ def test_cache_dataset_never_unpickles_a_planted_file(tmp_path, monkeypatch):
 # -- RNG in checkpoints, one process -----------------------------------------------------------------
 
 
-class _Writer:
-    def __init__(self) -> None:
-        self.files: dict[str, bytes] = {}
-        self.step = 0
-        self.path = "mem"
+class _Writer(MemoryWriter):
+    """Writes files in memory and reads them back (both halves of the checkpoint protocol)."""
 
-    def write(self, name, data):
-        self.files[name] = bytes(data)
+    def __init__(self) -> None:
+        super().__init__(step=0)
+        self.path = "mem"
 
     def read(self, name):
         return self.files[name]

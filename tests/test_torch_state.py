@@ -24,7 +24,7 @@ from cadence.torch import (
     state_dict_from_safetensors,
     torch_state_to_bytes,
 )
-from cadence.torch.state import RNGSnapshot
+from cadence.torch.state import RNGSnapshot, SafetensorsPayload, clone_tree, safetensors_metadata, save_torch_state
 
 
 def draws():
@@ -157,3 +157,104 @@ def test_unloadable_state_is_refused_at_save_time():
 def test_garbage_optimizer_file_is_a_checkpoint_error():
     with pytest.raises(CheckpointError):
         load_torch_state(b"PK\x03\x04 not really a zip")
+
+
+# -- streaming writers (no in-memory copy of the file) -----------------------------------------
+
+
+class Count(int):
+    """An int subclass: not plainly loadable, and ``torch.load(weights_only=True)`` refuses it."""
+
+
+def _streamed(payload: SafetensorsPayload) -> bytes:
+    buf = io.BytesIO()
+    payload.write(buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool])
+def test_streamed_safetensors_reads_back_with_the_library(dtype, tmp_path):
+    import safetensors
+    import safetensors.torch
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "w": (torch.randn(3, 5, generator=g) * 10).to(dtype),
+        "scalar": torch.tensor(3).to(dtype),
+        "empty": torch.zeros(0, 2).to(dtype),
+        "byte": torch.arange(7, dtype=torch.uint8),  # a 1-byte dtype beside a wider one: alignment
+        "wide": torch.arange(5, dtype=torch.float64),
+    }
+    data = _streamed(SafetensorsPayload.from_state_dict(tensors, {"note": "x"}))
+    loaded = safetensors.torch.load(data)
+    assert set(loaded) == set(tensors)
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+    assert safetensors_metadata(data)["note"] == "x"
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(data)
+    with safetensors.safe_open(str(path), "pt") as f:  # the memory-mapped reader accepts it too
+        assert torch.equal(f.get_tensor("w"), tensors["w"])
+
+
+def test_streamed_safetensors_keeps_tied_weights_once():
+    src = Tied()
+    data = _streamed(SafetensorsPayload.from_state_dict(src.state_dict()))
+    dst = Tied()
+    load_model_safetensors(dst, data)
+    assert torch.equal(dst.head.weight, src.embed.weight) and dst.head.weight is dst.embed.weight
+    import safetensors.torch
+
+    assert "head.weight" not in safetensors.torch.load(data)
+
+
+def test_a_dtype_the_streaming_writer_does_not_map_goes_through_the_library():
+    t = torch.randn(4).to(torch.float8_e4m3fn)
+    data = _streamed(SafetensorsPayload.from_state_dict({"f8": t}))
+    back = state_dict_from_safetensors(data)["f8"]
+    assert back.dtype == torch.float8_e4m3fn and torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_payload_copy_snapshots_the_tensors():
+    model = nn.Linear(2, 2)
+    shared = SafetensorsPayload.from_state_dict(model.state_dict())
+    copied = SafetensorsPayload.from_state_dict(model.state_dict(), copy=True)
+    before = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert torch.equal(copied.tensors["weight"], before)  # a snapshot: unaffected by training
+    assert torch.equal(shared.tensors["weight"], model.weight)  # no copy: the live tensor
+
+
+def test_save_torch_state_streams_plain_state_and_refuses_unsafe_state_before_writing():
+    model = nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    buf = io.BytesIO()
+    save_torch_state(buf, {"optimizer": opt.state_dict()})
+    back = load_torch_state(buf.getvalue())
+    assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    unsafe = io.BytesIO()
+    with pytest.raises(CheckpointError, match="weights_only"):
+        save_torch_state(unsafe, {"optimizer": opt.state_dict(), "extra": Evil("/nonexistent/never")})
+    assert unsafe.getvalue() == b""  # refused before a byte was written
+
+
+def test_save_torch_state_checks_types_it_does_not_know_by_loading_them_back():
+    with pytest.raises(CheckpointError, match="weights_only"):
+        save_torch_state(io.BytesIO(), {"n": Count(3)})
+    param_state = {"p": nn.Parameter(torch.ones(2))}  # not a plain tensor, but weights_only loads it
+    buf = io.BytesIO()
+    save_torch_state(buf, param_state)
+    assert torch.equal(load_torch_state(buf.getvalue())["p"], torch.ones(2))
+
+
+def test_clone_tree_copies_tensors_and_rebuilds_containers():
+    t = torch.ones(3)
+    tree = {"a": [t, (t, 2)], "b": "x"}
+    out = clone_tree(tree)
+    t.add_(1)
+    assert out["a"][0].tolist() == [1, 1, 1] and out["a"][1][0].tolist() == [1, 1, 1]
+    assert out["a"][1][1] == 2 and out["b"] == "x" and isinstance(out["a"][1], tuple)

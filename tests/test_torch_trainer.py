@@ -453,3 +453,27 @@ def test_batch_size_attribute_does_not_shadow_the_weighting():
 
     task = WithParam(n=10, batch_size=3)
     assert TorchEvaluator(task, task.build_model(), ctx=Context()).evaluate()["mean"] == pytest.approx(4.5)
+
+
+def test_snapshot_for_an_async_save_is_the_state_at_snapshot_time():
+    """An asynchronous save writes what the trainer held when snapshotted, though training went on."""
+    trainer, _ = make(Regression(dropout=0.0))
+    trainer.train(2)
+    expected_reader, expected_state = save(trainer)
+    snapshot = trainer.snapshot_checkpoint()
+    trainer.train(3)  # training changes weights, optimizer moments, scheduler, data position
+    writer = MemoryWriter(2)
+    state = json.loads(json.dumps(snapshot.save_checkpoint(writer)))
+    assert state["global_step"] == 2 and state["data"] == expected_state["data"]
+    assert writer.files["model.safetensors"] == expected_reader.files["model.safetensors"]
+    restored, _ = make(Regression(dropout=0.0), seed=1)
+    restored.load_checkpoint(MemReader(writer.files, 2), state)
+    fresh, _ = make(Regression(dropout=0.0), seed=1)
+    fresh.load_checkpoint(expected_reader, expected_state)
+    for a, b in zip(params(restored.model), params(fresh.model)):
+        assert torch.equal(a, b)
+    sa, sb = restored.optimizer.state_dict(), fresh.optimizer.state_dict()
+    for index in sa["state"]:
+        for key, value in sa["state"][index].items():
+            assert torch.equal(value, sb["state"][index][key]), (index, key)
+    assert restored.lr_scheduler.state_dict() == fresh.lr_scheduler.state_dict()

@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Controller": "cadence.controller",
+    "Callback": "cadence.callbacks",
     "Trainer": "cadence.runner",
     "Evaluator": "cadence.runner",
     "CheckpointManager": "cadence.checkpoint",
@@ -40,6 +41,7 @@ _EXPORTS = {
     "SidecarEvaluator": "cadence.sidecar",
     "train_and_evaluate": "cadence.cluster",
     "resolve_role": "cadence.cluster",
+    "build_report": "cadence.report",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -70,6 +72,7 @@ if TYPE_CHECKING:  # pragma: no cover
         RecoveryAction,
         SaveCheckpointIfPreempted,
     )
+    from cadence.callbacks import Callback
     from cadence.checkpoint import CheckpointManager
     from cadence.cluster import resolve_role, train_and_evaluate
     from cadence.config import ExperimentConfig, load_config
@@ -84,6 +87,7 @@ if TYPE_CHECKING:  # pragma: no cover
         UnsafeCheckpointError,
     )
     from cadence.progress import ProgressReporter
+    from cadence.report import build_report
     from cadence.runner import Evaluator, Trainer
     from cadence.sidecar import SidecarEvaluator
     from cadence.summary import SummaryWriter

@@ -5,7 +5,9 @@
     cadence evaluate CONFIG --model-dir DIR --continuous [--mode every|latest] [--timeout S] ...
     cadence export MODEL_DIR [--checkpoint best|latest|STEP] --format FORMAT [--out DIR]
     cadence launch CONFIG --sidecar [--model-dir DIR] [--set key=value ...]
+    cadence smoke CONFIG [--set key=value ...] [--steps N] [--keep DIR]
     cadence ls MODEL_DIR
+    cadence report MODEL_DIR [--out PATH]      (needs matplotlib: pip install 'cadence[report]')
 
 Exit status: 0 success; 1 a run failed (the message says why); 2 bad input (config, override,
 arguments) -- one readable line naming the offending field, no traceback.
@@ -24,6 +26,7 @@ from typing import Any, Mapping, Sequence
 
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 from cadence import __version__, layout
@@ -96,8 +99,22 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--out", default=None, metavar="DIR",
                         help="output directory (default: MODEL_DIR/export/best/<step> or export/checkpoint/<step>)")
 
+    smoke = sub.add_parser("smoke", help="smoke-test a config: build, train a few steps, evaluate, checkpoint, "
+                           "restore and export once, in a temporary model dir; one PASS/FAIL line per stage")
+    smoke.add_argument("config", help="experiment config (YAML)")
+    smoke.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set task.params.lr=0.1 (repeatable)")
+    smoke.add_argument("--steps", type=int, default=2, metavar="N", help="training steps (default 2)")
+    smoke.add_argument("--keep", default=None, metavar="DIR",
+                       help="use DIR (new or empty) as the model dir and keep it (default: a temp dir, removed)")
+
     ls = sub.add_parser("ls", help="list a model dir's committed checkpoints")
     ls.add_argument("model_dir", help="model directory (local path or fsspec URL)")
+
+    report = sub.add_parser("report", help="write a self-contained HTML run report (and a PNG of the plots)")
+    report.add_argument("model_dir", help="model directory (local path or fsspec URL)")
+    report.add_argument("--out", default=None, metavar="PATH",
+                        help="the HTML page to write (default: MODEL_DIR/report.html); the PNG goes next to it")
     return parser
 
 
@@ -120,11 +137,27 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     spec = resolve_role()
     if spec.source != "default" and rank == 0:
         console.print(f"role: {spec.role} (from {spec.source})")
+    import signal
+    import threading
+
+    previous_sigterm = None
+    if spec.is_trainer and not cfg.trainer.save_on_preemption and threading.current_thread() is threading.main_thread():
+        # Without the preemption action SIGTERM would kill the process where it stands; raise in the
+        # main thread instead, so that `with controller:` closes the run (callbacks' on_close).
+        def terminate(signum: int, _frame: Any) -> None:
+            signal.signal(signum, signal.SIG_IGN)  # a repeated SIGTERM does not interrupt the clean-up
+            logger.warning("received SIGTERM: stopping without saving (trainer.save_on_preemption is false)")
+            raise SystemExit(128 + signum)
+
+        previous_sigterm = signal.signal(signal.SIGTERM, terminate)
     try:
         metrics = train_and_evaluate(cfg, role=spec, progress=False if args.no_progress else None)
     except BaseException:
         _end_distributed(ok=False)
         raise
+    finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
     _end_distributed(ok=True)
     if isinstance(metrics, Mapping) and "stop_reason" in metrics:  # the evaluator role ran the sidecar
         print(json.dumps(metrics, default=str))
@@ -376,6 +409,58 @@ def _cmd_ls(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace, console: Console) -> int:
+    from cadence.report import build_report
+
+    paths = build_report(args.model_dir, args.out)
+    print(paths.html)
+    print(paths.png)
+    return 0
+
+
+_SMOKE_LABELS = {"ok": ("PASS", "green"), "failed": ("FAIL", "bold red"), "skipped": ("SKIP", "yellow")}
+
+
+def _cmd_smoke(args: argparse.Namespace, console: Console) -> int:
+    """One line per stage on stdout, then a summary; on failure the failing stage's traceback on
+    stderr and exit 1 (2 when the failure is a config error)."""
+    from rich.text import Text
+
+    from cadence.config import load_config
+
+    if args.steps < 1:
+        raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
+    cfg = load_config(args.config, overrides=args.overrides)
+    from cadence.torch.smoke import run_smoke
+
+    root = logging.getLogger()
+    if root.level == logging.INFO:  # the stage lines are the report; --log-level DEBUG shows the run's logs
+        root.setLevel(logging.WARNING)
+    report = run_smoke(cfg, steps=args.steps, keep_dir=args.keep)
+    out = Console(highlight=False)
+    for stage in report.stages:
+        label, style = _SMOKE_LABELS[stage.status]
+        line = Text.assemble((label, style), f"  {stage.name}")
+        if stage.seconds is not None:
+            line.append(f"{'':<{10 - len(stage.name)}}  {stage.seconds:5.2f}s  ")
+            line.append(stage.error or stage.detail, style="red" if stage.error else "")
+        out.print(line, soft_wrap=True)  # never wrapped: one line per stage
+    failed = report.failed
+    counts = {s: sum(r.status == s for r in report.stages) for s in ("ok", "failed", "skipped")}
+    if failed is None:
+        out.print(Text(f"smoke test passed: {counts['ok']} stages in {report.seconds:.1f}s", style="bold green"))
+    else:
+        out.print(Text(f"smoke test FAILED at {failed.name}: {counts['ok']} passed, 1 failed, "
+                       f"{counts['skipped']} skipped ({report.seconds:.1f}s)", style="bold red"), soft_wrap=True)
+    if report.model_dir is not None:
+        out.print(Text(f"model dir kept: {report.model_dir}"), soft_wrap=True)
+    if failed is None:
+        return 0
+    if failed.traceback:
+        console.print(Text(failed.traceback.rstrip()), soft_wrap=True, highlight=False)
+    return 2 if isinstance(failed.exception, ConfigError) else 1
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -391,7 +476,7 @@ def _fmt(value: Any) -> str:
 
 
 COMMANDS = {"train": _cmd_train, "evaluate": _cmd_evaluate, "launch": _cmd_launch, "export": _cmd_export,
-            "ls": _cmd_ls}
+            "ls": _cmd_ls, "report": _cmd_report, "smoke": _cmd_smoke}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -403,11 +488,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return COMMANDS[args.command](args, err)
-    except ConfigError as exc:
-        err.print(f"[red]cadence: error:[/red] {exc}", highlight=False, soft_wrap=True)  # one line, never wrapped
+    except ConfigError as exc:  # one line, never wrapped; escaped: "[x]" in a message is text, not markup
+        err.print(f"[red]cadence: error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     except CadenceError as exc:
-        err.print(f"[red]cadence: failed:[/red] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[red]cadence: failed:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 1
     except KeyboardInterrupt:
         err.print("cadence: interrupted")

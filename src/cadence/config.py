@@ -44,6 +44,7 @@ from cadence.errors import ConfigError
 
 __all__ = [
     "BestCheckpointConfig",
+    "CallbackConfig",
     "EarlyStoppingConfig",
     "ExperimentConfig",
     "ExportConfig",
@@ -54,6 +55,7 @@ __all__ = [
     "config_from_dict",
     "load_config",
     "parse_override",
+    "resolve_class_path",
     "resolve_task_class",
     "save_config",
 ]
@@ -103,6 +105,36 @@ class TaskConfig(_Model):
     @field_validator("task_class")
     @classmethod
     def _check_task_class(cls, value: str) -> str:
+        value = value.strip()
+        if not _TASK_CLASS_RE.match(value):
+            raise ValueError("expected 'module:ClassName' or 'path/to/file.py:ClassName'")
+        return value
+
+
+class CallbackConfig(_Model):
+    """One callback (a `cadence.Callback`) told about the run's events: its class and keyword arguments."""
+
+    callback_class: str = Field(
+        alias="class",
+        description=(
+            "The callback class, as `module:ClassName` (imported from `sys.path`) or "
+            "`path/to/file.py:ClassName` (a relative path is resolved against the config "
+            "file's directory)."
+        ),
+    )
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments passed to the callback class. Free-form: not validated here.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_params(cls, data: Any) -> Any:
+        return _none_to_empty(data, ("params",))
+
+    @field_validator("callback_class")
+    @classmethod
+    def _check_callback_class(cls, value: str) -> str:
         value = value.strip()
         if not _TASK_CLASS_RE.match(value):
             raise ValueError("expected 'module:ClassName' or 'path/to/file.py:ClassName'")
@@ -367,13 +399,24 @@ class ExperimentConfig(_Model):
     export: ExportConfig | None = Field(
         default=None, description="Export inference artefacts; `null`: no exports during training."
     )
+    callbacks: list[CallbackConfig] = Field(
+        default_factory=list,
+        description=(
+            "Callbacks (`cadence.Callback`) called at the run's events: training start and end, "
+            "checkpoint saved or loaded, evaluation done, close. Built after the Task's own "
+            "(`Task.build_callbacks()`), which come first."
+        ),
+    )
 
     _config_dir: Path | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
     def _null_sections(cls, data: Any) -> Any:
-        return _none_to_empty(data, ("task", "trainer", "sidecar"))
+        data = _none_to_empty(data, ("task", "trainer", "sidecar"))
+        if isinstance(data, dict) and "callbacks" in data and data["callbacks"] is None:
+            data = {**data, "callbacks": []}  # `callbacks:` with every entry commented out
+        return data
 
     @model_validator(mode="after")
     def _export_on_best_needs_best_checkpoint(self) -> "ExperimentConfig":
@@ -396,6 +439,9 @@ class ExperimentConfig(_Model):
         data = self.model_dump(by_alias=True)
         data["task"]["class"] = resolve_task_class(self)
         data["task"]["params"] = _plain(data["task"]["params"], "task.params")
+        for i, entry in enumerate(data["callbacks"]):
+            entry["class"] = resolve_class_path(entry["class"], self.config_dir)
+            entry["params"] = _plain(entry["params"], f"callbacks[{i}].params")
         return data
 
     def to_yaml(self) -> str:
@@ -417,6 +463,8 @@ class ExperimentConfig(_Model):
     def _identity(self) -> dict[str, Any]:
         data = self.model_dump(by_alias=True)
         data["task"]["class"] = resolve_task_class(self)
+        for entry in data["callbacks"]:
+            entry["class"] = resolve_class_path(entry["class"], self.config_dir)
         return data
 
 
@@ -446,12 +494,18 @@ def resolve_task_class(cfg: ExperimentConfig, config_dir: str | Path | None = No
     The path is resolved against ``config_dir``, else the directory recorded by
     :func:`load_config`, else the current directory.
     """
-    module, cls = _split_task_class(cfg.task.task_class)
+    return resolve_class_path(cfg.task.task_class, config_dir if config_dir is not None else cfg.config_dir)
+
+
+def resolve_class_path(spec: str, config_dir: str | Path | None = None) -> str:
+    """A class spec (``task.class``, ``callbacks[i].class``) with a relative ``file.py`` made
+    absolute against ``config_dir`` (None: the current directory); ``module:Class`` is unchanged."""
+    module, cls = _split_task_class(spec)
     if not module.endswith(".py") or "://" in module:
-        return cfg.task.task_class
+        return spec
     path = Path(module).expanduser()
     if not path.is_absolute():
-        base = Path(config_dir) if config_dir is not None else cfg.config_dir or Path.cwd()
+        base = Path(config_dir) if config_dir is not None else Path.cwd()
         path = base / path
     return f"{os.path.abspath(path)}:{cls}"
 
@@ -582,6 +636,7 @@ _EXPECTED: dict[str, str] = {
     "sidecar.max_pending": "an integer >= 1 or null",
     "sidecar.max_evaluations": "an integer >= 1 or null",
     "trainer.in_process_validation": "true or false",
+    "callbacks": "a list of mappings with 'class' and optional 'params'",
 }
 
 
@@ -600,6 +655,8 @@ def _model_at(loc: Sequence[str]) -> type[BaseModel] | None:
     """The model class holding the field at ``loc`` (a path of aliases), if in the schema."""
     model: type[BaseModel] = ExperimentConfig
     for part in loc[:-1]:
+        if part.isdigit():  # an item of a list of models (callbacks.0.class)
+            continue
         field = _field(model, part)
         sub = _submodel(field.annotation) if field is not None else None
         if sub is None:
@@ -741,7 +798,7 @@ def _check_override_path(parts: Sequence[str], text: str) -> list[str]:
         name = next(n for n, f in model.model_fields.items() if f is field)
         canonical.append(field.alias or name)
         sub = field.annotation
-        if _submodel(sub) is not None:
+        if _submodel(sub) is not None and getattr(sub, "__origin__", None) is not list:  # lists are set whole
             model = _submodel(sub)
         elif _is_mapping_type(sub):
             model = None
@@ -842,6 +899,8 @@ def config_from_dict(
     if config_dir is not None:
         cfg._config_dir = Path(config_dir).resolve()
         cfg.task.task_class = resolve_task_class(cfg)  # importable from any working directory
+        for entry in cfg.callbacks:
+            entry.callback_class = resolve_class_path(entry.callback_class, cfg.config_dir)
     return cfg
 
 

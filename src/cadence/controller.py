@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
+from cadence.callbacks import Callback
 from cadence.coordination import Coordinator, LocalCoordinator
 from cadence.errors import CheckpointError, StopTraining
 from cadence.progress import ProgressReporter
@@ -31,6 +32,7 @@ logger = logging.getLogger("cadence")
 
 Action = Callable[[dict[str, Any]], Any]
 StepsPerLoop = int | Callable[[int], int]
+_T = TypeVar("_T")
 
 __all__ = ["Controller", "Action"]
 
@@ -95,6 +97,10 @@ class Controller:
         ``steps_per_second``. Actions with ``state_dict``/``load_state_dict`` are checkpointed;
         an action with ``attach(controller)`` is handed this controller once, before the restore.
       eval_actions: callables run on each evaluation's metrics dict (same rules).
+      callbacks: :class:`~cadence.callbacks.Callback` objects told about the run's events
+        (training start and end, checkpoint committed or restored, evaluation done, close); a
+        hook is called only if the object has it. Same rules as actions for ``attach`` and
+        ``state_dict``/``load_state_dict`` (saved under ``callbacks/<i>/<ClassName>``).
       restore_step: the checkpoint restored on construction. ``None``: the latest committed one
         (a corrupt one is reported and skipped, falling back to the previous); an int: exactly that
         step (missing or corrupt raises :class:`~cadence.errors.CheckpointError`).
@@ -129,6 +135,7 @@ class Controller:
         train_actions: Iterable[Action] = (),
         eval_actions: Iterable[Action] = (),
         *,
+        callbacks: Iterable[Callback] = (),
         restore_step: int | None = None,
         restore: bool = True,
         progress: bool | None = None,
@@ -160,6 +167,7 @@ class Controller:
         self.summary_interval = summary_interval
         self.train_actions = list(train_actions)
         self.eval_actions = list(eval_actions)
+        self.callbacks = list(callbacks)
         self.coordinator: Coordinator = coordinator if coordinator is not None else LocalCoordinator()
         self.progress = progress if self.coordinator.is_chief else False
         self._summary_dir = summary_dir
@@ -168,16 +176,19 @@ class Controller:
         self._step = 0  # global step of an evaluator-only controller (from its checkpoint)
         self._loop = _LoopState()
         self._save_pending = False
+        self._saves = 0  # save_checkpoint() calls: tells a preemption save-and-exit from a failure
+        self._clean_exit = False  # an action saved, then raised SystemExit
+        self._closed_callbacks = False
         self.stop_reason: str | None = None
         try:
-            for action in (*self.train_actions, *self.eval_actions):
-                attach = getattr(action, "attach", None)
+            for obj in (*self.train_actions, *self.eval_actions, *self.callbacks):
+                attach = getattr(obj, "attach", None)
                 if callable(attach):
                     attach(self)
             self._check_branch(restore_step)
             self.restored_step = self.restore(restore_step) if restore else None
         except BaseException:
-            self.close()  # e.g. signal handlers installed by attach()
+            self._close(propagating=True)  # e.g. signal handlers installed by attach()
             raise
 
     # ------------------------------------------------------------------ state
@@ -194,8 +205,8 @@ class Controller:
 
     def checkpoint_objects(self) -> dict[str, object]:
         """What a checkpoint holds: the trainer (or lone evaluator), the controller's own state,
-        and (with a trainer) stateful actions. Actions that write checkpoints elsewhere
-        (``best/``) use it. An evaluator-only controller leaves its actions' state alone: the
+        and (with a trainer) stateful actions and callbacks. Actions that write checkpoints
+        elsewhere (``best/``) use it. An evaluator-only controller leaves its actions' state alone: the
         checkpoint's action states belong to the training run that saved them."""
         objects: dict[str, object] = {"controller": self._loop}
         runner = self.trainer if self.trainer is not None else self.evaluator
@@ -203,7 +214,9 @@ class Controller:
             objects["trainer" if runner is self.trainer else "evaluator"] = runner
         if self.trainer is None:  # actions' state belongs to the training run that saved it
             return objects
-        for kind, actions in (("train_actions", self.train_actions), ("eval_actions", self.eval_actions)):
+        groups = (("train_actions", self.train_actions), ("eval_actions", self.eval_actions),
+                  ("callbacks", self.callbacks))
+        for kind, actions in groups:
             for i, action in enumerate(actions):
                 if _stateful(action):
                     name = getattr(action, "checkpoint_name", None) or type(action).__name__
@@ -226,7 +239,8 @@ class Controller:
         """Restore checkpoint ``step`` (``None``: the latest); return the restored step or None.
 
         Without a checkpoint manager, or when the manager has no checkpoint, nothing is restored,
-        the runner's ``initialize()`` runs (if it has one) and None is returned.
+        the runner's ``initialize()`` runs (if it has one) and None is returned. After a restore,
+        the callbacks' ``on_checkpoint_load`` is called.
         """
         restored = None
         if self.checkpoint_manager is not None:
@@ -239,6 +253,7 @@ class Controller:
             logger.info("no checkpoint restored: starting at step %d", self.global_step)
         else:
             self._step = restored
+            self._fire("on_checkpoint_load", self.checkpoint_manager.path(restored))
         return restored
 
     def rollback(self) -> int:
@@ -260,6 +275,7 @@ class Controller:
             raise CheckpointError(
                 f"cannot roll back: no committed checkpoint in {self.checkpoint_manager.directory}"
             )
+        self._fire("on_checkpoint_load", self.checkpoint_manager.path(restored))
         return restored
 
     def save_checkpoint(self) -> str | None:
@@ -267,14 +283,21 @@ class Controller:
 
         A collective in a multi-process job: every rank calls it, the chief writes, all wait for
         the commit. Saving twice at the same step writes once. Returns the checkpoint's path.
+        The callbacks' ``on_checkpoint_save`` runs for each commit reported by the manager
+        (with an asynchronous manager: the commits finished so far).
         """
+        self._saves += 1
         if self.checkpoint_manager is None:
             return None
         self.prepare_checkpoint()
         path = self.checkpoint_manager.path(self.global_step)
         if self.coordinator.is_chief:
+            # An asynchronous save in flight is waited for by save() anyway: report it first, before
+            # the next commit's retention may delete it.
+            self._wait_for_commits()
             path = self.checkpoint_manager.save(self.global_step, self.checkpoint_objects())
         self.coordinator.barrier()  # no rank goes on before the checkpoint is committed
+        self._report_commits()
         return path
 
     def prepare_checkpoint(self) -> None:
@@ -296,6 +319,9 @@ class Controller:
           checkpoint_at_completion: save a checkpoint and mark the run ``FINAL`` when done (also
             when an action raised :class:`StopTraining`).
 
+        The callbacks' ``on_train_start`` runs first and ``on_train_end`` last (also when the
+        target was already reached; see :class:`~cadence.callbacks.Callback`).
+
         Raises:
           ValueError: no trainer.
           RuntimeError: the trainer advanced a different number of steps than requested (with
@@ -303,14 +329,34 @@ class Controller:
         """
         self._require("trainer", "train")
         self.stop_reason = None
-        if steps is not None and self.global_step >= steps:
-            logger.info("train: global step %d already reached target %d", self.global_step, steps)
-            return
-        self._reopen_if_final(steps)
-        with self._progress(steps) as progress:
-            self._train_until(steps, progress, until_exhausted=steps is None)
-        if checkpoint_at_completion:
-            self._complete()
+
+        def run() -> None:
+            if steps is not None and self.global_step >= steps:
+                logger.info("train: global step %d already reached target %d", self.global_step, steps)
+                return
+            self._reopen_if_final(steps)
+            with self._progress(steps) as progress:
+                self._train_until(steps, progress, until_exhausted=steps is None)
+            if checkpoint_at_completion:
+                self._complete()
+
+        self._training(run)
+
+    def _training(self, run: Callable[[], _T]) -> _T:
+        """``run()`` between the callbacks' ``on_train_start`` and ``on_train_end``. The end is
+        also called when an action saved a checkpoint and then raised ``SystemExit`` (preemption's
+        save-and-exit), once that checkpoint is committed; not after any other exception."""
+        self._clean_exit = False
+        self._fire("on_train_start")
+        try:
+            result = run()
+        except SystemExit:
+            if self._clean_exit:
+                self._wait_for_commits()
+                self._fire("on_train_end")
+            raise
+        self._fire("on_train_end")
+        return result
 
     def _train_until(
         self, target: int | None, progress: ProgressReporter, *, until_exhausted: bool, defer_save: bool = False
@@ -332,6 +378,7 @@ class Controller:
             raise_if_failed = getattr(self.checkpoint_manager, "raise_if_failed", None)
             if callable(raise_if_failed):
                 raise_if_failed()  # an asynchronous save that failed surfaces at the next loop
+            self._report_commits()  # asynchronous saves committed during the loop
             after = self.global_step
             advanced = after - before
             exhausted = until_exhausted and advanced < requested
@@ -377,7 +424,8 @@ class Controller:
         Args:
           steps: batches to evaluate; ``-1`` until the eval data is exhausted.
 
-        Writes eval summaries at the current global step and runs the eval actions. An eval action
+        Writes eval summaries at the current global step, runs the eval actions, then the
+        callbacks' ``on_eval_end(metrics, step)``. An eval action
         that raises :class:`StopTraining` sets :attr:`stop_reason`: a running
         ``train_and_evaluate`` then ends cleanly; ``evaluate`` itself returns normally.
 
@@ -396,6 +444,7 @@ class Controller:
         shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)))
         logger.info("eval at step %d (%.1fs): %s", step, elapsed, shown)
         self._run_actions(self.eval_actions, metrics)
+        self._fire("on_eval_end", metrics, step)
         return metrics
 
     def evaluate_continuously(
@@ -470,7 +519,8 @@ class Controller:
         N. A run resumed at an evaluation step whose evaluation never ran (it was preempted right
         before it) evaluates first. At the end (target reached, data exhausted, or
         :class:`StopTraining` from an action) the final checkpoint is saved and ``FINAL``
-        written. A run that is already complete is evaluated once.
+        written. A run that is already complete is evaluated once. The callbacks'
+        ``on_train_start`` runs first and ``on_train_end`` last, as in :meth:`train`.
         """
         self._require("trainer", "train_and_evaluate")
         self._require("evaluator", "train_and_evaluate")
@@ -479,6 +529,11 @@ class Controller:
         self._reopen_if_final(train_steps)
         if throttle_secs < 0 or start_delay_secs < 0:
             raise ValueError(f"throttle_secs and start_delay_secs must be >= 0, got {throttle_secs}, {start_delay_secs}")
+        return self._training(lambda: self._train_and_evaluate(
+            train_steps, eval_steps, eval_interval, throttle_secs, start_delay_secs))
+
+    def _train_and_evaluate(self, train_steps: int | None, eval_steps: int, eval_interval: int | None,
+                            throttle_secs: float, start_delay_secs: float) -> dict[str, Any]:
         started = time.monotonic()
         last_eval: list[float] = []  # when the last evaluation of this call started
 
@@ -526,11 +581,37 @@ class Controller:
 
     def _run_actions(self, actions: list[Action], output: dict[str, Any]) -> None:
         for action in actions:
+            saves = self._saves
             try:
                 action(output)
             except StopTraining as stop:
                 self.stop_reason = stop.reason
                 logger.info("stop requested at step %d: %s", self.global_step, stop.reason)
+            except SystemExit:
+                self._clean_exit = self._saves > saves  # saved, then exit: preemption's save-and-exit
+                raise
+
+    def _fire(self, hook: str, *args: Any) -> None:
+        """Call ``hook(*args)`` on every callback that has it, in order."""
+        for callback in self.callbacks:
+            method = getattr(callback, hook, None)
+            if callable(method):
+                method(*args)
+
+    def _report_commits(self) -> None:
+        """Tell the callbacks about the checkpoints the manager committed since the last time."""
+        take = getattr(self.checkpoint_manager, "take_committed", None)
+        if not callable(take):
+            return
+        for _, path in take():
+            self._fire("on_checkpoint_save", path)
+
+    def _wait_for_commits(self) -> None:
+        """Wait for an asynchronous save in flight, then report the commits."""
+        wait = getattr(self.checkpoint_manager, "wait", None)
+        if callable(wait):
+            wait()
+        self._report_commits()
 
     def _agree_on_stop(self) -> None:
         """Collective (several ranks): a stop asked for on any rank stops every rank."""
@@ -544,7 +625,8 @@ class Controller:
             return
         self.save_checkpoint()
         if self.coordinator.is_chief:
-            self.checkpoint_manager.mark_final(self.global_step)
+            self.checkpoint_manager.mark_final(self.global_step)  # waits for an asynchronous commit
+        self._report_commits()
 
     def _reopen_if_final(self, target: int | None) -> None:
         """A run marked FINAL that trains further is no longer final: remove the marker."""
@@ -569,23 +651,56 @@ class Controller:
         writer.flush()
 
     def close(self) -> None:
-        """Wait for a pending asynchronous checkpoint (raising its failure), flush and close
-        summary writers, and call ``close()`` on actions that have one -- the last two always."""
+        """Wait for a pending asynchronous checkpoint (raising its failure) and report the
+        commits to the callbacks, flush and close summary writers, call ``close()`` on actions
+        that have one, and the callbacks' ``on_close`` (once) -- the last three always.
+
+        An ``on_close`` that raises does not stop the others; the first such error is raised
+        after all ran, unless the closing itself failed. Leaving a ``with controller:`` block
+        on an exception never replaces that exception with an ``on_close`` error (it is logged).
+        """
+        self._close(propagating=False)
+
+    def _close(self, propagating: bool) -> None:
         try:
-            close_manager = getattr(self.checkpoint_manager, "close", None)
-            if callable(close_manager):
-                close_manager()
-        finally:
-            for writer in self._writers.values():
-                writer.close()
-            self._writers.clear()
-            for action in (*self.train_actions, *self.eval_actions):
-                close = getattr(action, "close", None)
-                if callable(close):
-                    close()
+            try:
+                close_manager = getattr(self.checkpoint_manager, "close", None)
+                if callable(close_manager):
+                    close_manager()
+                self._report_commits()
+            finally:
+                for writer in self._writers.values():
+                    writer.close()
+                self._writers.clear()
+                for action in (*self.train_actions, *self.eval_actions):
+                    close = getattr(action, "close", None)
+                    if callable(close):
+                        close()
+        except BaseException:
+            self._close_callbacks(raise_errors=False)
+            raise
+        self._close_callbacks(raise_errors=not propagating)
+
+    def _close_callbacks(self, *, raise_errors: bool) -> None:
+        """Every callback's ``on_close``, once; errors are logged, the first raised if asked."""
+        if self._closed_callbacks:
+            return
+        self._closed_callbacks = True
+        first: BaseException | None = None
+        for callback in self.callbacks:
+            on_close = getattr(callback, "on_close", None)
+            if not callable(on_close):
+                continue
+            try:
+                on_close()
+            except BaseException as e:  # the other callbacks still close
+                logger.exception("callback %s: on_close failed", type(callback).__name__)
+                first = first if first is not None else e
+        if first is not None and raise_errors:
+            raise first
 
     def __enter__(self) -> "Controller":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._close(propagating=exc_type is not None)

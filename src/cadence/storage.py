@@ -163,6 +163,23 @@ class Storage:
         if self.exists(path):
             self.fs.rm(path, recursive=True)
 
+    def fsync_file(self, path: str) -> None:
+        """Make a written file's data durable (another descriptor of the same file will do); a no-op
+        off local disks, where a file is complete once its stream is closed."""
+        if not self._local:
+            return
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def open_read(self, path: str) -> IO[bytes]:
+        """A binary stream reading ``path``; raises ``FileNotFoundError`` when it does not exist."""
+        if self._local:
+            return open(path, "rb", buffering=0)
+        return self.fs.open(path, "rb")
+
     def fsync_dir(self, path: str) -> None:
         """Make a directory's entries (creations, renames) durable; a no-op off local disks."""
         if not self._local or os.name == "nt":

@@ -6,11 +6,14 @@ import contextlib
 import posixpath
 from typing import IO, Iterator, Mapping
 
+from cadence.checkpoint.background import Pending, Worker
 from cadence.checkpoint.manifest import HashingStream, name_problem
 from cadence.storage import Storage
 from cadence.errors import CheckpointError
 
 STATE_NAME = "state.json"
+
+_SYNCER = Worker("cadence-fsync")  # fsyncs closed checkpoint files while the next ones are written
 
 
 class DirectoryWriter:
@@ -20,6 +23,10 @@ class DirectoryWriter:
     names (see :func:`~cadence.checkpoint.manifest.name_problem`), unique within the checkpoint, and
     not ``state.json`` / ``MANIFEST.json``: anything else raises ``ValueError``. After the save the
     writer is closed and refuses further files.
+
+    Each file is fsynced on a helper thread once closed, while the next file is being written;
+    :meth:`files` waits for those fsyncs (raising their errors), so everything is durable before
+    the manager renames the checkpoint into place.
     """
 
     def __init__(self, storage: Storage, directory: str, step: int) -> None:
@@ -29,6 +36,7 @@ class DirectoryWriter:
         self._claimed: set[str] = set()
         self._files: dict[str, tuple[int, str]] = {}
         self._closed = False
+        self._syncs: list[Pending] = []
 
     def write(self, name: str, data: bytes | bytearray | memoryview) -> None:
         """Write a whole file; its size and sha256 go into the manifest."""
@@ -52,6 +60,9 @@ class DirectoryWriter:
         Raises :class:`CheckpointError` when a file was opened but never completed.
         """
         self._closed = True
+        syncs, self._syncs = self._syncs, []
+        for sync in syncs:
+            sync.result()
         unfinished = sorted(self._claimed - self._files.keys())
         if unfinished:
             raise CheckpointError(f"checkpoint files {unfinished} were opened but not completed")
@@ -71,11 +82,13 @@ class DirectoryWriter:
 
     @contextlib.contextmanager
     def _open(self, name: str) -> Iterator[IO[bytes]]:
-        with self._storage.open_write(posixpath.join(self._directory, name)) as raw:
+        path = posixpath.join(self._directory, name)
+        with self._storage.open_write(path, fsync=False) as raw:
             stream = HashingStream(raw)
             yield stream  # type: ignore[misc]
             stream.flush()
             stream.close()
+        self._syncs.append(_SYNCER.submit(self._storage.fsync_file, path))
         self._files[name] = (stream.size, stream.hexdigest())
 
 

@@ -70,7 +70,8 @@ class CheckpointManager:
         seconds (dead readers'; unexpired ones are never touched). False for readers (sidecar
         evaluators, tools): nothing on disk is changed, and :meth:`save`, :meth:`mark_final` and :meth:`clear_final` raise :class:`CheckpointError`.
         There must be at most one writer per directory at a time.
-      async_save: :meth:`save` returns once the objects are snapshotted into memory; a
+      async_save: :meth:`save` returns once the objects are snapshotted into memory (an object's
+        ``snapshot_checkpoint()`` when it has one, see :mod:`cadence.checkpoint.protocol`); a
         background thread writes and commits (same protocol). At most one save is in flight: the
         next :meth:`save` waits for it. A failed background save is raised (as
         :class:`CheckpointError`) by the next :meth:`save`, :meth:`wait` or
@@ -113,6 +114,7 @@ class CheckpointManager:
         self.async_save = async_save
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
+        self._just_committed: list[tuple[int, str]] = []  # appended by the saving thread, taken by take_committed()
         self.storage = Storage(directory, storage_options)
         self.leases = Leases(directory, storage_options=storage_options)
         if writer:
@@ -222,6 +224,16 @@ class CheckpointManager:
         """Wait for a pending asynchronous save (raising its failure)."""
         self.wait()
 
+    def take_committed(self) -> list[tuple[int, str]]:
+        """``(step, path)`` of each checkpoint committed by this manager since the last call, in
+        commit order. Asynchronous commits appear once their background thread has committed them
+        (after :meth:`wait` at the latest). Used to tell callbacks about commits on the caller's
+        thread."""
+        taken: list[tuple[int, str]] = []
+        while self._just_committed:
+            taken.append(self._just_committed.pop(0))
+        return taken
+
     def _save_now(self, step: int, objects: Mapping[str, object]) -> str:
         """Commit checkpoint ``step`` holding ``objects`` and apply retention; return its path.
 
@@ -262,6 +274,7 @@ class CheckpointManager:
             self._discard(work, final)
             raise
         logger.info("saved checkpoint %s", self.path(step))
+        self._just_committed.append((step, self.path(step)))
         self._apply_retention(step)
         return self.path(step)
 
@@ -514,11 +527,15 @@ class CheckpointManager:
 
 
 def _snapshot(step: int, objects: Mapping[str, object]) -> dict[str, object]:
-    """Each object's checkpoint as of now (files in memory, state deep-copied), to commit later."""
+    """Each object's checkpoint as of now, to commit later: its ``snapshot_checkpoint()`` when it
+    has one (e.g. tensors copied, not serialised), else its files in memory and its state deep-copied."""
     snapshot: dict[str, object] = {}
     for name, obj in objects.items():
         save = getattr(obj, "save_checkpoint", None)
-        if save is not None:
+        take_snapshot = getattr(obj, "snapshot_checkpoint", None)
+        if callable(take_snapshot):
+            snapshot[name] = take_snapshot()
+        elif save is not None:
             memory = MemoryWriter(step)
             state = save(memory)
             snapshot[name] = Snapshot(memory.files, copy.deepcopy(state))

@@ -8,7 +8,6 @@ A checkpoint exists only when its manifest exists and its files match it. The ma
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import io
 import json
@@ -17,6 +16,7 @@ import re
 import time
 from typing import IO, Any, Mapping
 
+from cadence.checkpoint.background import Worker
 from cadence.storage import Storage
 from cadence.errors import CorruptCheckpointError
 
@@ -43,14 +43,7 @@ def name_problem(name: object) -> str | None:
 
 
 _CHUNK = 8 << 20
-_HASHER: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _hasher() -> concurrent.futures.ThreadPoolExecutor:
-    global _HASHER
-    if _HASHER is None:
-        _HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadence-sha256")
-    return _HASHER
+_HASHER = Worker("cadence-sha256")  # hashes large writes chunk by chunk beside the writes
 
 
 class HashingStream(io.RawIOBase):
@@ -77,7 +70,7 @@ class HashingStream(io.RawIOBase):
             # the same chunk is written, so hashing costs (almost) no time beside the write.
             for start in range(0, view.nbytes, _CHUNK):
                 chunk = view[start:start + _CHUNK]
-                hashed = _hasher().submit(self._sha.update, chunk)
+                hashed = _HASHER.submit(self._sha.update, chunk)
                 self._raw.write(chunk)
                 hashed.result()
         self.size += view.nbytes
@@ -174,7 +167,7 @@ def read_verified(storage: Storage, directory: str, manifest: Mapping[str, Any],
     if entry is None:
         raise CorruptCheckpointError(url, f"{name} is not listed in {MANIFEST_NAME}")
     try:
-        data = storage.read_bytes(posixpath.join(directory, name))
+        data, digest = _read_hashed(storage, posixpath.join(directory, name), entry["size"])
     except FileNotFoundError:
         raise CorruptCheckpointError(url, f"{name} is missing") from None
     except OSError as e:
@@ -183,9 +176,32 @@ def read_verified(storage: Storage, directory: str, manifest: Mapping[str, Any],
         raise CorruptCheckpointError(
             url, f"{name} has {len(data)} bytes, the manifest says {entry['size']} (truncated or changed)"
         )
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+    if digest != entry["sha256"]:
         raise CorruptCheckpointError(url, f"{name} does not match its sha256 in the manifest")
     return data
+
+
+def _read_hashed(storage: Storage, path: str, expected_size: int) -> tuple[bytes, str]:
+    """The file's bytes and sha256; large files are hashed chunk by chunk on the helper thread
+    while the next chunk is read, so hashing overlaps the read."""
+    if expected_size <= _CHUNK:
+        data = storage.read_bytes(path)
+        return data, hashlib.sha256(data).hexdigest()
+    sha = hashlib.sha256()
+    chunks: list[bytes] = []
+    hashed = None
+    with storage.open_read(path) as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            hashed = _HASHER.submit(sha.update, chunk)  # in order: one worker
+    data = b"".join(chunks)
+    del chunks
+    if hashed is not None:
+        hashed.result()
+    return data, sha.hexdigest()
 
 
 def verify_all(storage: Storage, directory: str, manifest: Mapping[str, Any]) -> dict[str, bytes]:

@@ -9,6 +9,11 @@ mapping ``name -> object`` and each object contributes in one of two ways:
 * **Stateful** (``state_dict`` / ``load_state_dict`` returning / taking JSON-serialisable values):
   stored under its name in ``state.json`` -- actions' state (best value, patience) uses this.
 
+For asynchronous saves a Checkpointable may also have ``snapshot_checkpoint()``, returning an
+object whose ``save_checkpoint(writer)`` writes what ``save_checkpoint`` would have written at the
+time of the snapshot (e.g. with tensors copied to memory rather than serialised); without it the
+files are captured in memory through a writer.
+
 ``state.json`` looks like ``{"step": 200, "time": ..., "cadence_version": "...", "state": {name: ...}}``.
 """
 

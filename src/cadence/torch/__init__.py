@@ -8,7 +8,15 @@ from cadence.torch.context import Context
 from cadence.torch.data import ResumableLoader, ResumableSampler
 from cadence.torch.distributed import TorchCoordinator, init_distributed, rank_env, shutdown_distributed
 from cadence.torch.evaluator import TorchEvaluator
-from cadence.torch.export import FORMATS, ExportModel, export_model, load_exported
+from cadence.torch.export import (
+    FORMATS,
+    ExportModel,
+    ExportSignature,
+    export_model,
+    export_model_signatures,
+    load_exported,
+    read_signatures,
+)
 from cadence.torch.metrics import TorchMetricsReducer
 from cadence.torch.precision import Precision, resolve_precision
 from cadence.torch.state import (
@@ -27,6 +35,7 @@ from cadence.torch.task import Task
 from cadence.torch.trainer import TorchTrainer, build_runners
 
 _EXPERIMENT = ("Run", "build_run", "build_sidecar", "build_task", "load_task_class", "run_evaluation", "run_training")
+_SMOKE = ("SmokeReport", "StageResult", "run_smoke")
 
 
 def __getattr__(name: str):  # the config-driven entry points, imported on first use
@@ -34,12 +43,17 @@ def __getattr__(name: str):  # the config-driven entry points, imported on first
         from cadence.torch import experiment
 
         return getattr(experiment, name)
+    if name in _SMOKE:
+        from cadence.torch import smoke
+
+        return getattr(smoke, name)
     raise AttributeError(f"module 'cadence.torch' has no attribute {name!r}")
 
 
 __all__ = [
     "Context",
     "ExportModel",
+    "ExportSignature",
     "FORMATS",
     "Precision",
     "ResumableLoader",
@@ -51,10 +65,12 @@ __all__ = [
     "TorchTrainer",
     "build_runners",
     "export_model",
+    "export_model_signatures",
     "first_tensor",
     "get_rng_state",
     "init_distributed",
     "load_exported",
+    "read_signatures",
     "load_model_safetensors",
     "load_torch_state",
     "model_to_safetensors",
@@ -69,4 +85,5 @@ __all__ = [
     "torch_state_to_bytes",
     "unwrap_model",
     *_EXPERIMENT,
+    *_SMOKE,
 ]

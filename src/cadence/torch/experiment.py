@@ -25,15 +25,62 @@ from cadence.config import ExperimentConfig, save_config
 from cadence.controller import Controller
 from cadence.errors import CheckpointError, ConfigError
 from cadence.torch.context import Context
-from cadence.torch.export import TRACED_FORMATS
+from cadence.torch.export import TRACED_FORMATS, check_signatures, has_export_signatures
 from cadence.torch.state import seed_everything, unwrap_model
 from cadence.torch.task import Task
 from cadence.torch.trainer import build_runners
 
 logger = logging.getLogger("cadence")
 
-__all__ = ["ModelExporter", "Run", "build_actions", "build_run", "build_sidecar", "build_task",
-           "load_task_class", "run_evaluation", "run_training"]
+__all__ = ["ModelExporter", "Run", "build_actions", "build_callbacks", "build_run", "build_sidecar", "build_task",
+           "load_class", "load_task_class", "run_evaluation", "run_training"]
+
+
+def load_class(spec: str, field: str) -> type:
+    """Import the class named by ``module:ClassName`` or ``/path/to/file.py:ClassName``.
+
+    A module is imported from ``sys.path`` (plus the current directory); a file is loaded once
+    per process, with its directory put on ``sys.path`` so that it can import its siblings.
+    ``ClassName`` may be dotted (``Outer.Inner``). ``field`` (e.g. ``task.class``,
+    ``callbacks[0].class``) starts every error message.
+
+    Raises:
+      ConfigError: malformed spec, module or file not importable, no such class, not a class.
+    """
+    module_name, sep, class_name = spec.rpartition(":")
+    if not sep or not module_name or not class_name:
+        raise ConfigError(f"{field}: expected 'module:ClassName' or 'file.py:ClassName', got {spec!r}")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise ConfigError(f"{field}: file not found: {path}")
+            name = f"cadence_task_{abs(hash(str(path.resolve())))}"
+            module = sys.modules.get(name)
+            if module is None:
+                module_spec = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(module_spec)
+                sys.modules[name] = module
+                sys.path.insert(0, str(path.resolve().parent))  # let the file import its siblings
+                try:
+                    module_spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[name]  # a fixed file can be loaded again
+                    raise
+        else:
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+                sys.path.insert(0, str(Path.cwd()))
+            module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{field}: cannot import module {module_name!r}: {exc}") from exc
+    cls: Any = module
+    for part in class_name.split("."):
+        cls = getattr(cls, part, None)
+        if cls is None:
+            raise ConfigError(f"{field}: module {module_name!r} has no class {class_name!r}")
+    if not isinstance(cls, type):
+        raise ConfigError(f"{field}: {spec} is not a class")
+    return cls
 
 
 def load_task_class(spec: str) -> type[Task]:
@@ -42,51 +89,57 @@ def load_task_class(spec: str) -> type[Task]:
     Raises:
       ConfigError: malformed spec, module or file not importable, no such class, not a Task.
     """
-    module_name, sep, class_name = spec.rpartition(":")
-    if not sep or not module_name or not class_name:
-        raise ConfigError(f"task.class: expected 'module:ClassName' or 'file.py:ClassName', got {spec!r}")
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise ConfigError(f"task.class: file not found: {path}")
-            name = f"cadence_task_{abs(hash(str(path.resolve())))}"
-            module = sys.modules.get(name)
-            if module is None:
-                module_spec = importlib.util.spec_from_file_location(name, path)
-                module = importlib.util.module_from_spec(module_spec)
-                sys.modules[name] = module
-                sys.path.insert(0, str(path.resolve().parent))  # let the file import its siblings
-                module_spec.loader.exec_module(module)
-        else:
-            if "" not in sys.path and str(Path.cwd()) not in sys.path:
-                sys.path.insert(0, str(Path.cwd()))
-            module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise ConfigError(f"task.class: cannot import module {module_name!r}: {exc}") from exc
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise ConfigError(f"task.class: module {module_name!r} has no class {class_name!r}")
-    if not (isinstance(cls, type) and issubclass(cls, Task)):
+    cls = load_class(spec, "task.class")
+    if not issubclass(cls, Task):
         raise ConfigError(f"task.class: {spec} is not a subclass of cadence.torch.Task")
     return cls
 
 
+def _instantiate(cls: type, params: Mapping[str, Any], field: str) -> Any:
+    """``cls(**params)``; a constructor rejecting them raises ConfigError naming ``field``."""
+    try:
+        return cls(**params)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{field}: {cls.__name__}(**params) failed: {exc}") from exc
+
+
 def build_task(cfg: ExperimentConfig) -> Task:
     """Instantiate the configured Task with ``task.params`` as keyword arguments."""
-    cls = load_task_class(cfg.task.task_class)
-    try:
-        return cls(**cfg.task.params)
-    except TypeError as exc:
-        raise ConfigError(f"task.params: {cls.__name__}(**params) failed: {exc}") from exc
+    return _instantiate(load_task_class(cfg.task.task_class), cfg.task.params, "task.params")
 
 
-def _example_inputs(task: Task, formats: Sequence[str], where: str) -> Any:
-    """``task.example_inputs()`` when a format traces the model, else None.
+def build_callbacks(cfg: ExperimentConfig, task: Task) -> list[Any]:
+    """The run's callbacks: ``task.build_callbacks()``, then the config's ``callbacks:``, each
+    built as ``Class(**params)``.
 
     Raises:
-      ConfigError: a traced format, and the task does not define ``example_inputs()``.
+      ConfigError: a class that cannot be imported (naming ``callbacks[i].class``) or that
+        rejects its params (naming ``callbacks[i].params``).
     """
+    callbacks = list(task.build_callbacks())
+    for i, entry in enumerate(cfg.callbacks):
+        cls = load_class(entry.callback_class, f"callbacks[{i}].class")
+        callbacks.append(_instantiate(cls, entry.params, f"callbacks[{i}].params"))
+    return callbacks
+
+
+def _example_inputs(task: Task, formats: Sequence[str], where: str, model: Any = None) -> Any:
+    """``task.example_inputs()`` when a format traces the model, else None.
+
+    With ``model`` and a task whose ``export_signatures(model)`` returns signatures, those are
+    checked instead (each signature brings its own example inputs) and the result is None.
+
+    Raises:
+      ConfigError: a traced format, and the task does not define ``example_inputs()``; a
+        signature with a bad name, or without example inputs for a traced format (named).
+    """
+    if model is not None and has_export_signatures(task):
+        try:
+            signatures = check_signatures(task.export_signatures(unwrap_model(model)), formats)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: {type(task).__name__}.export_signatures(): {exc}") from exc
+        if signatures:
+            return None
     needing = [f for f in formats if f in TRACED_FORMATS]
     if not needing:
         return None
@@ -98,7 +151,9 @@ def _example_inputs(task: Task, formats: Sequence[str], where: str) -> Any:
 
 class ModelExporter:
     """Writes the configured inference artefacts of the live model to ``export/<name>/<step>/``
-    and keeps the newest ``export.max_to_keep`` of them. Only the chief writes (``chief``)."""
+    (with :meth:`Task.export_signatures`: one ``<signature>/`` subdirectory each, and
+    ``signatures.json``) and keeps the newest ``export.max_to_keep`` steps. Only the chief
+    writes (``chief``). Example inputs and signatures are checked when it is built (ConfigError)."""
 
     def __init__(self, cfg: ExperimentConfig, task: Task, model: Any, name: str, *, chief: bool = True) -> None:
         from cadence.actions import ExportFileManager
@@ -108,20 +163,21 @@ class ModelExporter:
         self.model = model
         self.model_dir = cfg.model_dir
         self.name = name
-        self.example_inputs = _example_inputs(task, self.formats, "export.formats")
+        self.task = task
+        self.example_inputs = _example_inputs(task, self.formats, "export.formats", model)
         self.files = ExportFileManager(
             layout.export_dir(cfg.model_dir, name), max_to_keep=cfg.export.max_to_keep, separator="/"
         )
         self.chief = chief  # one process writes exports
 
     def __call__(self, step: int, metadata: Mapping[str, Any]) -> str:
-        from cadence.torch.export import export_model
+        from cadence.torch.export import export_task_model
 
         directory = layout.export_dir(self.model_dir, self.name, step)
         if not self.chief:
             return directory
-        export_model(unwrap_model(self.model), directory, self.formats, example_inputs=self.example_inputs,
-                     metadata={**metadata, "step": step})
+        export_task_model(self.task, self.model, directory, self.formats, example_inputs=self.example_inputs,
+                          metadata={**metadata, "step": step})
         self.files.clean_up()
         return directory
 
@@ -210,11 +266,12 @@ class Run:
 
 def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = True,
               restore_step: int | None = None, progress: bool | None = None) -> Run:
-    """Seed, build the task, runners and actions, and a controller that restores the latest
-    checkpoint.
+    """Seed, build the task, runners, actions and callbacks (:func:`build_callbacks`), and a
+    controller that restores the latest checkpoint.
 
     ``train=False`` builds an evaluator-only run that reads checkpoints without changing the
-    model directory (``restore_step``: that checkpoint; ``None``: the latest); it runs no actions.
+    model directory (``restore_step``: that checkpoint; ``None``: the latest); it runs no actions
+    and no callbacks.
     """
     if not cfg.model_dir:
         raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
@@ -224,6 +281,7 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     train_actions, eval_actions = (
         build_actions(cfg, task, model, train=train, evaluate=evaluate, chief=ctx.is_chief) if train else ([], [])
     )
+    callbacks = build_callbacks(cfg, task) if train else []
     manager = CheckpointManager(  # one writer: the chief; the other ranks only read
         layout.checkpoints_dir(cfg.model_dir), max_to_keep=t.max_to_keep,
         keep_every_n_steps=t.keep_every_n_steps, writer=train and ctx.is_chief,
@@ -240,6 +298,7 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
         eval_summary_dir=layout.eval_dir(cfg.model_dir) if train else None,
         train_actions=train_actions,
         eval_actions=eval_actions,
+        callbacks=callbacks,
         restore_step=restore_step,
         progress=progress,
         coordinator=ctx.coordinator,
@@ -333,16 +392,19 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
     The model is built from the model dir's resolved ``config.yaml``. ``checkpoint``: ``"best"``
     (``best/``), ``"latest"`` (the newest committed in ``checkpoints/``) or a step number.
     ``out``: the directory to write; default ``export/best/<step>/`` for the best checkpoint and
-    ``export/checkpoint/<step>/`` otherwise.
+    ``export/checkpoint/<step>/`` otherwise. ``files``: ``{format: path}``; for a task with
+    :meth:`Task.export_signatures`, ``{"<signature>/<format>": path}`` (one subdirectory of
+    ``directory`` per signature, and ``signatures.json``).
 
     Raises:
       CadenceError: not a model dir (no ``config.yaml``), or no such checkpoint.
-      ConfigError: a format that needs ``Task.example_inputs()`` the task does not define.
+      ConfigError: a format that needs ``Task.example_inputs()`` the task does not define; a bad
+        signature name, or a signature without the example inputs a format needs.
     """
     from cadence.config import load_config
     from cadence.errors import CadenceError
     from cadence.storage import Storage
-    from cadence.torch.export import export_model
+    from cadence.torch.export import export_task_model
 
     config_file = layout.config_path(model_dir)
     if not Storage(config_file).exists(Storage(config_file).root):
@@ -360,8 +422,8 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
     restored = manager.restore({"evaluator": evaluator}, step)
     if restored is None:
         raise CheckpointError(f"no committed checkpoint in {manager.directory}")
-    example_inputs = _example_inputs(task, formats, "--format")
+    example_inputs = _example_inputs(task, formats, "--format", evaluator.model)
     directory = out or layout.export_dir(model_dir, "best" if checkpoint == "best" else "checkpoint", restored)
-    files = export_model(evaluator.model, directory, formats, example_inputs=example_inputs,
-                         metadata={"step": restored, "source": manager.path(restored)})
+    files = export_task_model(task, evaluator.model, directory, formats, example_inputs=example_inputs,
+                              metadata={"step": restored, "source": manager.path(restored)})
     return restored, directory, files

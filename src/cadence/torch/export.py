@@ -15,6 +15,11 @@ The traced formats need example inputs (``model(*example_inputs)``, batch dimens
 size >= 2). Every export writes ``metadata.json`` last: formats and files, cadence and torch
 versions, input shapes and dtypes, and the caller's metadata (step, metrics, ...).
 
+*Signatures* (:class:`ExportSignature`, :meth:`Task.export_signatures`): several named inference
+entry points exported together. :func:`export_model_signatures` writes one export as above per
+signature into ``<directory>/<signature>/`` (each one loadable with :func:`load_exported`), and
+``<directory>/signatures.json`` last: the signatures, the formats and the caller's metadata.
+
 On local disks an export is written into a temp sibling directory and renamed into place, so a
 half-written export never appears; on other stores (object stores, ``memory://``) it is written
 locally, then uploaded with ``metadata.json`` last: an export is complete when its metadata exists.
@@ -31,11 +36,13 @@ import json
 import logging
 import os
 import posixpath
+import re
 import secrets
 import shutil
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -67,9 +74,13 @@ FILES: dict[str, str] = {
 """The artefact file of each format."""
 METADATA_FILE = "metadata.json"
 METADATA_VERSION = 1
+SIGNATURES_FILE = "signatures.json"
+"""Beside the signature directories of an export with signatures; written last."""
+_SIGNATURE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _ONNX_EXTERNAL_DATA_BYTES = 1 << 30  # larger weights go to model.onnx.data (protobuf's 2 GiB limit)
 _RESERVED_KEYS = frozenset(
-    {"format_version", "formats", "files", "model_class", "inputs", "cadence_version", "torch_version", "created_at"}
+    {"format_version", "formats", "files", "model_class", "inputs", "cadence_version", "torch_version", "created_at",
+     "signature", "signatures"}
 )
 _ONNX_INSTALL = "pip install 'cadence[onnx]'"
 
@@ -137,6 +148,90 @@ def _require_onnx() -> None:
     _require_modules(("onnx", "onnxscript"), "the 'onnx' export format")
 
 
+# -- signatures ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class ExportSignature:
+    """One named inference entry point of an export (see :meth:`Task.export_signatures`).
+
+    ``module``: an ``nn.Module``, or a plain callable of tensors (e.g. ``lambda x:
+    model(x).softmax(-1)``), which is wrapped into an ``nn.Module`` at export so that every
+    format works. The ``safetensors`` artefact of a signature is its module's ``state_dict()``;
+    for a plain callable it is the state dict of the model it is exported with (the ``model``
+    given to :func:`export_model_signatures`: the trained model, when exported from a Task), and
+    empty without one.
+
+    ``example_inputs``: a tensor or a tuple of tensors for ``module(*inputs)``, batch dimension
+    first with batch size >= 2 (kept as a tuple); needed by the traced formats (``torch_export``,
+    ``torchscript``, ``onnx``), ``None`` when only ``safetensors`` is exported.
+
+    Raises ``TypeError`` when ``module`` is not callable or ``example_inputs`` is not tensors.
+    """
+
+    module: nn.Module | Callable[..., Any]
+    example_inputs: tuple[Any, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.module):
+            got = type(self.module).__name__
+            raise TypeError(f"ExportSignature.module must be an nn.Module or a callable, got {got}")
+        object.__setattr__(self, "example_inputs", _as_inputs(self.example_inputs))
+
+
+class _CallableModule(nn.Module):
+    """A plain callable as a module; ``model`` (the module the callable uses, if given) is
+    registered so that its weights are traced as parameters, put in eval mode and saved."""
+
+    def __init__(self, fn: Callable[..., Any], model: nn.Module | None) -> None:
+        super().__init__()
+        self.fn = fn
+        self.model = model
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.fn(*inputs)
+
+
+def _signature_module(sig: ExportSignature, model: nn.Module | None) -> nn.Module:
+    if isinstance(sig.module, nn.Module):
+        return unwrap_model(sig.module)
+    return _CallableModule(sig.module, None if model is None else unwrap_model(model))
+
+
+def check_signatures(
+    signatures: Mapping[str, ExportSignature], formats: str | Sequence[str]
+) -> dict[str, ExportSignature]:
+    """``signatures`` as a dict, checked for export in ``formats``.
+
+    Raises ``TypeError`` for a non-mapping or a value that is not an :class:`ExportSignature`, and
+    ``ValueError`` for a name that is not a safe directory name (``[A-Za-z0-9_.-]+``, not ``.``,
+    ``..`` or ``signatures.json``) or a signature without example inputs when a format traces the
+    model; each error names the signature.
+    """
+    formats = _check_formats(formats)
+    if not isinstance(signatures, Mapping):
+        got = type(signatures).__name__
+        raise TypeError(f"export signatures must be a mapping of name to ExportSignature, got {got}")
+    out: dict[str, ExportSignature] = {}
+    for name, sig in signatures.items():
+        if not isinstance(name, str) or not _SIGNATURE_NAME.fullmatch(name) or name in (".", "..", SIGNATURES_FILE):
+            raise ValueError(
+                f"export signature name {name!r} is not a safe directory name: use letters, digits, "
+                f"'_', '.' and '-' (not '.', '..' or {SIGNATURES_FILE!r})"
+            )
+        if not isinstance(sig, ExportSignature):
+            raise TypeError(f"export signature {name!r} must be an ExportSignature, got {type(sig).__name__}")
+        if sig.example_inputs is None and _traced(formats):
+            names = ", ".join(repr(f) for f in _traced(formats))
+            raise ValueError(
+                f"export signature {name!r} has no example_inputs, and export format(s) {names} trace it: "
+                f"give ExportSignature(module, example_inputs=(tensor, ...)), batch dimension first "
+                f"with batch size >= 2"
+            )
+        out[name] = sig
+    return out
+
+
 # -- the model to trace ------------------------------------------------------------------------
 
 
@@ -179,9 +274,18 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def _display_name(model: nn.Module) -> str:
+    """The class name of ``model``; a wrapped plain callable's own name."""
+    if isinstance(model, _CallableModule):
+        return getattr(model.fn, "__name__", type(model.fn).__name__)
+    return type(model).__name__
+
+
 def _capture(model: nn.Module, inputs: tuple[Any, ...]) -> tuple[torch.export.ExportedProgram, bool]:
     """``torch.export.export`` with a dynamic batch dim, else static; returns (program, dynamic)."""
     dynamic = _dynamic_batch_shapes(inputs)
+    if dynamic is not None and isinstance(model, _CallableModule):
+        dynamic = (dynamic,)  # forward(*inputs): one var-positional parameter
     if dynamic is not None:
         try:
             return torch.export.export(model, inputs, dynamic_shapes=dynamic), True
@@ -194,7 +298,7 @@ def _capture(model: nn.Module, inputs: tuple[Any, ...]) -> tuple[torch.export.Ex
     try:
         return torch.export.export(model, inputs), False
     except Exception as e:
-        raise ExportError(f"torch.export.export failed for {type(model).__name__}: {e}") from e
+        raise ExportError(f"torch.export.export failed for {_display_name(model)}: {e}") from e
 
 
 class _Job:
@@ -204,6 +308,13 @@ class _Job:
     def __init__(self, source: nn.Module, inputs: tuple[Any, ...] | None) -> None:
         self.source = source
         self._inputs = inputs
+        self.weights: nn.Module = source  # whose state dict the safetensors artefact holds
+        described: Any = type(source)
+        if isinstance(source, _CallableModule):
+            described = source.fn
+            self.weights = source.model if source.model is not None else source
+        qualname = getattr(described, "__qualname__", type(described).__qualname__)
+        self.model_class = f"{getattr(described, '__module__', None) or ''}.{qualname}"
         self._model: nn.Module | None = None
         self._program: torch.export.ExportedProgram | None = None
         self.dynamic_batch: bool | None = None
@@ -212,6 +323,11 @@ class _Job:
     def model(self) -> nn.Module:
         """The model in eval mode on CPU (``source`` itself when already there, else a copy)."""
         if self._model is None:
+            if not _on_cpu(self.source) and isinstance(self.source, _CallableModule):
+                raise ExportError(
+                    "a plain-callable export signature is traced on CPU and cannot be copied there: "
+                    "build it on a CPU model (Task.export_signatures gets one when exported by cadence)"
+                )
             self._model = self.source if _on_cpu(self.source) else _cpu_copy(self.source)
             self._model.eval()
         return self._model
@@ -262,7 +378,7 @@ def _quiet_onnx_exporter() -> Iterator[None]:
 
 def _write_safetensors(job: _Job, stage: str) -> dict[str, Any]:
     with open(os.path.join(stage, FILES["safetensors"]), "wb") as f:
-        f.write(model_to_safetensors(job.source))
+        f.write(model_to_safetensors(job.weights))
     return {}
 
 
@@ -277,7 +393,7 @@ def _write_torchscript(job: _Job, stage: str) -> dict[str, Any]:
             traced = torch.jit.trace(job.model, job.inputs, strict=False)
             torch.jit.save(traced, os.path.join(stage, FILES["torchscript"]))
     except Exception as e:
-        raise ExportError(f"torch.jit.trace failed for {type(job.model).__name__}: {e}") from e
+        raise ExportError(f"torch.jit.trace failed for {_display_name(job.model)}: {e}") from e
     return {}
 
 
@@ -294,7 +410,7 @@ def _write_onnx(job: _Job, stage: str) -> dict[str, Any]:
         with _quiet_onnx_exporter():
             onnx_program = torch.onnx.export(program, job.inputs, verbose=False, external_data=external)
     except Exception as e:
-        raise ExportError(f"torch.onnx.export failed for {type(job.model).__name__}: {e}") from e
+        raise ExportError(f"torch.onnx.export failed for {_display_name(job.model)}: {e}") from e
     if onnx_program is None:  # pragma: no cover - only the legacy exporter returns None
         raise ExportError("torch.onnx.export returned no ONNX program")
     path = os.path.join(stage, FILES["onnx"])
@@ -355,13 +471,12 @@ def _describe_input(x: Any) -> dict[str, Any]:
 def _metadata(job: _Job, infos: dict[str, dict[str, Any]], files: list[str], extra: dict[str, Any]) -> dict[str, Any]:
     import cadence
 
-    cls = type(job.source)
     inputs = job._inputs
     return {
         "format_version": METADATA_VERSION,
         "formats": infos,
         "files": files,
-        "model_class": f"{cls.__module__}.{cls.__qualname__}",
+        "model_class": job.model_class,
         "inputs": [_describe_input(x) for x in inputs] if inputs is not None else None,
         "cadence_version": cadence.__version__,
         "torch_version": torch.__version__,
@@ -378,13 +493,28 @@ def _temp_name(path: str, kind: str = "tmp") -> str:
 
 
 def _fsync_files(storage: Storage, directory: str) -> None:
+    """fsync every file under ``directory`` (signature subdirectories included), then the dirs."""
     for name in os.listdir(directory):
-        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        path = os.path.join(directory, name)
+        if os.path.isdir(path):
+            _fsync_files(storage, path)
+            continue
+        fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
     storage.fsync_dir(directory)
+
+
+def _staged_files(local: str) -> list[str]:
+    """The files under ``local`` as relative ``/`` paths, in upload order: artefacts, then each
+    ``metadata.json``, then ``signatures.json`` (an export is complete once those exist)."""
+    names = []
+    for root, _, files in os.walk(local):
+        rel = os.path.relpath(root, local)
+        names += [name if rel == "." else posixpath.join(rel.replace(os.sep, "/"), name) for name in files]
+    return sorted(names, key=lambda n: (n == SIGNATURES_FILE, posixpath.basename(n) == METADATA_FILE, n))
 
 
 def _publish_local(storage: Storage, temp: str) -> None:
@@ -402,13 +532,15 @@ def _publish_local(storage: Storage, temp: str) -> None:
 
 def _upload(storage: Storage, local: str) -> None:
     """Copy the staged files to ``storage.root`` (replacing what is there), metadata last."""
-    if storage.exists(storage.join(METADATA_FILE)):
-        storage.remove(storage.join(METADATA_FILE))  # the old export stops looking complete first
+    for marker in (SIGNATURES_FILE, METADATA_FILE):  # the old export stops looking complete first
+        if storage.exists(storage.join(marker)):
+            storage.remove(storage.join(marker))
     storage.rmtree(storage.root)
     storage.makedirs(storage.root)
-    names = sorted(os.listdir(local), key=lambda n: (n == METADATA_FILE, n))
-    for name in names:
-        with open(os.path.join(local, name), "rb") as src, storage.open_write(storage.join(name)) as dst:
+    for name in _staged_files(local):
+        if "/" in name:
+            storage.makedirs(storage.join(posixpath.dirname(name)))
+        with open(os.path.join(local, *name.split("/")), "rb") as src, storage.open_write(storage.join(name)) as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
 
 
@@ -466,24 +598,136 @@ def export_model(
     extra = _caller_metadata(metadata)
     storage = Storage(directory)
     source = unwrap_model(model)
-    modes = [(m, m.training) for m in source.modules()]
     job = _Job(source, inputs)
-    try:
-        with _staging(storage) as stage:
-            infos: dict[str, dict[str, Any]] = {}
-            for fmt in formats:
-                start = time.perf_counter()
-                infos[fmt] = {"file": FILES[fmt], **_WRITERS[fmt](job, stage)}
-                log.debug("exported %s in %.2f s", fmt, time.perf_counter() - start)
-            files = sorted(os.listdir(stage)) + [METADATA_FILE]
-            meta = _metadata(job, infos, files, extra)
-            with open(os.path.join(stage, METADATA_FILE), "w", encoding="utf-8") as f:
-                json.dump(meta, f, indent=2)
-    finally:
-        for m, training in modes:
-            m.training = training
+    with _modes_restored([source]), _staging(storage) as stage:
+        _write_export(job, stage, formats, extra)
     log.info("exported %s to %s", ", ".join(formats), storage.url(storage.root))
     return {fmt: _user_path(storage, directory, FILES[fmt]) for fmt in formats}
+
+
+@contextlib.contextmanager
+def _modes_restored(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Restore the train / eval mode of every module under ``modules`` afterwards."""
+    modes = {id(m): (m, m.training) for root in modules for m in root.modules()}
+    try:
+        yield
+    finally:
+        for m, training in modes.values():
+            m.training = training
+
+
+def _write_export(job: _Job, stage: str, formats: Sequence[str], extra: dict[str, Any]) -> None:
+    """Write each format's artefact, then ``metadata.json``, into the local dir ``stage``."""
+    infos: dict[str, dict[str, Any]] = {}
+    for fmt in formats:
+        start = time.perf_counter()
+        infos[fmt] = {"file": FILES[fmt], **_WRITERS[fmt](job, stage)}
+        log.debug("exported %s in %.2f s", fmt, time.perf_counter() - start)
+    files = sorted(os.listdir(stage)) + [METADATA_FILE]
+    meta = _metadata(job, infos, files, extra)
+    with open(os.path.join(stage, METADATA_FILE), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2)
+
+
+def export_model_signatures(
+    signatures: Mapping[str, ExportSignature],
+    directory: str,
+    formats: str | Sequence[str],
+    *,
+    model: nn.Module | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> dict[str, dict[str, str]]:
+    """Export each signature as :func:`export_model` would into ``directory/<name>/``; return
+    ``{name: {format: path}}``.
+
+    Each ``<name>/`` holds the format files and a ``metadata.json`` (with ``"signature": name``
+    and the caller's ``metadata``), and loads with :func:`load_exported`. ``signatures.json``
+    beside them, written last, lists the signatures (directory, model class, inputs), the
+    formats, and the caller's ``metadata`` (e.g. ``step``); :func:`read_signatures` reads it.
+    ``directory`` is created or replaced as a whole, all at once on local disks. ``model``: the
+    model the signatures were built from; a plain-callable signature registers it (traced as
+    parameters, in eval mode, saved as its safetensors). Modules are traced in eval mode on CPU
+    (plain callables must already be there) and their modes are restored afterwards.
+
+    Raises ``TypeError`` / ``ValueError`` (naming the signature) for a bad name, a value that is
+    not an :class:`ExportSignature`, missing example inputs for a traced format, or an unknown
+    format, and ``ValueError`` for no signatures; :class:`ExportDependencyError` and
+    :class:`ExportError` (naming the signature) as :func:`export_model`. Nothing is published on
+    failure.
+    """
+    formats = _check_formats(formats)
+    checked = check_signatures(signatures, formats)
+    if not checked:
+        raise ValueError("export_model_signatures: no signatures given (use export_model for one model)")
+    if "onnx" in formats:
+        _require_onnx()
+    extra = _caller_metadata(metadata)
+    storage = Storage(directory)
+    modules = {name: _signature_module(sig, model) for name, sig in checked.items()}
+    jobs = {name: _Job(modules[name], checked[name].example_inputs) for name in checked}
+    with _modes_restored(list(modules.values())), _staging(storage) as stage:
+        for name, job in jobs.items():
+            os.makedirs(os.path.join(stage, name))
+            try:
+                _write_export(job, os.path.join(stage, name), formats, {**extra, "signature": name})
+            except ExportError as e:
+                raise type(e)(f"export signature {name!r}: {e}") from e
+        listing = {
+            "format_version": METADATA_VERSION,
+            "signatures": {
+                name: {
+                    "directory": name,
+                    "model_class": job.model_class,
+                    "inputs": [_describe_input(x) for x in job._inputs] if job._inputs is not None else None,
+                }
+                for name, job in jobs.items()
+            },
+            "formats": list(formats),
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **extra,
+        }
+        with open(os.path.join(stage, SIGNATURES_FILE), "w", encoding="utf-8") as f:
+            json.dump(listing, f, indent=2)
+    log.info("exported signatures %s as %s to %s", ", ".join(checked), ", ".join(formats), storage.url(storage.root))
+    return {
+        name: {fmt: _user_path(storage, directory, f"{name}/{FILES[fmt]}") for fmt in formats} for name in checked
+    }
+
+
+def has_export_signatures(task: Task) -> bool:
+    """Whether ``task``'s class overrides :meth:`Task.export_signatures` (it may still return ``{}``)."""
+    return type(task).export_signatures is not Task.export_signatures
+
+
+def export_task_model(
+    task: Task,
+    model: nn.Module,
+    directory: str,
+    formats: str | Sequence[str],
+    *,
+    example_inputs: torch.Tensor | Sequence[Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """Export ``model`` (trained by ``task``; may be wrapped) as the task says; return the files.
+
+    When the task overrides :meth:`Task.export_signatures`, it is called with ``m``, the
+    unwrapped model in eval mode on CPU (a copy when it lives elsewhere; modes are restored
+    afterwards). When it is not overridden or returns ``{}``, this is ``export_model(model,
+    directory, formats, example_inputs=...)`` and returns ``{format: path}``; otherwise
+    :func:`export_model_signatures` with ``model=m`` (``example_inputs`` unused), flattened to
+    ``{"<signature>/<format>": path}``. Raises as those functions.
+    """
+    if not has_export_signatures(task):
+        return export_model(model, directory, formats, example_inputs=example_inputs, metadata=metadata)
+    source = unwrap_model(model)
+    cpu = source if _on_cpu(source) else _cpu_copy(source)
+    with _modes_restored([cpu]):
+        cpu.eval()
+        signatures = task.export_signatures(cpu)
+        if not signatures:
+            return export_model(cpu, directory, formats, example_inputs=example_inputs, metadata=metadata)
+        files = export_model_signatures(signatures, directory, formats, model=cpu, metadata=metadata)
+    return {f"{name}/{fmt}": path for name, paths in files.items() for fmt, path in paths.items()}
 
 
 def _user_path(storage: Storage, directory: str, name: str) -> str:
@@ -499,7 +743,27 @@ def read_export_metadata(directory: str) -> dict[str, Any]:
     try:
         return json.loads(storage.read_bytes(storage.join(METADATA_FILE)))
     except FileNotFoundError:
-        raise ExportError(f"{storage.url(storage.root)} is not a complete export: no {METADATA_FILE}") from None
+        pass
+    if storage.exists(storage.join(SIGNATURES_FILE)):
+        names = ", ".join(read_signatures(directory)["signatures"])
+        raise ExportError(
+            f"{storage.url(storage.root)} is an export with signatures ({names}): load one of its "
+            f"signature directories, e.g. {directory.rstrip('/')}/<signature>"
+        )
+    raise ExportError(f"{storage.url(storage.root)} is not a complete export: no {METADATA_FILE}")
+
+
+def read_signatures(directory: str) -> dict[str, Any]:
+    """The ``signatures.json`` of a complete export with signatures (``{"signatures": {name:
+    {"directory", "model_class", "inputs"}}, "formats": [...], "step": ..., ...}``);
+    :class:`ExportError` when there is none."""
+    storage = Storage(directory)
+    try:
+        return json.loads(storage.read_bytes(storage.join(SIGNATURES_FILE)))
+    except FileNotFoundError:
+        raise ExportError(
+            f"{storage.url(storage.root)} is not a complete export with signatures: no {SIGNATURES_FILE}"
+        ) from None
 
 
 def load_exported(directory: str, format: str) -> Any:
@@ -560,7 +824,9 @@ class ExportModel:
     The model: ``model_fn()`` (a zero-arg callable returning the live module) when given, else
     ``task_or_model`` when it is an ``nn.Module``, else the attached controller's
     ``trainer.model`` / ``evaluator.model``. Example inputs: ``example_inputs``, else the task's
-    :meth:`Task.example_inputs` (called once, on the first export).
+    :meth:`Task.example_inputs` (called once, on the first export). A task with
+    :meth:`Task.export_signatures` is exported through :func:`export_task_model` (one directory
+    per signature; each signature brings its own example inputs, checked at each export).
 
     Raises ``ValueError`` at construction for unknown formats, or traced formats with no way to
     get example inputs.
@@ -586,7 +852,9 @@ class ExportModel:
         self._inputs_resolved = self._example_inputs is not None
         self._controller: Any = None
         if self._example_inputs is None and _traced(self.formats):
-            task_defines = self._task is not None and type(self._task).example_inputs is not Task.example_inputs
+            task_defines = self._task is not None and (
+                type(self._task).example_inputs is not Task.example_inputs or has_export_signatures(self._task)
+            )
             if not task_defines:
                 raise _missing_inputs_error(self.formats)
         if "onnx" in self.formats:
@@ -616,8 +884,8 @@ class ExportModel:
             try:
                 self._example_inputs = _as_inputs(self._task.example_inputs())
             except NotImplementedError:
-                if _traced(self.formats):
-                    raise
+                if _traced(self.formats) and not has_export_signatures(self._task):
+                    raise  # with signatures, export_task_model checks each one's inputs
         return self._example_inputs
 
     def __call__(self, output: Mapping[str, Any]) -> str | None:
@@ -627,7 +895,11 @@ class ExportModel:
         metadata: dict[str, Any] = {"metrics": dict(output or {})}
         if self._controller is not None:
             metadata["step"] = int(self._controller.global_step)
-        export_model(self._model(), directory, self.formats, example_inputs=self._inputs(), metadata=metadata)
+        if self._task is not None:
+            export_task_model(self._task, self._model(), directory, self.formats, example_inputs=self._inputs(),
+                              metadata=metadata)
+        else:
+            export_model(self._model(), directory, self.formats, example_inputs=self._inputs(), metadata=metadata)
         self.file_manager.clean_up()
         return directory
 

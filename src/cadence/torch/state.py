@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import base64
+import copy
 import io
 import json
 import logging
@@ -19,7 +20,8 @@ import pickle
 import random
 import re
 import struct
-from typing import Any, Mapping
+from collections import OrderedDict
+from typing import IO, Any, Mapping
 
 import numpy as np
 import safetensors.torch
@@ -137,41 +139,100 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+class SafetensorsPayload:
+    """Tensors ready to be written as one safetensors file: on CPU, contiguous, not sharing memory.
+
+    Tied entries (the same tensor under several names) are kept once; ``aliases`` maps each
+    other name to the stored one. Built by :meth:`from_state_dict`.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], aliases: dict[str, str], metadata: Mapping[str, str] | None = None) -> None:
+        self.tensors = tensors
+        self.aliases = aliases
+        self.metadata = {"format": "pt", **(metadata or {})}
+        if aliases:
+            self.metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
+
+    @classmethod
+    def from_state_dict(
+        cls, state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None, *, copy: bool = False
+    ) -> "SafetensorsPayload":
+        """``copy=False`` keeps CPU tensors as they are (written before they change: a synchronous
+        save); ``copy=True`` snapshots every tensor (an asynchronous save). Tensors that merely
+        overlap another one's storage, and views not covering their storage, are always copied."""
+        tensors: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
+        canonical: dict[tuple[Any, ...], str] = {}
+        storages: set[tuple[Any, int]] = set()
+        for name, t in state_dict.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"state_dict entry {name!r} is a {type(t).__name__}, not a tensor")
+            t = t.detach()
+            if t.numel() > 0:
+                key = _alias_key(t)
+                if key in canonical:
+                    aliases[name] = canonical[key]
+                    continue
+                canonical[key] = name
+                storage = (t.device, t.untyped_storage().data_ptr())
+                shared = storage in storages
+                storages.add(storage)
+            else:
+                shared = True
+            out = t.to("cpu").contiguous()
+            # safetensors refuses tensors sharing memory, and a view must not drag its whole storage.
+            if (copy and out.data_ptr() == t.data_ptr()) or shared or out.untyped_storage().nbytes() != out.numel() * out.element_size():
+                out = out.clone()
+            tensors[name] = out
+        return cls(tensors, aliases, metadata)
+
+    def to_bytes(self) -> bytes:
+        """The safetensors file as bytes (safetensors' own serialiser)."""
+        return safetensors.torch.save(self.tensors, metadata=self.metadata)
+
+    def write(self, f: IO[bytes]) -> None:
+        """Stream the safetensors file into ``f`` without building it in memory: the header, then
+        each tensor's bytes straight from its memory (the safetensors format: an 8-byte
+        little-endian header length, a JSON header padded to 8 bytes, the data; tensors ordered
+        by element size, largest first, so each one is aligned). Loads with safetensors' reader."""
+        if any(t.dtype not in _SAFETENSORS_DTYPES for t in self.tensors.values()):
+            f.write(self.to_bytes())  # a dtype this writer does not map: the library serialises it
+            return
+        order = sorted(self.tensors, key=lambda k: (-self.tensors[k].element_size(), k))
+        header: dict[str, Any] = {}
+        offset = 0
+        for name in order:
+            t = self.tensors[name]
+            size = t.numel() * t.element_size()
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        header["__metadata__"] = self.metadata
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for name in order:
+            t = self.tensors[name]
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
 def state_dict_to_safetensors(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
     """Serialise tensors to safetensors bytes (moved to CPU, contiguous).
 
     Entries that are the same tensor (tied weights) are stored once; the other names are
     recorded in the metadata under ``"cadence.aliases"`` (JSON ``{alias: stored name}``).
-    Tensors that merely overlap another one's storage are copied.
+    Tensors that merely overlap another one's storage are copied. To write a file without
+    building it in memory, use :meth:`SafetensorsPayload.write`.
     """
-    tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    canonical: dict[tuple[Any, ...], str] = {}
-    storages: set[tuple[Any, int]] = set()
-    for name, t in state_dict.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"state_dict entry {name!r} is a {type(t).__name__}, not a tensor")
-        t = t.detach()
-        if t.numel() > 0:
-            key = _alias_key(t)
-            if key in canonical:
-                aliases[name] = canonical[key]
-                continue
-            canonical[key] = name
-            storage = (t.device, t.untyped_storage().data_ptr())
-            shared = storage in storages
-            storages.add(storage)
-        else:
-            shared = True
-        out = t.to("cpu").contiguous()
-        # safetensors refuses tensors sharing memory, and a view must not drag its whole storage.
-        if shared or out.untyped_storage().nbytes() != out.numel() * out.element_size():
-            out = out.clone()
-        tensors[name] = out
-    meta = {"format": "pt", **(metadata or {})}
-    if aliases:
-        meta[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
-    return safetensors.torch.save(tensors, metadata=meta)
+    return SafetensorsPayload.from_state_dict(state_dict, metadata).to_bytes()
 
 
 def safetensors_metadata(data: bytes) -> dict[str, str]:
@@ -242,16 +303,43 @@ def load_model_safetensors(model: nn.Module, data: bytes, *, source: str = "mode
 # -- optimizer / scheduler / scaler ------------------------------------------------------------
 
 
-def torch_state_to_bytes(obj: Any, name: str = "optimizer.pt") -> bytes:
-    """``torch.save`` of ``obj``, verified to load back with ``torch.load(weights_only=True)``.
+_PLAIN_LEAVES = (str, int, float, bool, complex, bytes, type(None), torch.dtype, torch.device, torch.Size)
+_PLAIN_CONTAINERS = (dict, OrderedDict, list, tuple)
 
-    Checked at save time (loading onto the ``meta`` device: no tensor data is read) so that a
-    checkpoint that could not be resumed safely is never written; raises
-    :class:`~cadence.errors.CheckpointError` naming the offending type.
-    """
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
+
+def _plainly_loadable(obj: Any, depth: int = 0) -> bool:
+    """True when ``obj`` is made only of what ``torch.load(weights_only=True)`` always accepts:
+    dense plain tensors, numbers, strings, bytes, None, dtypes, devices, sizes, and dicts / lists /
+    tuples of them. False means "not sure" (another type, or nesting deeper than 64 levels)."""
+    kind = type(obj)
+    if kind is torch.Tensor:
+        return obj.layout == torch.strided and not obj.is_quantized
+    if kind in _PLAIN_LEAVES:
+        return True
+    if depth > 64 or kind not in _PLAIN_CONTAINERS:
+        return False
+    if kind in (dict, OrderedDict):
+        return all(type(k) in _PLAIN_LEAVES and _plainly_loadable(v, depth + 1) for k, v in obj.items())
+    return all(_plainly_loadable(v, depth + 1) for v in obj)
+
+
+def clone_tree(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors are copied to CPU (a snapshot of optimizer state): dicts,
+    lists and tuples are rebuilt, tensors cloned, anything else deep-copied."""
+    kind = type(obj)
+    if isinstance(obj, torch.Tensor):
+        out = obj.detach().to("cpu")
+        return out.clone() if out.data_ptr() == obj.data_ptr() else out
+    if kind in (dict, OrderedDict):
+        return kind((k, clone_tree(v)) for k, v in obj.items())
+    if kind in (list, tuple):
+        return kind(clone_tree(v) for v in obj)
+    if kind in _PLAIN_LEAVES:
+        return obj
+    return copy.deepcopy(obj)
+
+
+def _check_weights_only(data: bytes, name: str) -> None:
     try:
         torch.load(io.BytesIO(data), weights_only=True, map_location="meta")
     except pickle.UnpicklingError as e:
@@ -260,6 +348,34 @@ def torch_state_to_bytes(obj: Any, name: str = "optimizer.pt") -> bytes:
             f"({_weights_only_reason(e)}); optimizer, scheduler and grad-scaler state must be made "
             f"of tensors, numbers, strings and containers"
         ) from e
+
+
+def save_torch_state(f: IO[bytes], obj: Any, name: str = "optimizer.pt") -> None:
+    """``torch.save`` ``obj`` into ``f``, guaranteed to load back with ``torch.load(weights_only=True)``.
+
+    When ``obj`` is plainly loadable (tensors, numbers, strings and containers: what optimizer
+    state is), it is streamed into ``f`` directly; otherwise it is serialised in memory and
+    loaded back first (onto the ``meta`` device: no tensor data is read), and a state that would
+    need arbitrary unpickling raises :class:`~cadence.errors.CheckpointError` naming the
+    offending type before anything is written.
+    """
+    if _plainly_loadable(obj):
+        torch.save(obj, f)
+        return
+    f.write(torch_state_to_bytes(obj, name))
+
+
+def torch_state_to_bytes(obj: Any, name: str = "optimizer.pt") -> bytes:
+    """``torch.save`` of ``obj`` as bytes, verified to load back with ``torch.load(weights_only=True)``.
+
+    Raises :class:`~cadence.errors.CheckpointError` naming the offending type otherwise (see
+    :func:`save_torch_state`).
+    """
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    if not _plainly_loadable(obj):
+        _check_weights_only(data, name)
     return data
 
 

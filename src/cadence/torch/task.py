@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 from torch import nn
 
 from cadence.torch.batch import first_tensor
 from cadence.torch.context import Context
+
+if TYPE_CHECKING:  # export imports this module
+    from cadence.torch.export import ExportSignature
 
 
 class Task(abc.ABC):
@@ -140,6 +143,35 @@ class Task(abc.ABC):
             f"on the task to return a tuple of tensors for model(*inputs), batch dimension first "
             f"with batch size >= 2, e.g. `def example_inputs(self): return (torch.zeros(2, 8),)`"
         )
+
+    def export_signatures(self, model: nn.Module) -> Mapping[str, ExportSignature]:
+        """Named inference signatures to export, each an :class:`cadence.torch.ExportSignature`
+        (a module or a callable of tensors, and its example inputs); ``{}`` (the default) exports
+        ``model`` itself with :meth:`example_inputs` into ``export/<name>/<step>/``.
+
+        With signatures, each export writes ``export/<name>/<step>/<signature>/`` per signature
+        (the usual files, loadable with ``load_exported``) and ``signatures.json`` beside them.
+        At each export ``model`` is the trained model (unwrapped from DDP) in eval mode on CPU (a
+        copy when training runs elsewhere); a config-driven run also calls this once with the
+        freshly built model when it starts, only to check names and example inputs. Build the
+        signatures from ``model`` (a plain callable may close over it), e.g.::
+
+            def export_signatures(self, model):
+                x = torch.zeros(2, 8)
+                return {"logits": ExportSignature(model, (x,)),
+                        "probs": ExportSignature(lambda x: model(x).softmax(-1), (x,))}
+
+        Names must be safe directory names (``[A-Za-z0-9_.-]+``, not ``.`` / ``..``).
+        """
+        return {}
+
+    def build_callbacks(self) -> list:
+        """The task's :class:`cadence.Callback` objects for a training run (default: none).
+
+        Called once per run, when ``cadence train`` (``build_run``) builds the controller. They are
+        combined with the config's ``callbacks:``, the task's first.
+        """
+        return []
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params.items())})"

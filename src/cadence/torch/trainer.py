@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy as copy_module
 import hashlib
 import logging
 import warnings
@@ -21,11 +22,12 @@ from cadence.torch.state import (
     OPTIMIZER_FILE,
     get_rng_state,
     load_model_safetensors,
+    SafetensorsPayload,
+    clone_tree,
     load_torch_state,
-    model_to_safetensors,
+    save_torch_state,
     seed_everything,
     set_rng_state,
-    torch_state_to_bytes,
     unwrap_model,
 )
 from cadence.torch.task import Task
@@ -138,65 +140,83 @@ class TorchTrainer:
         params = [p for group in optimizer.param_groups for p in group["params"]] if clip is not None else []
         # DDP: skip the gradient all-reduce on all but the last micro-batch of a group.
         no_sync = model.no_sync if k > 1 and isinstance(model, nn.parallel.DistributedDataParallel) else None
+        place = device.type != "cpu"  # data loaders yield CPU tensors: nothing to move on CPU
+        # The common case (one micro-batch, full precision, no scaler) runs inline: no per-step calls
+        # beyond the task's train_step, backward and the optimizer.
+        plain = k == 1 and autocast is None and scaler is None and not place
+        train_step, forward_backward, step_optimizer = task.train_step, self._forward_backward, optimizer.step
         # Detached per-micro-batch losses stay on the device until the end (no per-step sync).
         losses: list[torch.Tensor] = []
-        place = device.type != "cpu"  # data loaders yield CPU tensors: nothing to move on CPU
         extras_acc: dict[str, _Scalars] = {}
-        steps = 0
+        steps = consumed = 0
         exhausted = False
         model.train()
-        for _ in range(num_steps):
-            optimizer.zero_grad(set_to_none=True)
-            step_start = len(losses)
-            step_extras: list[Mapping[str, Any]] | None = None
-            for micro in range(k):
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    exhausted = True
-                    break
-                self._batches_consumed += 1
-                if place:
-                    batch = move_to_device(batch, device)
-                if no_sync is not None and micro < k - 1:
-                    with no_sync():
-                        loss, extras = self._forward_backward(task, model, batch, autocast, scaler, k)
-                else:
-                    loss, extras = self._forward_backward(task, model, batch, autocast, scaler, k)
-                losses.append(loss)
-                if extras is not None:
-                    if step_extras is None:
-                        step_extras = [extras]
-                    else:
-                        step_extras.append(extras)
-            if exhausted:  # data ran out inside the accumulation group: drop the group
-                del losses[step_start:]
+        try:
+            for _ in range(num_steps):
                 optimizer.zero_grad(set_to_none=True)
-                break
-            if scaler is not None:
-                if clip is not None:
-                    scaler.unscale_(optimizer)
-                    torch.nn.utils.clip_grad_norm_(params, clip)
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(params, clip)
-                optimizer.step()
-            if scheduler is not None:
-                if scaler is not None:
-                    with warnings.catch_warnings():  # a step skipped by the scaler is expected
-                        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-                        scheduler.step()
+                if plain:
+                    try:
+                        batch = next(it)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    consumed += 1
+                    out = train_step(model, batch)
+                    loss, extras = (out, None) if isinstance(out, torch.Tensor) else _split_output(task, out)
+                    loss.backward()
+                    loss = loss.detach()
+                    losses.append(loss.reshape(()) if loss.dim() else loss)
+                    if extras is not None:
+                        _add_extras(extras_acc, extras)
                 else:
-                    scheduler.step()
-            steps += 1
-            self._global_step += 1
-            if step_extras is not None:
-                for extras in step_extras:
-                    _add_extras(extras_acc, extras)
-            if len(losses) >= _FOLD:  # bound memory on very long loops: one on-device sum
-                losses[:] = [torch.stack(losses).float().sum()]
+                    step_start = len(losses)
+                    step_extras: list[Mapping[str, Any]] = []
+                    for micro in range(k):
+                        try:
+                            batch = next(it)
+                        except StopIteration:
+                            exhausted = True
+                            break
+                        consumed += 1
+                        if place:
+                            batch = move_to_device(batch, device)
+                        if no_sync is not None and micro < k - 1:
+                            with no_sync():
+                                loss, extras = forward_backward(task, model, batch, autocast, scaler, k)
+                        else:
+                            loss, extras = forward_backward(task, model, batch, autocast, scaler, k)
+                        losses.append(loss)
+                        if extras is not None:
+                            step_extras.append(extras)
+                    if exhausted:  # data ran out inside the accumulation group: drop the group
+                        del losses[step_start:]
+                        optimizer.zero_grad(set_to_none=True)
+                        break
+                    for extras in step_extras:
+                        _add_extras(extras_acc, extras)
+                if scaler is not None:
+                    if clip is not None:
+                        scaler.unscale_(optimizer)
+                        torch.nn.utils.clip_grad_norm_(params, clip)
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    if clip is not None:
+                        torch.nn.utils.clip_grad_norm_(params, clip)
+                    step_optimizer()
+                if scheduler is not None:
+                    if scaler is not None:
+                        with warnings.catch_warnings():  # a step skipped by the scaler is expected
+                            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+                            scheduler.step()
+                    else:
+                        scheduler.step()
+                steps += 1
+                if len(losses) >= _FOLD:  # bound memory on very long loops: one on-device sum
+                    losses[:] = [torch.stack(losses).float().sum()]
+        finally:
+            self._batches_consumed += consumed
+            self._global_step += steps
 
         logs: dict[str, float] = {}
         if steps:
@@ -215,22 +235,12 @@ class TorchTrainer:
     def _forward_backward(
         task: Task, model: nn.Module, batch: Any, autocast: Any, scaler: Any, k: int
     ) -> tuple[torch.Tensor, Mapping[str, Any] | None]:
-        if autocast is None:  # full precision: no context to enter on the hot path
+        if autocast is None:
             out = task.train_step(model, batch)
         else:
             with autocast():
                 out = task.train_step(model, batch)
-        if isinstance(out, torch.Tensor):
-            loss, extras = out, None
-        else:
-            try:
-                loss = out["loss"]
-            except (KeyError, TypeError, IndexError) as e:
-                raise TypeError(
-                    f"{type(task).__name__}.train_step must return a loss tensor or a dict with "
-                    f"'loss', got {type(out).__name__}"
-                ) from e
-            extras = out if len(out) > 1 else None
+        loss, extras = (out, None) if isinstance(out, torch.Tensor) else _split_output(task, out)
         backward_loss = loss / k if k > 1 else loss
         if scaler is not None:
             backward_loss = scaler.scale(backward_loss)
@@ -305,21 +315,27 @@ class TorchTrainer:
         ``rng`` is a list: the RNG state of every rank, in rank order, as gathered by
         :meth:`prepare_checkpoint` (called on all ranks first; with one process, optional).
         ``data`` is the train data's position: with a :class:`~cadence.torch.ResumableLoader`,
-        in global samples, the same on every rank. Called on the chief only.
+        in global samples, the same on every rank. Called on the chief only. The files are
+        streamed into the writer from the tensors' memory (no serialised copy is built).
         """
-        writer.write(MODEL_FILE, model_to_safetensors(self.model))
-        writer.write(
-            OPTIMIZER_FILE,
-            torch_state_to_bytes(
-                {
-                    "optimizer": self.optimizer.state_dict(),
-                    "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                    "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-                },
-                OPTIMIZER_FILE,
-            ),
+        return self._capture(copy=False).save_checkpoint(writer)
+
+    def snapshot_checkpoint(self) -> "TrainerSnapshot":
+        """What :meth:`save_checkpoint` would write, copied now (tensors cloned to CPU memory), for
+        an asynchronous save to write later while training goes on."""
+        return self._capture(copy=True)
+
+    def _capture(self, *, copy: bool) -> "TrainerSnapshot":
+        torch_state = {
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+        }
+        return TrainerSnapshot(
+            SafetensorsPayload.from_state_dict(unwrap_model(self.model).state_dict(), copy=copy),
+            clone_tree(torch_state) if copy else torch_state,
+            {"global_step": self._global_step, "rng": self._rng_states(), "data": copy_module.deepcopy(self._data_state())},
         )
-        return {"global_step": self._global_step, "rng": self._rng_states(), "data": self._data_state()}
 
     def load_checkpoint(
         self,
@@ -398,6 +414,24 @@ class TorchTrainer:
             )
 
 
+class TrainerSnapshot:
+    """A :class:`TorchTrainer`'s checkpoint content captured at one moment: the model's tensors,
+    the optimizer / scheduler / grad-scaler state and the JSON state. ``save_checkpoint(writer)``
+    writes it (see :meth:`TorchTrainer.save_checkpoint`)."""
+
+    def __init__(self, model: SafetensorsPayload, torch_state: dict[str, Any], state: dict[str, Any]) -> None:
+        self.model = model
+        self.torch_state = torch_state
+        self.state = state
+
+    def save_checkpoint(self, writer: CheckpointWriter) -> dict[str, Any]:
+        with writer.open(MODEL_FILE) as f:
+            self.model.write(f)
+        with writer.open(OPTIMIZER_FILE) as f:
+            save_torch_state(f, self.torch_state, OPTIMIZER_FILE)
+        return self.state
+
+
 def _rank_seed(seed: int, rank: int, global_step: int) -> int:
     """A seed for a rank that has no saved RNG state: the same for the same (seed, rank, step)."""
     digest = hashlib.sha256(f"cadence-rng:{seed}:{rank}:{global_step}".encode()).digest()
@@ -405,6 +439,18 @@ def _rank_seed(seed: int, rank: int, global_step: int) -> int:
 
 
 _FOLD = 4096
+
+
+def _split_output(task: Task, out: Any) -> tuple[torch.Tensor, Mapping[str, Any] | None]:
+    """``(loss, extras)`` of a ``train_step`` that returned a dict (extras: None when only the loss)."""
+    try:
+        loss = out["loss"]
+    except (KeyError, TypeError, IndexError) as e:
+        raise TypeError(
+            f"{type(task).__name__}.train_step must return a loss tensor or a dict with "
+            f"'loss', got {type(out).__name__}"
+        ) from e
+    return loss, (out if len(out) > 1 else None)
 
 
 class _Scalars:

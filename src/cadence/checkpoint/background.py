@@ -1,0 +1,65 @@
+"""A worker thread for checkpoint I/O helpers (hashing, fsync) that keeps working while the
+interpreter exits.
+
+``concurrent.futures`` executors refuse new work once interpreter shutdown has begun, which is
+exactly when an asynchronous checkpoint commit is still being written (the process waits for it
+before exiting). A :class:`Worker` is a daemon thread fed by a queue: it runs calls in submission
+order, and stays usable until the last non-daemon thread is done.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable
+
+
+class Pending:
+    """The outcome of a call submitted to a :class:`Worker`."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self._fn, self._args = fn, args
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            self._value = self._fn(*self._args)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            self._error = e
+        finally:
+            self._done.set()
+
+    def result(self) -> Any:
+        """Wait for the call; return its value or raise its exception."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class Worker:
+    """One daemon thread running submitted calls in order (started on first use, and again after
+    a fork)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[Pending] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Pending:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._queue = queue.SimpleQueue()  # after a fork, the old queue belongs to no thread
+                self._thread = threading.Thread(target=self._serve, args=(self._queue,), name=self.name, daemon=True)
+                self._thread.start()
+            pending = Pending(fn, args)
+            self._queue.put(pending)
+        return pending
+
+    @staticmethod
+    def _serve(tasks: "queue.SimpleQueue[Pending]") -> None:
+        while True:
+            tasks.get()._run()
