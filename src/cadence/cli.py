@@ -31,6 +31,7 @@ from rich.table import Table
 
 from cadence import __version__, layout
 from cadence.errors import CadenceError, ConfigError
+from cadence.progress import format_size
 from cadence.summary import json_value
 
 logger = logging.getLogger("cadence")
@@ -404,7 +405,7 @@ def _cmd_ls(args: argparse.Namespace, console: Console) -> int:
         when = datetime.datetime.fromtimestamp(info["time"]).strftime("%Y-%m-%d %H:%M:%S")
         row = evals.get(step, {})
         notes = ", ".join(n for n, on in (("final", step == final), ("latest", step == steps[-1])) if on)
-        table.add_row(str(step), when, _size(info["size"]), *(_fmt(row.get(m, "")) for m in metric_names), notes)
+        table.add_row(str(step), when, format_size(info["size"]), *(_fmt(row.get(m, "")) for m in metric_names), notes)
     Console().print(table)
     return 0
 
@@ -461,12 +462,6 @@ def _cmd_smoke(args: argparse.Namespace, console: Console) -> int:
     return 2 if isinstance(failed.exception, ConfigError) else 1
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _fmt(value: Any) -> str:

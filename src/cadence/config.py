@@ -327,7 +327,10 @@ class TrainerConfig(_Model):
     )
     async_checkpoint: bool = Field(
         default=False,
-        description="Snapshot the state to memory at a save and commit it from a background thread (one save in flight).",
+        description=(
+            "Copy the state to CPU memory at a save and commit it from a background thread (one save in "
+            "flight); the copy is reused by the next save, so one extra CPU copy of the state stays resident."
+        ),
     )
     in_process_validation: bool = Field(
         default=True,

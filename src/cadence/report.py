@@ -31,6 +31,7 @@ from typing import Any
 
 from cadence import layout
 from cadence.errors import CadenceError, ConfigError
+from cadence.progress import format_size
 from cadence.storage import Storage
 from cadence.summary import METRICS_FILE, read_metrics
 
@@ -336,13 +337,7 @@ def _duration(seconds: float) -> str:
 
 
 def _size(n: Any) -> str:
-    if not isinstance(n, (int, float)):
-        return ""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    return format_size(n) if isinstance(n, (int, float)) else ""
 
 
 def _table(headers: Iterable[str], rows: Iterable[Iterable[Any]], css: str = "") -> str:

@@ -166,13 +166,8 @@ class Storage:
     def fsync_file(self, path: str) -> None:
         """Make a written file's data durable (another descriptor of the same file will do); a no-op
         off local disks, where a file is complete once its stream is closed."""
-        if not self._local:
-            return
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if self._local:
+            _fsync_path(path)
 
     def open_read(self, path: str) -> IO[bytes]:
         """A binary stream reading ``path``; raises ``FileNotFoundError`` when it does not exist."""
@@ -182,10 +177,13 @@ class Storage:
 
     def fsync_dir(self, path: str) -> None:
         """Make a directory's entries (creations, renames) durable; a no-op off local disks."""
-        if not self._local or os.name == "nt":
-            return
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if self._local and os.name != "nt":
+            _fsync_path(path)
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -50,6 +50,7 @@ import cadence
 from cadence import layout
 from cadence.config import ExperimentConfig, config_from_dict, load_config, save_config
 from cadence.errors import CadenceError, ConfigError
+from cadence.progress import format_size
 from cadence.torch.state import get_rng_state, set_rng_state
 
 __all__ = ["EVAL_BATCHES", "STAGES", "SmokeCheckError", "SmokeReport", "StageResult", "run_smoke"]
@@ -275,7 +276,7 @@ class _Smoke:
         if self.step not in manager.steps():
             raise SmokeCheckError(f"checkpoint {path} is not committed (no {MANIFEST_NAME})")
         info = manager.info(self.step)
-        return f"ckpt-{self.step}: {info['files']} files, {_size(info['size'])}, {MANIFEST_NAME} written"
+        return f"ckpt-{self.step}: {info['files']} files, {format_size(info['size'])}, {MANIFEST_NAME} written"
 
     def stage_restore(self) -> str:
         from cadence.torch.experiment import build_run
@@ -529,12 +530,6 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _one_line(exc: BaseException) -> str:

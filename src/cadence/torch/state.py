@@ -162,11 +162,19 @@ class SafetensorsPayload:
 
     @classmethod
     def from_state_dict(
-        cls, state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None, *, copy: bool = False
+        cls,
+        state_dict: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, str] | None = None,
+        *,
+        copy: bool = False,
+        reuse: "SafetensorsPayload | None" = None,
     ) -> "SafetensorsPayload":
         """``copy=False`` keeps CPU tensors as they are (written before they change: a synchronous
-        save); ``copy=True`` snapshots every tensor (an asynchronous save). Tensors that merely
-        overlap another one's storage, and views not covering their storage, are always copied."""
+        save); ``copy=True`` snapshots every tensor (an asynchronous save), into ``reuse``'s
+        tensors where names, shapes and dtypes match (a previous snapshot no longer needed:
+        no new memory to allocate and fault in). Tensors that merely overlap another one's
+        storage, and views not covering their storage, are always copied."""
+        previous = reuse.tensors if reuse is not None else {}
         tensors: dict[str, torch.Tensor] = {}
         aliases: dict[str, str] = {}
         canonical: dict[tuple[Any, ...], str] = {}
@@ -186,9 +194,12 @@ class SafetensorsPayload:
                 storages.add(storage)
             else:
                 shared = True
+            if copy:
+                tensors[name] = copy_tensor(t, previous.get(name))
+                continue
             out = t.to("cpu").contiguous()
             # safetensors refuses tensors sharing memory, and a view must not drag its whole storage.
-            if (copy and out.data_ptr() == t.data_ptr()) or shared or out.untyped_storage().nbytes() != out.numel() * out.element_size():
+            if shared or out.untyped_storage().nbytes() != out.numel() * out.element_size():
                 out = out.clone()
             tensors[name] = out
         return cls(tensors, aliases, metadata)
@@ -323,17 +334,31 @@ def _plainly_loadable(obj: Any, depth: int = 0) -> bool:
     return all(_plainly_loadable(v, depth + 1) for v in obj)
 
 
-def clone_tree(obj: Any) -> Any:
+def copy_tensor(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """A contiguous CPU copy of ``t``, written into ``into`` when that is a contiguous CPU tensor of
+    the same shape and dtype (no allocation), else into a new tensor."""
+    if (
+        into is not None and into.device.type == "cpu" and into.shape == t.shape and into.dtype == t.dtype
+        and into.is_contiguous() and into.data_ptr() != t.data_ptr()
+    ):
+        return into.copy_(t.detach())
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def clone_tree(obj: Any, reuse: Any = None) -> Any:
     """A copy of ``obj`` whose tensors are copied to CPU (a snapshot of optimizer state): dicts,
-    lists and tuples are rebuilt, tensors cloned, anything else deep-copied."""
+    lists and tuples are rebuilt, tensors copied (into the tensor at the same place in ``reuse``,
+    a previous copy no longer needed, when it fits: see :func:`copy_tensor`), anything else
+    deep-copied."""
     kind = type(obj)
     if isinstance(obj, torch.Tensor):
-        out = obj.detach().to("cpu")
-        return out.clone() if out.data_ptr() == obj.data_ptr() else out
+        return copy_tensor(obj, reuse if isinstance(reuse, torch.Tensor) else None)
     if kind in (dict, OrderedDict):
-        return kind((k, clone_tree(v)) for k, v in obj.items())
+        old = reuse if isinstance(reuse, dict) else {}
+        return kind((k, clone_tree(v, old.get(k))) for k, v in obj.items())
     if kind in (list, tuple):
-        return kind(clone_tree(v) for v in obj)
+        old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
+        return kind(clone_tree(v, r) for v, r in zip(obj, old))
     if kind in _PLAIN_LEAVES:
         return obj
     return copy.deepcopy(obj)

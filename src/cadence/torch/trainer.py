@@ -89,6 +89,7 @@ class TorchTrainer:
         self._batches_consumed = 0  # for replay when the data is not stateful
         self._pending_data_state: dict[str, Any] | None = None
         self._gathered_rng: list[dict[str, Any]] | None = None  # from prepare_checkpoint()
+        self._staging: TrainerSnapshot | None = None  # the last asynchronous snapshot (its tensors are reused)
 
     # -- protocol ------------------------------------------------------------------------------
 
@@ -321,19 +322,28 @@ class TorchTrainer:
         return self._capture(copy=False).save_checkpoint(writer)
 
     def snapshot_checkpoint(self) -> "TrainerSnapshot":
-        """What :meth:`save_checkpoint` would write, copied now (tensors cloned to CPU memory), for
-        an asynchronous save to write later while training goes on."""
-        return self._capture(copy=True)
+        """What :meth:`save_checkpoint` would write, copied now (tensors copied to CPU memory), for
+        an asynchronous save to write later while training goes on.
 
-    def _capture(self, *, copy: bool) -> "TrainerSnapshot":
+        The copy goes into the previous snapshot's tensors once that one has been written, so
+        from the second save on no memory is allocated: a CPU copy of the state stays resident
+        between asynchronous saves (as with torch.distributed.checkpoint's async staging)."""
+        previous = self._staging if self._staging is not None and self._staging.written else None
+        self._staging = self._capture(copy=True, reuse=previous)
+        return self._staging
+
+    def _capture(self, *, copy: bool, reuse: "TrainerSnapshot | None" = None) -> "TrainerSnapshot":
         torch_state = {
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
         }
+        model = SafetensorsPayload.from_state_dict(
+            unwrap_model(self.model).state_dict(), copy=copy, reuse=reuse.model if reuse is not None else None
+        )
         return TrainerSnapshot(
-            SafetensorsPayload.from_state_dict(unwrap_model(self.model).state_dict(), copy=copy),
-            clone_tree(torch_state) if copy else torch_state,
+            model,
+            clone_tree(torch_state, reuse.torch_state if reuse is not None else None) if copy else torch_state,
             {"global_step": self._global_step, "rng": self._rng_states(), "data": copy_module.deepcopy(self._data_state())},
         )
 
@@ -423,12 +433,16 @@ class TrainerSnapshot:
         self.model = model
         self.torch_state = torch_state
         self.state = state
+        self.written = False  # True once save_checkpoint is done with the tensors (then reusable)
 
     def save_checkpoint(self, writer: CheckpointWriter) -> dict[str, Any]:
-        with writer.open(MODEL_FILE) as f:
-            self.model.write(f)
-        with writer.open(OPTIMIZER_FILE) as f:
-            save_torch_state(f, self.torch_state, OPTIMIZER_FILE)
+        try:
+            with writer.open(MODEL_FILE) as f:
+                self.model.write(f)
+            with writer.open(OPTIMIZER_FILE) as f:
+                save_torch_state(f, self.torch_state, OPTIMIZER_FILE)
+        finally:
+            self.written = True
         return self.state
 
 
