@@ -164,14 +164,17 @@ def run(repeats: int = 3, root: str | None = None) -> dict:
                                      "raw save + sha256": []}
     try:
         for i in range(repeats):
-            raw_dir, ckpt_dir = f"{base}/raw-{i}", f"{base}/cadence"
+            # Every contender writes into a fresh directory that is deleted after its load, so that
+            # none of them pays for the others' (or its own earlier) dirty pages.
+            raw_dir, ckpt_dir = f"{base}/raw-{i}", f"{base}/cadence-{i}"
             times["raw save + sha256"].append(sha256_floor(model, opt, f"{base}/floor-{i}"))
             shutil.rmtree(f"{base}/floor-{i}")
             times["raw save"].append(raw_save(model, opt, raw_dir))
-            times["cadence save"].append(cadence_save(model, opt, ckpt_dir, i))
             times["raw load"].append(raw_load(model, opt, raw_dir))
-            times["cadence load"].append(cadence_load(model, opt, ckpt_dir, i))
             shutil.rmtree(raw_dir)
+            times["cadence save"].append(cadence_save(model, opt, ckpt_dir, i))
+            times["cadence load"].append(cadence_load(model, opt, ckpt_dir, i))
+            shutil.rmtree(ckpt_dir)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     gib = size / 2**30

@@ -19,8 +19,6 @@ import argparse
 import datetime
 import json
 import logging
-import os
-import shutil
 import sys
 from typing import Any, Mapping, Sequence
 
@@ -33,6 +31,13 @@ from cadence import __version__, layout
 from cadence.errors import CadenceError, ConfigError
 from cadence.progress import format_size
 from cadence.summary import json_value
+from cadence.torchrun import (  # noqa: F401  (torchrun_command: part of the CLI's API)
+    end_distributed,
+    env_rank,
+    torchrun_command,
+    train_with_torchrun,
+    wants_torchrun,
+)
 
 logger = logging.getLogger("cadence")
 
@@ -126,9 +131,9 @@ def _load(args: argparse.Namespace):
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
-    if _wants_torchrun(args):
-        return _train_with_torchrun(args, console)
-    rank = _env_rank()
+    if wants_torchrun(args):
+        return train_with_torchrun(args, _load(args), console)
+    rank = env_rank()
     if rank != 0:  # one process reports: the other ranks log warnings and errors only
         root = logging.getLogger()
         root.setLevel(max(root.getEffectiveLevel(), logging.WARNING))
@@ -154,12 +159,12 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     try:
         metrics = train_and_evaluate(cfg, role=spec, progress=False if args.no_progress else None)
     except BaseException:
-        _end_distributed(ok=False)
+        end_distributed(ok=False)
         raise
     finally:
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
-    _end_distributed(ok=True)
+    end_distributed(ok=True)
     if isinstance(metrics, Mapping) and "stop_reason" in metrics:  # the evaluator role ran the sidecar
         print(json.dumps(metrics, default=str))
         return 1 if metrics["stop_reason"] == "timeout" else 0
@@ -169,136 +174,6 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     console.print(f"[bold]done[/bold]: {shown}")
     console.print(f"model dir: {cfg.model_dir}  (cadence ls {cfg.model_dir}; tensorboard --logdir {cfg.model_dir})")
     return 0
-
-
-# -- cadence train --nproc N: through torch's launcher ----------------------------------------------
-
-_TORCHRUN_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id")
-LOG_LINE_PREFIX = "[rank${rank}]:"
-"""Each worker's output lines are prefixed with its global rank (torchrun's
-``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``; torch 2.13's launcher has no command-line flag for it)."""
-
-
-def _env_rank() -> int:
-    try:
-        return int(os.environ.get("RANK", "0") or 0)
-    except ValueError:
-        return 0
-
-
-def _end_distributed(ok: bool) -> None:
-    """Close this rank's process group before it exits: a gloo group left to the interpreter's
-    exit can abort the process (SIGABRT, which would then hide the real exit status).
-
-    ``ok``: the work ended normally, so wait for the other ranks first. After an error, close
-    it at once (the others may never arrive), and only a gloo group (a local operation)."""
-    if "torch" not in sys.modules:
-        return
-    import torch.distributed as dist
-
-    from cadence.torch.distributed import shutdown_distributed
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if ok:
-        shutdown_distributed(barrier=True)
-    elif dist.get_backend() == "gloo":
-        try:
-            shutdown_distributed()
-        except Exception:  # best effort: the error being raised is what matters
-            pass
-
-
-def _wants_torchrun(args: argparse.Namespace) -> bool:
-    given = [f"--{name.replace('_', '-')}" for name in _TORCHRUN_FLAGS if getattr(args, name, None) is not None]
-    if not given:
-        return False
-    if args.nproc is None:
-        raise ConfigError(f"{', '.join(given)} need --nproc N (the processes to start on this machine)")
-    if os.environ.get("TORCHELASTIC_RUN_ID") or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        raise ConfigError("--nproc: this process already runs under torchrun; leave --nproc and its options out")
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
-    nnodes = 1 if args.nnodes is None else args.nnodes
-    if nnodes < 1:
-        raise ConfigError(f"--nnodes: must be >= 1, got {nnodes}")
-    if nnodes > 1 and not args.rdzv_endpoint:
-        raise ConfigError(f"--nnodes {nnodes}: several machines need --rdzv-endpoint HOST:PORT (the same on every node)")
-    if args.node_rank is not None and not 0 <= args.node_rank < nnodes:
-        raise ConfigError(f"--node-rank: must be in [0, {nnodes}), got {args.node_rank}")
-    if args.rdzv_endpoint and ":" not in args.rdzv_endpoint:
-        raise ConfigError(f"--rdzv-endpoint: expected HOST:PORT, got {args.rdzv_endpoint!r}")
-    return True
-
-
-def torchrun_command(args: argparse.Namespace, python: str = sys.executable) -> list[str]:
-    """The launcher command of ``cadence train ... --nproc N``: ``python -m torch.distributed.run``
-    with the job's layout, running ``-m cadence train`` with the other arguments in every worker."""
-    nnodes = 1 if args.nnodes is None else args.nnodes
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--nnodes", str(nnodes)]
-    if args.node_rank is not None:
-        cmd += ["--node-rank", str(args.node_rank)]
-    if nnodes == 1 and not args.rdzv_endpoint:
-        cmd += ["--standalone"]  # a local rendezvous on a free port
-    else:
-        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
-        if args.rdzv_id:
-            cmd += ["--rdzv-id", args.rdzv_id]
-    # No restarts: a failed rank ends the job (the run resumes from its last checkpoint when
-    # started again). --tee 3: the workers' stdout and stderr reach the console through the
-    # agent, each line prefixed with its rank (the prefix applies only to tee'd streams).
-    cmd += ["--max-restarts", "0", "--tee", "3"]
-    worker = ["-m", "cadence", "--log-level", args.log_level, "train", args.config]
-    if args.model_dir is not None:
-        worker += ["--model-dir", args.model_dir]
-    for text in args.overrides:
-        worker += ["--set", text]
-    if args.no_progress:
-        worker += ["--no-progress"]
-    return cmd + worker
-
-
-def _train_with_torchrun(args: argparse.Namespace, console: Console) -> int:
-    cfg = _load(args)  # a bad config fails here (exit 2), once, before any process starts
-    if not cfg.model_dir:
-        raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
-    import signal
-    import subprocess
-
-    cmd = torchrun_command(args)
-    env = dict(os.environ)
-    env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", LOG_LINE_PREFIX)
-    # The workers write to files the agent copies out: rich would wrap their lines at 80 columns.
-    env.setdefault("COLUMNS", str(max(80, shutil.get_terminal_size((130, 24)).columns - 10)))
-    logger.info("starting %d processes: %s", args.nproc, " ".join(cmd))
-    proc = subprocess.Popen(cmd, env=env)
-    forwarded = {}
-
-    def forward(signum: int, _frame: Any) -> None:  # stopping cadence stops the launcher, which stops the ranks
-        proc.send_signal(signum)
-
-    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if sig is not None:
-            try:
-                forwarded[sig] = signal.signal(sig, forward)
-            except ValueError:  # not the main thread
-                pass
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:  # the terminal's SIGINT reached the launcher too; let it stop the ranks
-        try:
-            code = proc.wait(timeout=60)
-        except (KeyboardInterrupt, subprocess.TimeoutExpired):
-            proc.kill()
-            proc.wait()
-        raise
-    finally:
-        for sig, handler in forwarded.items():
-            signal.signal(sig, handler)
-    if code != 0:
-        console.print(f"[red]cadence: failed:[/red] the distributed job exited with status {code}; "
-                      "torchrun's report above names the failed rank", highlight=False, soft_wrap=True)
-    return code
 
 
 def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:

