@@ -269,6 +269,18 @@ def test_evaluate_continuously_reports_each_restore(tmp_path):
                       ("load", "ckpt-4"), ("eval_end", (4, 10)), ("close", "rec")]
 
 
+def test_a_sidecar_tells_its_callbacks_of_each_restore_and_evaluation_and_closes_them(tmp_path):
+    from cadence.sidecar import SidecarEvaluator
+
+    with controller(tmp_path, []) as c:  # the model dir's checkpoints/: ckpt-2, ckpt-4, FINAL
+        c.train(4)
+    events: list = []
+    SidecarEvaluator(RestoringEvaluator(FakeTrainer()), str(tmp_path), mode="every", poll_interval=0.01,
+                     callbacks=[Recorder(events)]).start()
+    assert events == [("attach", None), ("load", "ckpt-2"), ("eval_end", (2, 3)),
+                      ("load", "ckpt-4"), ("eval_end", (4, 10)), ("close", "rec")]
+
+
 @pytest.fixture
 def restore_sigterm():
     saved = signal.getsignal(signal.SIGTERM)

@@ -106,6 +106,11 @@ class SidecarEvaluator:
         exponential back-off from ``retry_backoff`` seconds, then recorded as ``failed``.
       best_metric / higher_is_better: the metric whose best is reported (and rebuilt from
         ``evaluations.jsonl`` on restart). ``None``: no best is tracked here.
+      callbacks: :class:`~cadence.callbacks.Callback` objects told of each checkpoint restored
+        (``on_checkpoint_load``), each evaluation (``on_eval_end``) and the end (``on_close``,
+        always). A sidecar does not train: ``on_train_start`` / ``on_train_end`` /
+        ``on_checkpoint_save`` never fire, and callbacks' state is not restored (it belongs to
+        the training run).
 
     The stop conditions, each with a clear message: the final checkpoint was evaluated
     (``checkpoints/FINAL``, or a step >= ``train_steps``); ``max_evaluations``; ``timeout``
@@ -132,6 +137,7 @@ class SidecarEvaluator:
         best_metric: str | None = None,
         higher_is_better: bool = True,
         storage_options: dict[str, Any] | None = None,
+        callbacks: Iterable[Any] = (),
     ) -> None:
         if mode not in ("every", "latest"):
             raise ValueError(f"mode must be 'every' or 'latest', got {mode!r}")
@@ -148,6 +154,7 @@ class SidecarEvaluator:
         self.poll_interval = poll_interval
         self.name = name
         self.eval_actions = list(eval_actions)
+        self.callbacks = list(callbacks)
         self.train_steps = train_steps
         self.max_pending = max_pending
         self.lease_ttl = lease_ttl
@@ -194,7 +201,7 @@ class SidecarEvaluator:
 
         controller = Controller(evaluator=self.evaluator, checkpoint_manager=self.manager,
                                 eval_summary_dir=self.eval_dir, eval_actions=self.eval_actions,
-                                restore=False, progress=False)
+                                callbacks=self.callbacks, restore=False, progress=False)
         watcher = CheckpointWatcher(self.manager, mode=self.mode, poll_interval=self.poll_interval,
                                     timeout=self.timeout, after=after, train_steps=self.train_steps,
                                     should_stop=self._stop.is_set)

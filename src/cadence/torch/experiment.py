@@ -270,8 +270,8 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     controller that restores the latest checkpoint.
 
     ``train=False`` builds an evaluator-only run that reads checkpoints without changing the
-    model directory (``restore_step``: that checkpoint; ``None``: the latest); it runs no actions
-    and no callbacks.
+    model directory (``restore_step``: that checkpoint; ``None``: the latest); it runs no actions,
+    and its callbacks hear of the restore, the evaluation and the close only.
     """
     if not cfg.model_dir:
         raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
@@ -281,7 +281,7 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     train_actions, eval_actions = (
         build_actions(cfg, task, model, train=train, evaluate=evaluate, chief=ctx.is_chief) if train else ([], [])
     )
-    callbacks = build_callbacks(cfg, task) if train else []
+    callbacks = build_callbacks(cfg, task)
     manager = CheckpointManager(  # one writer: the chief; the other ranks only read
         layout.checkpoints_dir(cfg.model_dir), max_to_keep=t.max_to_keep,
         keep_every_n_steps=t.keep_every_n_steps, writer=train and ctx.is_chief,
@@ -349,9 +349,9 @@ def _train_only(cfg: ExperimentConfig, progress: bool | None) -> dict[str, Any]:
 
 def build_sidecar(cfg: ExperimentConfig) -> Any:
     """A :class:`~cadence.sidecar.SidecarEvaluator` for the experiment: the task's torch
-    evaluator, the ``sidecar:`` settings, and the configured eval actions (best checkpoint and
-    its export, export on every evaluation). Early stopping needs the trainer's loop and is
-    ignored here, with a warning."""
+    evaluator, the ``sidecar:`` settings, the configured eval actions (best checkpoint and its
+    export, export on every evaluation) and callbacks (:func:`build_callbacks`). Early stopping
+    needs the trainer's loop and is ignored here, with a warning."""
     from cadence.sidecar import SidecarEvaluator
 
     if not cfg.model_dir:
@@ -359,6 +359,7 @@ def build_sidecar(cfg: ExperimentConfig) -> Any:
     t, sc = cfg.trainer, cfg.sidecar
     task, ctx, _, evaluator = _build_runners_for(cfg, train=False)
     _, eval_actions = build_actions(cfg, task, evaluator.model, train=False, chief=ctx.is_chief)
+    callbacks = build_callbacks(cfg, task)
     if t.early_stopping is not None:
         logger.warning("trainer.early_stopping is ignored by the sidecar: only an in-process evaluation can stop training")
     best = t.best_checkpoint
@@ -367,6 +368,7 @@ def build_sidecar(cfg: ExperimentConfig) -> Any:
         timeout=sc.timeout, poll_interval=sc.poll_interval, name=sc.name, eval_actions=eval_actions,
         train_steps=t.train_steps, max_pending=sc.max_pending, lease_ttl=sc.lease_ttl,
         best_metric=best.metric if best else None, higher_is_better=best.higher_is_better if best else True,
+        callbacks=callbacks,
     )
 
 
@@ -377,12 +379,13 @@ def run_evaluation(cfg: ExperimentConfig, step: int | None = None) -> tuple[int,
       CheckpointError: the model dir has no committed checkpoint (or not that step).
     """
     run = build_run(cfg, train=False, restore_step=step, progress=False)
-    if run.controller.restored_step is None:
-        raise CheckpointError(
-            f"no committed checkpoint in {layout.checkpoints_dir(cfg.model_dir)}: nothing to evaluate"
-        )
-    metrics = run.controller.evaluate(cfg.trainer.validation_steps)
-    return run.controller.global_step, metrics
+    with run.controller as controller:
+        if controller.restored_step is None:
+            raise CheckpointError(
+                f"no committed checkpoint in {layout.checkpoints_dir(cfg.model_dir)}: nothing to evaluate"
+            )
+        metrics = controller.evaluate(cfg.trainer.validation_steps)
+        return controller.global_step, metrics
 
 
 def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
