@@ -490,10 +490,10 @@ def test_malformed_callback_entries_are_config_errors(tmp_path):
     from cadence.config import load_config
 
     path = config_with(tmp_path, [{"clas": "a:B"}])
-    with pytest.raises(ConfigError, match=r"callbacks\.0\.clas: unknown field \(did you mean 'class'\?\)"):
+    with pytest.raises(ConfigError, match=r"callbacks\[0\]\.clas: unknown field \(did you mean 'class'\?\)"):
         load_config(path)
     path = config_with(tmp_path, [{"class": "not a spec"}])
-    with pytest.raises(ConfigError, match=r"callbacks\.0\.class: expected 'module:ClassName'"):
+    with pytest.raises(ConfigError, match=r"callbacks\[0\]\.class: expected 'module:ClassName'"):
         load_config(path)
 
 

@@ -694,10 +694,18 @@ def _suggest(word: str, choices: Sequence[str]) -> str | None:
     return matches[0] if matches else None
 
 
+def _display_path(loc: Sequence[Any]) -> str:
+    """A config location as users write it: ``trainer.recovery.max_trials``, ``callbacks[0].class``."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
 def _format_error(err: Mapping[str, Any]) -> tuple[Loc, str]:
     """``(loc, "path: problem")`` for one pydantic error."""
     loc = tuple(str(p) for p in err["loc"])
-    path = ".".join(loc) or "(top level)"
+    path = _display_path(err["loc"]) or "(top level)"
     kind, value = err["type"], err.get("input")
     if kind == "extra_forbidden":
         model = _model_at(loc)
