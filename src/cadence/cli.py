@@ -29,7 +29,7 @@ from rich.table import Table
 
 from cadence import __version__, layout
 from cadence.errors import CadenceError, ConfigError
-from cadence.progress import format_size
+from cadence.progress import format_size, format_value
 from cadence.summary import json_value
 from cadence.torchrun import (  # noqa: F401  (torchrun_command: part of the CLI's API)
     end_distributed,
@@ -170,7 +170,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         return 1 if metrics["stop_reason"] == "timeout" else 0
     if rank != 0:
         return 0
-    shown = "  ".join(f"{k}={_fmt(v)}" for k, v in (metrics or {}).items()) or "trained (no in-process evaluation)"
+    shown = "  ".join(f"{k}={format_value(v)}" for k, v in (metrics or {}).items()) or "trained (no in-process evaluation)"
     console.print(f"[bold]done[/bold]: {shown}")
     console.print(f"model dir: {cfg.model_dir}  (cadence ls {cfg.model_dir}; tensorboard --logdir {cfg.model_dir})")
     return 0
@@ -280,7 +280,7 @@ def _cmd_ls(args: argparse.Namespace, console: Console) -> int:
         when = datetime.datetime.fromtimestamp(info["time"]).strftime("%Y-%m-%d %H:%M:%S")
         row = evals.get(step, {})
         notes = ", ".join(n for n, on in (("final", step == final), ("latest", step == steps[-1])) if on)
-        table.add_row(str(step), when, format_size(info["size"]), *(_fmt(row.get(m, "")) for m in metric_names), notes)
+        table.add_row(str(step), when, format_size(info["size"]), *(format_value(row.get(m, "")) for m in metric_names), notes)
     Console().print(table)
     return 0
 
@@ -335,14 +335,6 @@ def _cmd_smoke(args: argparse.Namespace, console: Console) -> int:
     if failed.traceback:
         console.print(Text(failed.traceback.rstrip()), soft_wrap=True, highlight=False)
     return 2 if isinstance(failed.exception, ConfigError) else 1
-
-
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
 
 
 COMMANDS = {"train": _cmd_train, "evaluate": _cmd_evaluate, "launch": _cmd_launch, "export": _cmd_export,

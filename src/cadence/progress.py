@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress, Task, TaskID
 
-__all__ = ["ProgressReporter", "format_duration", "format_logs", "format_rate", "format_size"]
+__all__ = ["ProgressReporter", "format_duration", "format_logs", "format_rate", "format_size", "format_value"]
 
 _monotonic = time.monotonic  # indirection so tests can drive the clock
 
@@ -55,17 +55,16 @@ def format_rate(steps_per_s: float | None) -> str:
     return f"{1 / steps_per_s:.1f} s/step"
 
 
-def _format_value(value: int | float) -> str:
-    if isinstance(value, int):
-        return str(value)
-    return f"{value:.4g}"
+def format_value(value: Any) -> str:
+    """A metric for people: a float to 4 significant digits, anything else as ``str()``."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def format_logs(logs: Mapping[str, Any] | None) -> str:
     """The scalar logs as ``key=value`` pairs (4 significant digits), two spaces apart."""
     if not logs:
         return ""
-    return "  ".join(f"{k}={_format_value(v)}" for k, v in flatten_scalars(logs).items())
+    return "  ".join(f"{k}={format_value(v)}" for k, v in flatten_scalars(logs).items())
 
 
 def _default_enabled() -> bool:

@@ -50,7 +50,7 @@ import cadence
 from cadence import layout
 from cadence.config import ExperimentConfig, config_from_dict, load_config, save_config
 from cadence.errors import CadenceError, ConfigError
-from cadence.progress import format_size
+from cadence.progress import format_size, format_value
 from cadence.torch.state import get_rng_state, set_rng_state
 
 __all__ = ["EVAL_BATCHES", "STAGES", "SmokeCheckError", "SmokeReport", "StageResult", "run_smoke"]
@@ -257,14 +257,14 @@ class _Smoke:
         if controller.global_step != self.steps:
             why = f" (stopped: {controller.stop_reason})" if controller.stop_reason else ""
             raise SmokeCheckError(f"trained to global step {controller.global_step}, expected {self.steps}{why}")
-        return f"{self.steps} step{'s' if self.steps > 1 else ''}, loss {_fmt(losses[-1])}"
+        return f"{self.steps} step{'s' if self.steps > 1 else ''}, loss {format_value(losses[-1])}"
 
     def stage_evaluate(self) -> str:
         batches = self.cfg.trainer.validation_steps
         metrics = self.run.controller.evaluate(batches)
         if not metrics:
             raise SmokeCheckError("the evaluation returned no metrics")
-        shown = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+        shown = " ".join(f"{k}={format_value(v)}" for k, v in metrics.items())
         return f"{shown} ({batches} batch{'es' if batches > 1 else ''} at most)"
 
     def stage_checkpoint(self) -> str:
@@ -522,14 +522,6 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor], *, rtol: float = 0.0
 
 
 # -- text --------------------------------------------------------------------------------------
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
 
 
 def _one_line(exc: BaseException) -> str:
