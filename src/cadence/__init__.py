@@ -7,8 +7,9 @@ that ``import cadence`` stays fast and never imports torch (``cadence.torch`` do
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from cadence._lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -47,17 +48,7 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cadence' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, __all__)
 
 
 if TYPE_CHECKING:  # pragma: no cover

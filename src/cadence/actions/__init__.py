@@ -9,9 +9,9 @@ given the controller once, when the controller is built; one with ``state_dict()
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from cadence._lazy import lazy_attributes
 from cadence.actions.best_metric import NewBestMetric
 from cadence.actions.conditional import Condition, ConditionalAction
 from cadence.actions.early_stopping import EarlyStopping
@@ -47,17 +47,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cadence.actions' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)
 
 
 if TYPE_CHECKING:  # pragma: no cover

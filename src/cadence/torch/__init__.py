@@ -3,6 +3,7 @@
 Everything in cadence that imports torch lives in this package.
 """
 
+from cadence._lazy import lazy_attributes
 from cadence.torch.batch import first_tensor, move_to_device
 from cadence.torch.context import Context
 from cadence.torch.data import ResumableLoader, ResumableSampler
@@ -37,17 +38,10 @@ from cadence.torch.trainer import TorchTrainer, build_runners
 _EXPERIMENT = ("Run", "build_run", "build_sidecar", "build_task", "load_task_class", "run_evaluation", "run_training")
 _SMOKE = ("SmokeReport", "StageResult", "run_smoke")
 
-
-def __getattr__(name: str):  # the config-driven entry points, imported on first use
-    if name in _EXPERIMENT:
-        from cadence.torch import experiment
-
-        return getattr(experiment, name)
-    if name in _SMOKE:
-        from cadence.torch import smoke
-
-        return getattr(smoke, name)
-    raise AttributeError(f"module 'cadence.torch' has no attribute {name!r}")
+# The config-driven entry points, imported on first use.
+__getattr__ = lazy_attributes(
+    __name__, {**dict.fromkeys(_EXPERIMENT, "cadence.torch.experiment"), **dict.fromkeys(_SMOKE, "cadence.torch.smoke")}, ()
+)[0]
 
 
 __all__ = [
