@@ -65,9 +65,9 @@ class Callback:
         """Called when ``train()`` / ``train_and_evaluate()`` ends normally, on every rank: after
         the final checkpoint and ``FINAL`` were written (when the controller has a checkpoint
         manager), also after an action stopped training (:class:`~cadence.errors.StopTraining`),
-        and after a preemption save-and-exit (an action that committed a checkpoint then raised
-        ``SystemExit``, e.g. :class:`~cadence.actions.SaveCheckpointIfPreempted`). Not called
-        when training ends with any other exception."""
+        and after a preemption save-and-exit (:class:`~cadence.errors.PreemptedExit`, raised by
+        :class:`~cadence.actions.SaveCheckpointIfPreempted` once its checkpoint is committed).
+        Not called when training ends with any other exception."""
 
     def on_checkpoint_save(self, checkpoint_dir: str) -> None:
         """Called after a checkpoint was committed (its ``MANIFEST.json`` written), with its

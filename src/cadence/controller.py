@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from cadence.callbacks import Callback
 from cadence.coordination import Coordinator, LocalCoordinator
-from cadence.errors import CheckpointError, StopTraining
+from cadence.errors import CheckpointError, PreemptedExit, StopTraining
 from cadence.progress import ProgressReporter
 from cadence.runner import Evaluator, Trainer
 from cadence.summary import SummaryWriter
@@ -176,8 +176,6 @@ class Controller:
         self._step = 0  # global step of an evaluator-only controller (from its checkpoint)
         self._loop = _LoopState()
         self._save_pending = False
-        self._saves = 0  # save_checkpoint() calls: tells a preemption save-and-exit from a failure
-        self._clean_exit = False  # an action saved, then raised SystemExit
         self._closed_callbacks = False
         self.stop_reason: str | None = None
         try:
@@ -286,7 +284,6 @@ class Controller:
         The callbacks' ``on_checkpoint_save`` runs for each commit reported by the manager
         (with an asynchronous manager: the commits finished so far).
         """
-        self._saves += 1
         if self.checkpoint_manager is None:
             return None
         self.prepare_checkpoint()
@@ -344,16 +341,14 @@ class Controller:
 
     def _training(self, run: Callable[[], _T]) -> _T:
         """``run()`` between the callbacks' ``on_train_start`` and ``on_train_end``. The end is
-        also called when an action saved a checkpoint and then raised ``SystemExit`` (preemption's
-        save-and-exit), once that checkpoint is committed; not after any other exception."""
-        self._clean_exit = False
+        also called on :class:`~cadence.errors.PreemptedExit` (preemption's save-and-exit), once
+        that checkpoint is committed; not after any other exception."""
         self._fire("on_train_start")
         try:
             result = run()
-        except SystemExit:
-            if self._clean_exit:
-                self._wait_for_commits()
-                self._fire("on_train_end")
+        except PreemptedExit:
+            self._wait_for_commits()
+            self._fire("on_train_end")
             raise
         self._fire("on_train_end")
         return result
@@ -581,15 +576,11 @@ class Controller:
 
     def _run_actions(self, actions: list[Action], output: dict[str, Any]) -> None:
         for action in actions:
-            saves = self._saves
             try:
                 action(output)
             except StopTraining as stop:
                 self.stop_reason = stop.reason
                 logger.info("stop requested at step %d: %s", self.global_step, stop.reason)
-            except SystemExit:
-                self._clean_exit = self._saves > saves  # saved, then exit: preemption's save-and-exit
-                raise
 
     def _fire(self, hook: str, *args: Any) -> None:
         """Call ``hook(*args)`` on every callback that has it, in order."""

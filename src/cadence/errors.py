@@ -20,6 +20,13 @@ class StopTraining(Exception):
         self.reason = reason
 
 
+class PreemptedExit(SystemExit):
+    """Raised after a checkpoint was committed because the job is being preempted (SIGTERM and
+    the like; see :class:`~cadence.actions.SaveCheckpointIfPreempted`): the process exits with
+    ``code``, and the :class:`~cadence.Controller` ends training normally on the way out (the
+    callbacks' ``on_train_end`` runs)."""
+
+
 class ConfigError(CadenceError):
     """A config file or override is invalid. The message names the offending field."""
 

@@ -8,6 +8,8 @@ import threading
 from types import FrameType
 from typing import Any, Iterable
 
+from cadence.errors import PreemptedExit
+
 logger = logging.getLogger("cadence.actions")
 
 DEFAULT_SIGNALS = tuple(
@@ -21,7 +23,8 @@ class SaveCheckpointIfPreempted:
     When attached to a :class:`~cadence.Controller` it installs handlers for ``signals``
     (default SIGTERM, SIGUSR1, SIGINT) that only record the signal. At the end of the current
     inner loop the action commits a checkpoint at the current step and then raises
-    ``SystemExit(exit_code)`` (default 0: the job is not a failure, a scheduler may restart it),
+    :class:`~cadence.errors.PreemptedExit` (a ``SystemExit`` with ``exit_code``, default 0: the
+    job is not a failure, a scheduler may restart it),
     or, with ``keep_running=True``, clears the flag and lets training go on.
 
     Signals arriving while the checkpoint is being written are recorded and nothing else: the
@@ -91,7 +94,7 @@ class SaveCheckpointIfPreempted:
             self.received = None
             self._sigint = False
             return
-        raise SystemExit(self.exit_code)
+        raise PreemptedExit(self.exit_code)
 
     def close(self) -> None:
         """Restore the signal handlers that were in place before :meth:`attach`."""
