@@ -515,9 +515,11 @@ def start_training(tmp_path: Path, save_on_preemption: bool) -> tuple[subprocess
         [sys.executable, "-m", "cadence", "train", str(config), "--model-dir", str(tmp_path / "run"), "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+    # Wait until both logs (the task's, then the config's) have seen a commit: the task's callback runs
+    # first, so its line alone does not mean the config's has been written yet.
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if events.exists() and '"checkpoint_save"' in events.read_text():
+        if events.exists() and all("checkpoint_save" in read_events(events, tag) for tag in ("task", "config")):
             break
         time.sleep(0.02)
     assert proc.poll() is None, proc.communicate()[1]
@@ -525,7 +527,9 @@ def start_training(tmp_path: Path, save_on_preemption: bool) -> tuple[subprocess
 
 
 def read_events(path: Path, tag: str) -> list[str]:
-    return [e["event"] for e in map(json.loads, path.read_text().splitlines()) if e["tag"] == tag]
+    """The events logged under ``tag``, from complete lines only (the process may be mid-write)."""
+    lines = path.read_text().split("\n")[:-1]
+    return [e["event"] for e in map(json.loads, lines) if e["tag"] == tag]
 
 
 @pytest.mark.slow
