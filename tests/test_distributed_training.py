@@ -71,7 +71,7 @@ def test_sigterm_to_a_non_zero_rank_commits_one_step_on_all_and_resumes_exactly(
     pids.mkdir()
     job = subprocess.Popen(
         [sys.executable, "-m", "cadence", "train", str(config), "--model-dir", str(run), "--nproc", "2",
-         "--no-progress", "--set", "task.params.step_sleep=0.05", "--set", f"task.params.pid_dir={pids}",
+         "--no-progress", "--set", "task.params.step_sleep=0.1", "--set", f"task.params.pid_dir={pids}",
          "--set", "trainer.checkpoint_interval=null"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
     )

@@ -446,7 +446,7 @@ READER = textwrap.dedent(
     """
     import sys, time
     from cadence.checkpoint.leases import LeaseKeeper, Leases
-    keeper = LeaseKeeper(Leases(sys.argv[1]), "sidecar", ttl=1.0, renew_every=0.1, after=10).start()
+    keeper = LeaseKeeper(Leases(sys.argv[1]), "sidecar", ttl=2.5, renew_every=0.1, after=10).start()
     print("LEASED", flush=True)
     time.sleep(60)
     """

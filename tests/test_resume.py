@@ -145,7 +145,7 @@ def test_sigterm_commits_the_current_step_exits_0_and_resumes_exactly(tmp_path, 
     run = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "cadence", "train", str(config), "--model-dir", str(run),
-         "--set", "task.params.step_sleep=0.02", "--set", "trainer.checkpoint_interval=null"],
+         "--set", "task.params.step_sleep=0.05", "--set", "trainer.checkpoint_interval=null"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
     )

@@ -13,6 +13,7 @@ import pytest
 from cadence import Controller
 from cadence.actions import BestCheckpointExporter
 from cadence.checkpoint import CheckpointManager
+from cadence.checkpoint.leases import Leases
 from cadence.checkpoint.watcher import CheckpointWatcher
 from cadence.sidecar import EVALUATIONS_FILE, SidecarEvaluator
 from cadence.summary import read_metrics
@@ -173,6 +174,10 @@ def test_leases_keep_pending_checkpoints_from_retention(tmp_path):
     sidecar = SidecarEvaluator(ev, str(tmp_path), poll_interval=0.01, timeout=30, max_pending=None)
     thread = threading.Thread(target=lambda: setattr(sidecar, "result", sidecar.start()))
     thread.start()
+    deadline = time.monotonic() + 30
+    while not Leases(str(tmp_path / "checkpoints")).active():  # training on before the lease would race it
+        assert time.monotonic() < deadline, "the sidecar took no lease"
+        time.sleep(0.01)
     for target in (4, 6, 8, 10, 12):
         time.sleep(0.03)
         controller.train(target, checkpoint_at_completion=(target == 12))

@@ -69,7 +69,7 @@ def test_churn_slow_sidecar_reads_every_checkpoint_and_none_deleted_under_it(tmp
 
 
 def test_sidecar_killed_and_restarted_evaluates_each_step_once_with_the_same_best(tmp_path):
-    config = write_config(tmp_path, max_to_keep=None, eval_sleep=0.05, step_sleep=0.0)
+    config = write_config(tmp_path, max_to_keep=None, eval_sleep=0.1, step_sleep=0.0)
     model_dir = tmp_path / "run"
     trained = cadence("train", str(config), "--model-dir", str(model_dir), "--no-progress",
                       "--set", "trainer.in_process_validation=false")
