@@ -459,3 +459,49 @@ def test_export_on_best_needs_best_checkpoint(tmp_path: Path) -> None:
     message = error_of(write(tmp_path, VALID + "export: {on: best}\n"))
     assert "export.on is 'best' but trainer.best_checkpoint is not set" in message
     assert "got {" not in message  # a cross-field rule does not dump the whole input
+
+
+# -- list items in overrides --------------------------------------------------------------------
+
+CALLBACKS = """
+callbacks:
+  - class: pkg.mod:First
+    params: {path: a.json}
+  - class: pkg.mod:Second
+export:
+  formats: [safetensors, torch_export]
+  on: final
+"""
+
+
+def test_parse_override_list_indexes() -> None:
+    assert parse_override("callbacks[1].params.x=2") == (["callbacks", 1, "params", "x"], 2)
+    assert parse_override("task.params.grid[0][2]=5") == (["task", "params", "grid", 0, 2], 5)
+    for bad in ("callbacks[x].y=1", "callbacks[-1].y=1", "[0].y=1", "callbacks[0.y=1"):
+        with pytest.raises(ConfigError, match="malformed key"):
+            parse_override(bad)
+
+
+def test_override_a_field_inside_one_list_item(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID + CALLBACKS)
+    cfg = load_config(path, ["callbacks[1].params.path=b.json", "callbacks[0].class=pkg.mod:Other",
+                             "export.formats[1]=onnx", "task.params.sizes=[1, 2]", "task.params.sizes[1]=7"])
+    assert [(c.callback_class, c.params) for c in cfg.callbacks] == [
+        ("pkg.mod:Other", {"path": "a.json"}), ("pkg.mod:Second", {"path": "b.json"})]
+    assert cfg.export.formats == ["safetensors", "onnx"]
+    assert cfg.task.params["sizes"] == [1, 7]
+
+
+def test_list_item_override_errors_name_the_item(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID + CALLBACKS)
+    assert error_of(path, ("callbacks[2].params.x=1",)) == (
+        "--set callbacks[2].params.x=1: cannot set 'callbacks[2].params.x': 'callbacks' has 2 items (indexes from 0)")
+    assert error_of(path, ("callbacks[0].klass=x:Y",)) == (
+        "--set callbacks[0].klass=x:Y: unknown field 'callbacks[0].klass' (did you mean 'callbacks[0].class'?)")
+    assert error_of(path, ("callbacks.params.x=1",)).startswith(
+        "--set callbacks.params.x=1: 'callbacks' is a list: write callbacks[N].params")
+    assert error_of(path, ("trainer[0].seed=1",)) == "--set trainer[0].seed=1: 'trainer' is not a list (cannot index it)"
+    assert "'export.formats[0]' is a value, not a section" in error_of(path, ("export.formats[0].x=1",))
+    assert error_of(path, ("callbacks[0].class=nope",)).startswith("--set callbacks[0].class=nope: callbacks[0].class:")
+    assert error_of(write(tmp_path, VALID, "none.yaml"), ("callbacks[0].class=a:B",)) == (
+        "--set callbacks[0].class=a:B: cannot set 'callbacks[0].class': 'callbacks' has 0 items (indexes from 0)")

@@ -762,63 +762,102 @@ def _line_for(loc: Loc, lines: Mapping[Loc, int]) -> int | None:
 # overrides
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
+_KEY_PART = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
+
+
+def parse_override(text: str) -> tuple[list[str | int], Any]:
     """Split ``dotted.key=value`` into ``(["dotted", "key"], value)``; the value is YAML.
 
     ``a.b=5`` gives ``5``, ``a.b=null`` gives ``None``, ``a.b=[64, 32]`` a list, ``a.b=x`` the
-    string ``"x"``. Raises ConfigError when there is no ``=``, the key is malformed, or the value
-    is not valid YAML. The key path is not checked against the schema here.
+    string ``"x"``. A ``[N]`` after a name indexes a list, as config errors write it:
+    ``callbacks[0].params.path=x`` gives ``(["callbacks", 0, "params", "path"], "x")``.
+    Raises ConfigError when there is no ``=``, the key is malformed, or the value is not valid
+    YAML. The key path is not checked against the schema here.
     """
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep:
         raise ConfigError(f"--set {text}: expected key=value")
-    parts = key.split(".")
-    if not key or any(not p.strip() for p in parts):
-        raise ConfigError(f"--set {text}: malformed key {key!r} (expected dotted.key=value)")
+    parts: list[str | int] = []
+    for segment in key.split("."):
+        match = _KEY_PART.fullmatch(segment.strip())
+        if match is None or not match.group(1).strip():
+            raise ConfigError(f"--set {text}: malformed key {key!r} (expected dotted.key=value, "
+                              "or name[N] for a list item)")
+        parts.append(match.group(1).strip())
+        parts.extend(int(i) for i in re.findall(r"\[(\d+)\]", match.group(2)))
     try:
         value = yaml.load(raw, Loader=_Loader)
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(f"--set {text}: invalid YAML value: {problem}") from None
-    return [p.strip() for p in parts], value
+    return parts, value
 
 
-def _check_override_path(parts: Sequence[str], text: str) -> list[str]:
-    """The key path with aliases canonical (``task.class``); ConfigError if not in the schema."""
+def _check_override_path(parts: Sequence[str | int], text: str) -> list[str | int]:
+    """The key path with aliases canonical (``task.class``); ConfigError if not in the schema.
+
+    An index must follow a list field (``callbacks[0]``); a list of sections is entered
+    (``callbacks[0].params``), a list of values is set item by item (``export.formats[1]``).
+    """
     model: type[BaseModel] | None = ExperimentConfig
-    canonical: list[str] = []
+    canonical: list[str | int] = []
+    items: Any = None  # the annotation of a list's items, right after its field
     for i, part in enumerate(parts):
-        if model is None:  # below a free-form mapping (task.params)
+        last = i == len(parts) - 1
+        if model is None and items is None:  # below a free-form mapping (task.params)
             canonical.extend(parts[i:])
             break
+        if isinstance(part, int):
+            if items is None:
+                raise ConfigError(f"--set {text}: {_display_path(canonical)!r} is not a list (cannot index it)")
+            canonical.append(part)
+            model, items = _enter(items, canonical, parts, last, text)
+            continue
+        if model is None:  # a name right after a list field: list fields take indexes only
+            raise ConfigError(f"--set {text}: {_display_path(canonical)!r} is a list: "
+                              f"write {_display_path(canonical)}[N].{part} for its item N")
         field = _field(model, part)
         if field is None:
             names = _field_names(model)
             hint = _suggest(part, names)
             if hint is not None:
-                problem = f"(did you mean {'.'.join((*canonical, hint))!r}?)"
+                problem = f"(did you mean {_display_path((*canonical, hint))!r}?)"
             else:
-                problem = (
-                    "(expected one of "
-                    + ", ".join(repr(".".join((*canonical, n))) for n in names)
-                    + ")"
-                )
-            unknown = ".".join(parts[: i + 1])
+                problem = "(expected one of " + ", ".join(repr(_display_path((*canonical, n))) for n in names) + ")"
+            unknown = _display_path(parts[: i + 1])
             raise ConfigError(f"--set {text}: unknown field {unknown!r} {problem}")
         name = next(n for n, f in model.model_fields.items() if f is field)
         canonical.append(field.alias or name)
         sub = field.annotation
-        if _submodel(sub) is not None and getattr(sub, "__origin__", None) is not list:  # lists are set whole
-            model = _submodel(sub)
-        elif _is_mapping_type(sub):
-            model = None
-        elif i < len(parts) - 1:
-            raise ConfigError(
-                f"--set {text}: {'.'.join(canonical)!r} is a value, not a section "
-                f"(cannot set {'.'.join(parts)!r})"
-            )
+        if _list_items(sub) is not None:
+            model, items = None, _list_items(sub)
+        else:
+            items = None
+            model, _ = _enter(sub, canonical, parts, last, text)
     return canonical
+
+
+def _enter(annotation: Any, canonical: Sequence[str | int], parts: Sequence[str | int], last: bool,
+           text: str) -> tuple[type[BaseModel] | None, Any]:
+    """``(model, None)`` to go on inside a section, ``(None, None)`` inside a free-form mapping;
+    ConfigError when ``annotation`` is a plain value and the key goes on below it."""
+    if _submodel(annotation) is not None:
+        return _submodel(annotation), None
+    if _is_mapping_type(annotation) or last:
+        return None, None
+    raise ConfigError(
+        f"--set {text}: {_display_path(canonical)!r} is a value, not a section "
+        f"(cannot set {_display_path(parts)!r})"
+    )
+
+
+def _list_items(annotation: Any) -> Any:
+    """The item annotation of a ``list[X]`` (or ``list[X] | None``) field, else None."""
+    for candidate in (annotation, *getattr(annotation, "__args__", ())):
+        if getattr(candidate, "__origin__", None) is list:
+            return candidate.__args__[0]
+    return None
 
 
 def _is_mapping_type(annotation: Any) -> bool:
@@ -826,20 +865,28 @@ def _is_mapping_type(annotation: Any) -> bool:
     return isinstance(origin, type) and issubclass(origin, Mapping)
 
 
-def _apply_override(data: dict[str, Any], path: Sequence[str], value: Any, text: str) -> None:
-    node = data
-    for i, part in enumerate(path[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        elif not isinstance(child, dict):
-            where = ".".join(path[: i + 1])
-            raise ConfigError(
-                f"--set {text}: cannot set {'.'.join(path)!r}: "
-                f"{where!r} is {_short_repr(child)}, not a mapping"
-            )
-        node = child
-    node[path[-1]] = value
+def _apply_override(data: dict[str, Any], path: Sequence[str | int], value: Any, text: str) -> None:
+    node: Any = data
+    for i, part in enumerate(path):
+        where = _display_path(path[:i])
+        if isinstance(part, int):
+            if not isinstance(node, list):
+                raise ConfigError(f"--set {text}: cannot set {_display_path(path)!r}: "
+                                  f"{where!r} is {_short_repr(node)}, not a list")
+            if part >= len(node):
+                raise ConfigError(f"--set {text}: cannot set {_display_path(path)!r}: {where!r} has "
+                                  f"{len(node)} item{'s' * (len(node) != 1)} (indexes from 0)")
+        elif not isinstance(node, dict):
+            raise ConfigError(f"--set {text}: cannot set {_display_path(path)!r}: "
+                              f"{where!r} is {_short_repr(node)}, not a mapping")
+        if i == len(path) - 1:
+            node[part] = value
+        elif isinstance(part, int):
+            node = node[part]
+        else:
+            if node.get(part) is None:
+                node[part] = [] if isinstance(path[i + 1], int) else {}
+            node = node[part]
 
 
 # --------------------------------------------------------------------------------------------
@@ -899,7 +946,7 @@ def config_from_dict(
         parts, value = parse_override(text)
         path = _check_override_path(parts, text)
         _apply_override(work, path, value, text)
-        overridden[tuple(path)] = f"--set {text}"
+        overridden[tuple(str(p) for p in path)] = f"--set {text}"
     if model_dir is not None:
         work["model_dir"] = model_dir
         overridden[("model_dir",)] = f"--model-dir {model_dir}"
