@@ -3,6 +3,7 @@ atomic publication, fsspec stores and the ExportModel action."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ from torch import nn
 import cadence
 from cadence.errors import CadenceError
 from cadence.torch import FORMATS, ExportModel, Task, export_model, load_exported
-from cadence.torch import export as export_mod
+from cadence.torch import export_formats
 from cadence.torch.export import (
     ExportDependencyError,
     ExportError,
@@ -107,7 +108,7 @@ def exported(request, tmp_path_factory) -> dict[str, Any]:
 def test_returns_one_path_per_format(exported):
     assert set(exported["paths"]) == set(FORMATS)
     for fmt, path in exported["paths"].items():
-        assert os.path.isfile(path) and path == os.path.join(exported["dir"], export_mod.FILES[fmt])
+        assert os.path.isfile(path) and path == os.path.join(exported["dir"], export_formats.FILES[fmt])
     assert not [w for w in exported["warnings"] if "torch.jit" in str(w.message) and "deprecated" in str(w.message)]
 
 
@@ -146,8 +147,8 @@ def test_metadata_json(exported):
     with open(os.path.join(exported["dir"], "metadata.json")) as f:
         assert json.load(f) == meta
     assert list(meta["formats"]) == list(FORMATS)
-    assert {fmt: info["file"] for fmt, info in meta["formats"].items()} == export_mod.FILES
-    assert sorted(meta["files"]) == sorted([*export_mod.FILES.values(), "metadata.json"])
+    assert {fmt: info["file"] for fmt, info in meta["formats"].items()} == export_formats.FILES
+    assert sorted(meta["files"]) == sorted([*export_formats.FILES.values(), "metadata.json"])
     assert sorted(os.listdir(exported["dir"])) == sorted(meta["files"])
     assert meta["formats"]["torch_export"]["dynamic_batch"] is True
     assert meta["formats"]["onnx"]["dynamic_batch"] is True
@@ -204,8 +205,8 @@ def test_task_example_inputs_default_explains():
 
 
 def test_missing_onnx_packages_is_a_clean_error(tmp_path, monkeypatch):
-    real = export_mod.importlib.util.find_spec
-    monkeypatch.setattr(export_mod.importlib.util, "find_spec", lambda n, *a: None if n == "onnxscript" else real(n, *a))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "onnxscript" else real(n, *a))
     with pytest.raises(ExportDependencyError, match=r"onnxscript.*pip install 'cadence\[onnx\]'") as info:
         export_model(mlp(), str(tmp_path / "x"), "onnx", example_inputs=batch("mlp", 2))
     assert isinstance(info.value, ImportError) and isinstance(info.value, CadenceError)
@@ -227,7 +228,7 @@ def test_failed_export_publishes_nothing_and_keeps_the_previous(tmp_path, monkey
     def boom(job, stage):
         raise ExportError("trace failed")
 
-    monkeypatch.setitem(export_mod._WRITERS, "torchscript", boom)
+    monkeypatch.setitem(export_formats._WRITERS, "torchscript", boom)
     with pytest.raises(ExportError, match="trace failed"):
         export_model(mlp(), directory, ["safetensors", "torchscript"], example_inputs=batch("mlp", 2))
     assert os.listdir(tmp_path / "export") == ["5"]  # no temp dir left behind
@@ -286,7 +287,7 @@ class FixedBatch(nn.Module):
 def test_static_fallback_when_batch_cannot_be_dynamic(tmp_path, caplog):
     model = FixedBatch()
     x = batch("mlp", 4)
-    with caplog.at_level(logging.WARNING, logger="cadence.torch.export"):
+    with caplog.at_level(logging.WARNING, logger="cadence.torch"):
         export_model(model, str(tmp_path / "e"), "torch_export", example_inputs=x)
     assert "static shapes" in caplog.text
     assert read_export_metadata(str(tmp_path / "e"))["formats"]["torch_export"]["dynamic_batch"] is False
@@ -297,7 +298,7 @@ def test_static_fallback_when_batch_cannot_be_dynamic(tmp_path, caplog):
 def test_cpu_copy_is_independent():
     model = build("conv")
     model.head.weight.requires_grad_(False)
-    copy = export_mod._cpu_copy(model)
+    copy = export_formats._cpu_copy(model)
     assert all(a is not b for a, b in zip(model.parameters(), copy.parameters()))
     assert [p.requires_grad for p in copy.parameters()] == [p.requires_grad for p in model.parameters()]
     x = batch("conv", 3)

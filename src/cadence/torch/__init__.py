@@ -9,17 +9,15 @@ from cadence.torch.context import Context
 from cadence.torch.data import ResumableLoader, ResumableSampler
 from cadence.torch.distributed import TorchCoordinator, init_distributed, rank_env, shutdown_distributed
 from cadence.torch.evaluator import TorchEvaluator
-from cadence.torch.export import (
-    FORMATS,
-    ExportModel,
-    ExportSignature,
-    export_model,
-    export_model_signatures,
-    load_exported,
-    read_signatures,
-)
+from cadence.torch.export import ExportModel, export_model, load_exported
+from cadence.torch.export_formats import FORMATS
 from cadence.torch.metrics import TorchMetricsReducer
 from cadence.torch.precision import Precision, resolve_precision
+from cadence.torch.signatures import (
+    ExportSignature,
+    export_model_signatures,
+    read_signatures,
+)
 from cadence.torch.state import (
     get_rng_state,
     load_model_safetensors,

@@ -25,7 +25,8 @@ from cadence.config import ExperimentConfig, save_config
 from cadence.controller import Controller
 from cadence.errors import CheckpointError, ConfigError
 from cadence.torch.context import Context
-from cadence.torch.export import TRACED_FORMATS, check_signatures, has_export_signatures
+from cadence.torch.export_formats import TRACED_FORMATS
+from cadence.torch.signatures import check_signatures, has_export_signatures
 from cadence.torch.state import seed_everything, unwrap_model
 from cadence.torch.task import Task
 from cadence.torch.trainer import build_runners

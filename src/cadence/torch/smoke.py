@@ -364,7 +364,8 @@ def _export_targets(task: Any, model: nn.Module, directory: str) -> Iterator[tup
     """What to check in the export at ``directory``: ``(label, export dir, live callable, its example
     inputs or None, the module whose state dict the safetensors artefact holds)``; one per signature
     (``Task.export_signatures``, rebuilt here on a CPU copy of the model as the export did), else one."""
-    from cadence.torch.export import METADATA_FILE, SIGNATURES_FILE, ExportSignature, read_signatures
+    from cadence.torch.export_formats import METADATA_FILE, SIGNATURES_FILE
+    from cadence.torch.signatures import ExportSignature, read_signatures
 
     if os.path.exists(os.path.join(directory, METADATA_FILE)):
         yield "", directory, model, _example_inputs(task), model

@@ -11,8 +11,8 @@ from torch import nn
 from cadence.torch.batch import first_tensor
 from cadence.torch.context import Context
 
-if TYPE_CHECKING:  # export imports this module
-    from cadence.torch.export import ExportSignature
+if TYPE_CHECKING:  # signatures imports this module
+    from cadence.torch.signatures import ExportSignature
 
 
 class Task(abc.ABC):
