@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--model-dir", required=model_dir_required,
                        help="model directory (overrides model_dir in the config)")
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config value, e.g. --set trainer.train_steps=100 (repeatable)")
+                       help="override a config value, e.g. --set trainer.train_steps=100; "
+                            "name[N] is a list item: callbacks[0].params.x=1 (repeatable)")
 
     train = sub.add_parser("train", help="train and evaluate (resumes from the model dir); --nproc N: on N processes")
     add_config_args(train, model_dir_required=False)
@@ -109,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
                            "restore and export once, in a temporary model dir; one PASS/FAIL line per stage")
     smoke.add_argument("config", help="experiment config (YAML)")
     smoke.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config value, e.g. --set task.params.lr=0.1 (repeatable)")
+                       help="override a config value, e.g. --set task.params.lr=0.1; name[N] is a list "
+                            "item (repeatable)")
     smoke.add_argument("--steps", type=int, default=2, metavar="N", help="training steps (default 2)")
     smoke.add_argument("--keep", default=None, metavar="DIR",
                        help="use DIR (new or empty) as the model dir and keep it (default: a temp dir, removed)")
