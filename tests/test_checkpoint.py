@@ -673,6 +673,21 @@ def test_storage_local_basics(tmp_path: Path) -> None:
     assert storage.listdir(storage.root) == []
 
 
+def test_storage_open_atomic_streams_and_leaves_nothing_on_error(tmp_path: Path) -> None:
+    storage = Storage(str(tmp_path))
+    target = storage.join("f")
+    with storage.open_atomic(target) as f:
+        f.write(b"one ")
+        f.write(b"two")
+    assert storage.read_bytes(target) == b"one two"
+    with pytest.raises(RuntimeError, match="mid-write"):
+        with storage.open_atomic(target) as f:
+            f.write(b"half")
+            raise RuntimeError("mid-write")
+    assert storage.read_bytes(target) == b"one two"  # untouched
+    assert storage.listdir(storage.root) == ["f"]  # the temp file is gone
+
+
 def test_large_file_hashed_in_chunks_matches_hashlib(ckdir: str) -> None:
     import hashlib
 

@@ -119,24 +119,33 @@ class Storage:
         with self.open_write(path, fsync=fsync) as f:
             f.write(data)
 
-    def write_atomic(self, path: str, data: bytes | bytearray | memoryview) -> None:
-        """Replace ``path`` by ``data`` all at once.
+    @contextlib.contextmanager
+    def open_atomic(self, path: str) -> Iterator[IO[bytes]]:
+        """A binary stream that replaces ``path`` all at once when the block ends without error.
 
         Local disks: a temp file in the same directory, fsync, rename over ``path``, fsync the
-        directory -- readers see the old file or the new one, never a part. Elsewhere a plain write.
+        directory -- readers see the old file or the new one, never a part; on an error the temp
+        file is removed and ``path`` is untouched. Elsewhere a plain write.
         """
         if not self._local:
-            self.write_bytes(path, data)
+            with self.open_write(path) as f:
+                yield f
             return
         temp = path + _temp_suffix()
         try:
-            self.write_bytes(temp, data, fsync=True)
+            with self.open_write(temp, fsync=True) as f:
+                yield f
             os.replace(temp, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.remove(temp)
             raise
         self.fsync_dir(posixpath.dirname(path))
+
+    def write_atomic(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        """Replace ``path`` by ``data`` all at once (see :meth:`open_atomic`)."""
+        with self.open_atomic(path) as f:
+            f.write(data)
 
     def rename(self, src: str, dst: str) -> None:
         """Move a file or directory; atomic and durable (parent fsynced) on local disks only.

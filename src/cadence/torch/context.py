@@ -13,7 +13,6 @@ import functools
 import logging
 import os
 import re
-import uuid
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -24,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, Subset
 
 from cadence.coordination import Coordinator, LocalCoordinator
+from cadence.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -349,18 +349,11 @@ def _check_name(value: str, what: str) -> None:
 
 
 def _atomic_write(path: Path, write: Callable[[Any], Any]) -> None:
-    """Write ``path`` through a temporary file in the same directory, then rename it into place."""
+    """Create ``path``'s directory, then replace ``path`` all at once by what ``write(stream)`` writes."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    storage = Storage(str(path))
+    with storage.open_atomic(storage.root) as f:
+        write(f)
 
 
 # -- what cache_dataset may store ------------------------------------------------------------------

@@ -30,11 +30,7 @@ def _fsync_files(storage: Storage, directory: str) -> None:
         if os.path.isdir(path):
             _fsync_files(storage, path)
             continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        storage.fsync_file(path)
     storage.fsync_dir(directory)
 
 
