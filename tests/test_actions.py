@@ -23,17 +23,20 @@ from cadence.actions import (
     PersistedValueError,
     get_metric,
 )
+from cadence.controller import Controller
 from cadence.errors import StopTraining
+from fakes import FakeTrainer
 
 NAN = float("nan")
 INF = float("inf")
 
 
 class FakeController:
-    """What actions may read from a controller: its global step."""
+    """What these actions read of the run (a RunContext): the global and the restored step."""
 
     def __init__(self, step: int = 0) -> None:
         self.global_step = step
+        self.restored_step: int | None = None
 
 
 class Recorder:
@@ -538,14 +541,25 @@ def test_conditional_action_runs_when_condition_holds() -> None:
     assert single.outputs == [{"x": 1}]
 
 
-def test_conditional_action_forwards_attach() -> None:
+def test_conditional_action_declares_what_it_wraps_and_the_controller_attaches_it() -> None:
     inner, condition_owner = Recorder(), NewBestMetric("acc")
     stopper = EarlyStopping("acc", patience=1)
     action = ConditionalAction(condition_owner.test, [inner, stopper.__call__])
-    controller = FakeController(7)
-    action.attach(controller)
-    assert inner.attached == [controller]
-    assert stopper._controller is controller  # reached through the bound method
+    assert action.wrapped() == [condition_owner, inner, stopper]  # owners of bound methods
+    assert not hasattr(action, "attach")  # it forwards nothing by hand
+    nested = PeriodicAction(action, every_n_steps=2)
+    controller = Controller(trainer=FakeTrainer(), steps_per_loop=1, train_actions=[nested], progress=False)
+    assert inner.attached == [controller]  # reached through two wrappers
+    assert stopper._run is controller  # reached through the bound method
+    assert nested._run is controller
+
+
+def test_wrapped_actions_run_in_a_controller_loop() -> None:
+    inner = Recorder()
+    controller = Controller(trainer=FakeTrainer(), steps_per_loop=1, progress=False,
+                            train_actions=[PeriodicAction(ConditionalAction(lambda o: True, inner), every_n_steps=2)])
+    controller.train(4)
+    assert [o["loss"] for o in inner.outputs] == [0.5, 0.25]  # steps 2 and 4
 
 
 def test_conditional_action_stop_training_does_not_skip_later_actions() -> None:
@@ -611,7 +625,7 @@ def test_periodic_action_landing_and_multiple_crossings() -> None:
     every = Recorder()
     each = PeriodicAction(every, every_n_steps=1)
     each.attach(FakeController(0))
-    drive(each, each._controller, [1, 2, 3])
+    drive(each, each._run, [1, 2, 3])
     assert len(every.outputs) == 3
 
 
@@ -676,12 +690,13 @@ def test_periodic_action_unattached_is_an_error() -> None:
         PeriodicAction(Recorder(), every_n_steps=5)({"x": 1})
 
 
-def test_periodic_action_forwards_attach_and_state() -> None:
+def test_periodic_action_declares_what_it_wraps_and_carries_state() -> None:
     inner, best = Recorder(), NewBestMetric("acc")
     action = PeriodicAction([inner, best.commit], every_n_steps=2)
+    assert action.wrapped() == [inner, best]  # the Controller attaches them, not the wrapper
     controller = FakeController(0)
     action.attach(controller)
-    assert inner.attached == [controller]
+    assert inner.attached == []
     drive(action, controller, [2], output={"acc": 0.5})
     assert best.best_value == 0.5
     state = json.loads(json.dumps(action.state_dict()))

@@ -177,17 +177,25 @@ def test_train_fires_start_save_end_and_close_once(tmp_path):
                       ("train_end", (5, 5)), ("close", "rec")]
 
 
-def test_callbacks_fire_in_list_order_and_duck_typed_ones_need_only_some_hooks(tmp_path):
+def test_callbacks_fire_in_list_order_and_subclasses_override_only_some_hooks(tmp_path):
     events: list = []
 
-    class OnlyClose:  # not a Callback subclass, and only one hook
+    class OnlyClose(Callback):  # every other hook is the base class's no-op
         def on_close(self) -> None:
-            events.append(("close", "duck"))
+            events.append(("close", "only"))
 
     with controller(tmp_path, [Recorder(events, "a"), OnlyClose(), Recorder(events, "b")]) as c:
         c.train(2, checkpoint_at_completion=False)
-    assert [e for e in events if e[0] == "close"] == [("close", "a"), ("close", "duck"), ("close", "b")]
+    assert [e for e in events if e[0] == "close"] == [("close", "a"), ("close", "only"), ("close", "b")]
     assert [e[0] for e in events].count("train_start") == 2
+
+
+def test_a_callback_must_be_a_callback_subclass(tmp_path):
+    class DuckTyped:  # has a hook, but does not declare itself a Callback
+        def on_close(self) -> None: ...
+
+    with pytest.raises(TypeError, match=r"callbacks\[1\]: expected a cadence.Callback .* got DuckTyped"):
+        controller(tmp_path, [Callback(), DuckTyped()])
 
 
 def test_stop_training_still_ends_training(tmp_path):

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
-import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cadence.cluster import ClusterSpec, resolve_role, train_and_evaluate
+from cadence.cluster import ClusterSpec, resolve_role
 from cadence.config import ExperimentConfig, config_from_dict
 from cadence.errors import ConfigError
 
@@ -208,8 +206,8 @@ class SomeTask:
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ExperimentConfig, dict[str, Any]]]:
-    """Stand-ins for the sidecar and the trainer (the real ones are tested elsewhere); installed
-    as modules so that neither the real modules nor torch are imported."""
+    """Stand-ins for the sidecar and the trainer (the real ones are tested elsewhere), put in
+    place of the functions that cadence.torch's train_and_evaluate dispatches to."""
     record: list[tuple[str, ExperimentConfig, dict[str, Any]]] = []
 
     def run_sidecar(cfg):
@@ -220,13 +218,17 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ExperimentConfig, 
         record.append(("train", cfg, kwargs))
         return {"accuracy": 0.9}
 
-    sidecar = types.ModuleType("cadence.sidecar")
-    sidecar.run_sidecar = run_sidecar
-    experiment = types.ModuleType("cadence.torch.experiment")
-    experiment.run_training = run_training
-    monkeypatch.setitem(sys.modules, "cadence.sidecar", sidecar)
-    monkeypatch.setitem(sys.modules, "cadence.torch.experiment", experiment)
+    from cadence.torch import experiment
+
+    monkeypatch.setattr(experiment, "run_sidecar", run_sidecar)
+    monkeypatch.setattr(experiment, "run_training", run_training)
     return record
+
+
+def train_and_evaluate(*args: Any, **kwargs: Any) -> Any:
+    from cadence.torch import train_and_evaluate as dispatch
+
+    return dispatch(*args, **kwargs)
 
 
 @pytest.fixture

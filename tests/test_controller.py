@@ -562,3 +562,18 @@ def test_throttle_and_start_delay_skip_evaluations_but_never_the_final(monkeypat
     with pytest.raises(ValueError, match="throttle_secs"):
         Controller(trainer=FakeTrainer(), evaluator=FakeEvaluator(), steps_per_loop=5,
                    progress=False).train_and_evaluate(10, throttle_secs=-1)
+
+
+def test_nested_evaluation_outputs_get_a_summary_subdirectory_each(tmp_path):
+    """Orbit's test_evaluate_with_nested_summaries: one subdirectory per top-level key."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class TwoDatasets:
+        def evaluate(self, num_steps):
+            return {"dataset": {"loss": 0.5, "accuracy": 0.9}, "dataset2": {"loss": 0.7, "accuracy": 0.8}}
+
+    Controller(evaluator=TwoDatasets(), eval_summary_dir=str(tmp_path), progress=False).evaluate(steps=5)
+    for name in ("dataset", "dataset2"):
+        acc = EventAccumulator(str(tmp_path / name))
+        acc.Reload()
+        assert sorted(acc.Tags()["scalars"]) == ["accuracy", "loss"]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from cadence import CheckpointError, Controller
-from cadence.actions import SaveCheckpointIfPreempted
+from cadence.actions import ConditionalAction, PeriodicAction, SaveCheckpointIfPreempted
+from cadence.errors import PreemptedExit
 from cadence.checkpoint import CheckpointManager
 from fakes import MODEL_FILE, FakeTrainer
 
@@ -216,6 +217,22 @@ def test_close_restores_the_previous_handlers(tmp_path, restore_handlers):
     controller.close()
     assert {s: signal.getsignal(s) for s in SIGNALS} == before
     controller.close()  # idempotent
+    assert {s: signal.getsignal(s) for s in SIGNALS} == before
+
+
+def test_close_restores_the_handlers_of_a_wrapped_action(tmp_path, restore_handlers):
+    """A preemption action inside a ConditionalAction (and that inside a PeriodicAction) is
+    attached and closed like an unwrapped one: close() puts the previous handlers back."""
+    before = {s: signal.getsignal(s) for s in SIGNALS}
+    action = SaveCheckpointIfPreempted()
+    wrapped = PeriodicAction(ConditionalAction(lambda output: True, action), every_n_steps=3)
+    controller = build(tmp_path, FakeTrainer(on_step={4: lambda: kill(signal.SIGTERM)}), wrapped)
+    for s in SIGNALS:
+        assert signal.getsignal(s) == action._handle
+    with pytest.raises(PreemptedExit):
+        controller.train(30)  # the wrapped action saves and exits at the end of the loop at step 6
+    assert ckpt_manager(tmp_path, writer=False).steps() == [6]
+    controller.close()
     assert {s: signal.getsignal(s) for s in SIGNALS} == before
 
 

@@ -119,13 +119,15 @@ def test_sidecar_evaluations_are_shown(tmp_path):
     from tasks import TinyTask
 
     from cadence.sidecar import SidecarEvaluator
+    from cadence.torch import Context, build_runners
 
     model_dir = tmp_path / "run"
     train(model_dir, in_process_validation=False)
     assert not (model_dir / "eval").exists()
     # a checkpoint whose files do not match its manifest: the sidecar records it as failed
     (model_dir / "checkpoints" / "ckpt-10" / "model.safetensors").write_bytes(b"garbage")
-    result = SidecarEvaluator(TinyTask(), str(model_dir), name="holdout", poll_interval=0.01, timeout=30,
+    _, evaluator = build_runners(TinyTask(), Context.create(), train=False)
+    result = SidecarEvaluator(evaluator, str(model_dir), name="holdout", poll_interval=0.01, timeout=30,
                               max_retries=0).start()
     assert result.stop_reason == "final" and result.evaluated == [20] and result.failed == [10]
 

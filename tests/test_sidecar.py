@@ -239,8 +239,19 @@ def test_evaluate_continuously_latest_and_final(tmp_path):
     ev = FakeEvaluator()
     c = Controller(evaluator=ev, checkpoint_manager=CheckpointManager(str(tmp_path / "checkpoints"), writer=False),
                    restore=False, progress=False)
-    out = c.evaluate_continuously(poll_interval=0.01)
+    out = c.evaluate_continuously(poll_interval=0.01, mode="latest")  # Orbit's behaviour, by choice
     assert ev.evaluated == [12] and out == {"accuracy": 0.8, "loss": pytest.approx(0.2)}
+
+
+def test_evaluate_continuously_defaults_to_every_checkpoint_as_the_sidecar(tmp_path):
+    train(tmp_path)
+    ev = FakeEvaluator()
+    c = Controller(evaluator=ev, checkpoint_manager=CheckpointManager(str(tmp_path / "checkpoints"), writer=False),
+                   restore=False, progress=False)
+    out = c.evaluate_continuously()  # the sidecar's defaults: mode "every", poll 0.5 s; stops after FINAL
+    assert ev.evaluated == [2, 4, 6, 8, 10, 12] and out == {"accuracy": 0.8, "loss": pytest.approx(0.2)}
+    assert not (tmp_path / "eval").exists()  # no evaluations.jsonl, no lease: only the sidecar has them
+    assert not list((tmp_path / "checkpoints" / ".leases").glob("*.json"))
 
 
 def test_evaluate_continuously_timeout_fn_decides(tmp_path):
@@ -264,6 +275,6 @@ def test_watcher_every_latest_and_should_stop(tmp_path):
     manager = train(tmp_path, steps=6)
     assert list(CheckpointWatcher(manager, mode="every", poll_interval=0.01)) == [2, 4, 6]
     assert list(CheckpointWatcher(manager, mode="latest", poll_interval=0.01)) == [6]
-    assert list(CheckpointWatcher(manager, after=4, poll_interval=0.01)) == [6]
-    w = CheckpointWatcher(manager, after=6, poll_interval=0.01, should_stop=lambda: True)
+    assert list(CheckpointWatcher(manager, mode="every", after=4, poll_interval=0.01)) == [6]
+    w = CheckpointWatcher(manager, mode="every", after=6, poll_interval=0.01, should_stop=lambda: True)
     assert list(w) == [] and w.stop_reason == "stopped"

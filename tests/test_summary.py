@@ -212,3 +212,41 @@ def test_imports_stay_light() -> None:
         "sys.exit('torch' in sys.modules or 'tensorboard' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# ------------------------------------------------------------------ SummaryManager (Orbit's)
+
+
+def test_summary_manager_writes_nested_outputs_to_subdirectories(tmp_path: Path) -> None:
+    """Orbit's layout: flat entries in the directory, each top-level mapping in a subdirectory
+    of its own (TensorBoard draws the datasets as curves of one chart); metrics.jsonl keeps all."""
+    manager = summary.SummaryManager(tmp_path / "eval")
+    manager.write_summaries(5, {"loss": 0.5, "ds1": {"accuracy": 0.9, "deep": {"x": 1.0}}, "ds2": {"accuracy": 0.8}})
+    manager.write_summaries(10, {"loss": 0.25, "ds1": {"accuracy": 0.95}, "ds2": {"accuracy": 0.85}})
+    manager.close()
+    assert scalars(tmp_path / "eval") == {"loss": [(5, 0.5), (10, 0.25)]}
+    assert scalars(tmp_path / "eval" / "ds1") == {"accuracy": [(5, pytest.approx(0.9)), (10, pytest.approx(0.95))],
+                                                   "deep/x": [(5, 1.0)]}
+    assert scalars(tmp_path / "eval" / "ds2") == {"accuracy": [(5, pytest.approx(0.8)), (10, pytest.approx(0.85))]}
+    records = read_metrics(tmp_path / "eval")
+    assert [(r["step"], r["loss"], r["ds1/accuracy"], r["ds2/accuracy"]) for r in records] == [
+        (5, 0.5, 0.9, 0.8), (10, 0.25, 0.95, 0.85)]
+    assert not (tmp_path / "eval" / "ds1" / "metrics.jsonl").exists()  # one record per step, in one file
+
+
+def test_summary_manager_disabled_or_without_a_directory_writes_nothing(tmp_path: Path) -> None:
+    for manager in (summary.SummaryManager(tmp_path / "off", enabled=False), summary.SummaryManager(None)):
+        manager.write_summaries(1, {"loss": 1.0, "ds": {"a": 1.0}})
+        manager.flush()
+        manager.close()
+        manager.close()  # idempotent
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_summary_manager_writes_again_after_close(tmp_path: Path) -> None:
+    manager = summary.SummaryManager(tmp_path)
+    manager.write_summaries(1, {"loss": 1.0})
+    manager.close()
+    manager.write_summaries(2, {"loss": 0.5})
+    manager.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]

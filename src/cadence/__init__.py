@@ -2,7 +2,8 @@
 
 Train in loops of N steps, evaluate on a schedule, checkpoint atomically and resume exactly,
 react to results with actions. The names below are the public API; they are imported lazily so
-that ``import cadence`` stays fast and never imports torch (``cadence.torch`` does).
+that ``import cadence`` stays fast and never imports torch. What needs torch -- the Task, the
+torch trainer and evaluator, ``train_and_evaluate`` for a config -- is in ``cadence.torch``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Controller": "cadence.controller",
     "Callback": "cadence.callbacks",
+    "RunContext": "cadence.lifecycle",
     "Trainer": "cadence.runner",
     "Evaluator": "cadence.runner",
     "CheckpointManager": "cadence.checkpoint",
@@ -41,7 +43,6 @@ _EXPORTS = {
     "SaveCheckpointIfPreempted": "cadence.actions",
     "BestCheckpointExporter": "cadence.actions",
     "SidecarEvaluator": "cadence.sidecar",
-    "train_and_evaluate": "cadence.cluster",
     "resolve_role": "cadence.cluster",
     "build_report": "cadence.report",
 }
@@ -65,8 +66,9 @@ if TYPE_CHECKING:  # pragma: no cover
         SaveCheckpointIfPreempted,
     )
     from cadence.callbacks import Callback
+    from cadence.lifecycle import RunContext
     from cadence.checkpoint import CheckpointManager
-    from cadence.cluster import resolve_role, train_and_evaluate
+    from cadence.cluster import resolve_role
     from cadence.config import ExperimentConfig, load_config
     from cadence.controller import Controller
     from cadence.errors import (

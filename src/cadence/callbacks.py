@@ -8,7 +8,10 @@ Lightning's callbacks, kept small. No hook runs per step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from cadence.lifecycle import RunContext
 
 __all__ = ["Callback"]
 
@@ -18,17 +21,16 @@ class Callback:
 
     Subclass it and override the hooks you need, then pass instances as
     ``Controller(callbacks=[...])``, return them from ``Task.build_callbacks()``, or list them
-    under ``callbacks:`` in the experiment config. Subclassing is the documented way, not a
-    requirement: the controller calls a hook only if the object has it.
+    under ``callbacks:`` in the experiment config. The controller accepts ``Callback`` instances
+    only (``TypeError`` otherwise) and calls every hook.
 
-    Optional extras, used when defined (not defined here):
-
-    * ``attach(controller)``: handed the controller once, on its construction, before the
-      checkpoint is restored (as for actions).
-    * ``state_dict()`` / ``load_state_dict(state)`` (JSON-serialisable): the callback's state is
-      saved in every checkpoint, under ``callbacks/<i>/<ClassName>`` (``<i>``: its position in
-      the controller's list; ``checkpoint_name`` replaces the class name when set), and restored
-      from it -- only by a controller with a trainer, as for stateful actions.
+    :meth:`attach` hands the callback the run (a :class:`~cadence.lifecycle.RunContext`: global
+    step, rank facts, the checkpoint manager) once, on the controller's construction, before the
+    checkpoint is restored. A callback that also defines ``state_dict()`` /
+    ``load_state_dict(state)`` (JSON-serialisable; the :class:`~cadence.checkpoint.Stateful`
+    protocol) is saved in every checkpoint, under ``callbacks/<i>/<ClassName>`` (``<i>``: its
+    position in the controller's list; ``checkpoint_name`` replaces the class name when set), and
+    restored from it -- only by a controller with a trainer, as for stateful actions.
 
     An exception raised by a hook propagates and ends the run, except from :meth:`on_close` (see
     there).
@@ -41,13 +43,13 @@ class Callback:
         from cadence import Callback
 
         class WriteMetadata(Callback):
-            def attach(self, controller):
-                self.controller = controller
+            def attach(self, run):
+                self.run = run
 
             def on_checkpoint_save(self, checkpoint_dir):
                 commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                         text=True).stdout.strip()
-                meta = {"step": self.controller.global_step, "git_commit": commit or None,
+                meta = {"step": self.run.global_step, "git_commit": commit or None,
                         "hostname": socket.gethostname()}
                 with open(os.path.join(checkpoint_dir, "metadata.json"), "w") as f:
                     json.dump(meta, f)
@@ -56,6 +58,9 @@ class Callback:
     ``fsspec.open``. With asynchronous checkpoints the hook may run after later steps were
     trained: take the step from ``os.path.basename(checkpoint_dir)`` (``ckpt-<step>``) there.)
     """
+
+    def attach(self, run: RunContext) -> None:
+        """Called once, when the controller is built (before the restore), with the run."""
 
     def on_train_start(self) -> None:
         """Called at the start of ``Controller.train()`` and ``train_and_evaluate()``, after the

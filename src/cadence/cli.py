@@ -16,6 +16,7 @@ arguments) -- one readable line naming the offending field, no traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -140,7 +141,9 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         root = logging.getLogger()
         root.setLevel(max(root.getEffectiveLevel(), logging.WARNING))
     cfg = _load(args)
-    from cadence.cluster import resolve_role, train_and_evaluate
+    from cadence.cluster import resolve_role
+    from cadence.sidecar import SidecarResult
+    from cadence.torch.roles import train_and_evaluate
 
     spec = resolve_role()
     if spec.source != "default" and rank == 0:
@@ -167,9 +170,8 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
     end_distributed(ok=True)
-    if isinstance(metrics, Mapping) and "stop_reason" in metrics:  # the evaluator role ran the sidecar
-        print(json.dumps(metrics, default=str))
-        return 1 if metrics["stop_reason"] == "timeout" else 0
+    if isinstance(metrics, SidecarResult):  # the evaluator role ran the sidecar
+        return _sidecar_done(metrics, console)
     if rank != 0:
         return 0
     shown = "  ".join(f"{k}={format_value(v)}" for k, v in (metrics or {}).items()) or "trained (no in-process evaluation)"
@@ -199,12 +201,16 @@ def _cmd_sidecar(args: argparse.Namespace, console: Console) -> int:
     if args.checkpoint is not None:
         raise ConfigError("--checkpoint and --continuous exclude each other")
     cfg = _load(args)
-    from cadence.sidecar import run_sidecar
+    from cadence.torch.experiment import run_sidecar
 
-    result = run_sidecar(cfg)
-    print(json.dumps(result, default=str))
-    if result["stop_reason"] == "timeout":
-        console.print(f"[red]cadence: sidecar stopped:[/red] {result['message']}", highlight=False, soft_wrap=True)
+    return _sidecar_done(run_sidecar(cfg), console)
+
+
+def _sidecar_done(result: Any, console: Console) -> int:
+    """Print a sidecar's :class:`~cadence.sidecar.SidecarResult` as JSON; 1 when it timed out."""
+    print(json.dumps(dataclasses.asdict(result), default=str))
+    if result.stop_reason == "timeout":
+        console.print(f"[red]cadence: sidecar stopped:[/red] {result.message}", highlight=False, soft_wrap=True)
         return 1
     return 0
 

@@ -214,6 +214,13 @@ class SidecarConfig(_Model):
     name: str | None = Field(
         default=None, description="Write to `eval_<name>/` instead of `eval/` (several sidecars on one model dir)."
     )
+    max_retries: int = Field(
+        default=3, ge=0, strict=True,
+        description="A committed checkpoint that fails to load is retried this many times, then recorded as failed.",
+    )
+    retry_backoff: float = Field(
+        default=0.5, gt=0, description="Seconds before the first retry; each further retry waits twice as long.",
+    )
 
 
 class TrainerConfig(_Model):
@@ -638,6 +645,7 @@ _EXPECTED: dict[str, str] = {
     "sidecar.timeout": "a number of seconds >= 0, or null",
     "sidecar.max_pending": "an integer >= 1 or null",
     "sidecar.max_evaluations": "an integer >= 1 or null",
+    "sidecar.max_retries": "an integer >= 0",
     "trainer.in_process_validation": "true or false",
     "callbacks": "a list of mappings with 'class' and optional 'params'",
 }

@@ -1,132 +1,95 @@
 """The training loop: :class:`Controller` (Orbit's design, with cadence's fixes).
 
 One explicit loop drives a :class:`~cadence.runner.Trainer` and/or an
-:class:`~cadence.runner.Evaluator` in *inner loops* of ``steps_per_loop`` steps. After each inner
-loop it writes summaries (when due), runs the train actions on the loop's output, and saves a
-checkpoint (when due). Nothing here imports a framework.
-
-What differs from Orbit, on purpose:
-
-* ``train(steps=None)`` trains until the training data is exhausted.
-* A checkpoint is **always** saved at completion when a checkpoint manager is present (Orbit never
-  saves without an interval), and ``checkpoints/FINAL`` is written when training is complete.
-* An action may end training cleanly by raising :class:`~cadence.errors.StopTraining`.
-* ``train_and_evaluate`` cuts its segments at absolute multiples of ``eval_interval``, so a resumed
-  run evaluates at the same steps as an uninterrupted one.
+:class:`~cadence.runner.Evaluator` in *inner loops* of ``steps_per_loop`` steps; after each it
+writes summaries, runs the train actions on the loop's output and saves a checkpoint, when due.
+It leans on parts with one job each: :class:`~cadence.checkpoint.session.CheckpointSession`
+(restore, save, FINAL, rollback), :class:`~cadence.hooks.CallbackHooks` (callbacks),
+:mod:`cadence.schedule` (intervals, segments, throttling), :mod:`cadence.lifecycle` (what actions
+may use and be). Unlike Orbit: ``train(None)`` trains until the data runs out; a checkpoint is
+always saved at completion and ``checkpoints/FINAL`` written; an action may end training cleanly
+(:class:`~cadence.errors.StopTraining`); segments are cut at absolute multiples of
+``eval_interval``, so a resumed run evaluates at the same steps. Nothing here imports a framework.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 from cadence.callbacks import Callback
+from cadence.checkpoint.manager import CheckpointManager
+from cadence.checkpoint.protocol import Restorable
+from cadence.checkpoint.session import CheckpointSession
 from cadence.coordination import Coordinator, LocalCoordinator
-from cadence.errors import CheckpointError, PreemptedExit, StopTraining
-from cadence.progress import ProgressReporter
-from cadence.runner import Evaluator, Trainer
-from cadence.summary import SummaryWriter
+from cadence.errors import StopTraining
+from cadence.hooks import CallbackHooks
+from cadence.lifecycle import Action, Closeable, RunAware, components, stateful_members
+from cadence.progress import ProgressReporter, format_value
+from cadence.runner import Evaluator, GathersCheckpoint, Initializable, Trainer
+from cadence.schedule import (EvalState, EvalThrottle, check_advance, check_interval, check_loop_settings, crossed,
+                              segment_target)
+from cadence.summary import SummaryManager
 
 logger = logging.getLogger("cadence")
 
-Action = Callable[[dict[str, Any]], Any]
 StepsPerLoop = int | Callable[[int], int]
 _T = TypeVar("_T")
 
 __all__ = ["Controller", "Action"]
 
 
-def _crossed(before: int, after: int, interval: int | None) -> bool:
-    """True when a multiple of ``interval`` lies in ``(before, after]``."""
-    return interval is not None and after // interval > before // interval
-
-
-def _check_interval(name: str, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
-
-
-def _stateful(obj: object) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-class _LoopState:
-    """The controller's own checkpointed state: the step of the last evaluation."""
-
-    def __init__(self) -> None:
-        self.last_eval_step: int | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"last_eval_step": self.last_eval_step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.last_eval_step = state.get("last_eval_step")
-
-
-class _KeepDataPosition:
-    """Restores a trainer's model and optimizer state but not its data position or RNG."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    def load_checkpoint(self, reader: Any, state: Any) -> None:
-        self.trainer.load_checkpoint(reader, state, restore_data=False, restore_rng=False)
-
-
 class Controller:
     """Runs training and evaluation in inner loops, with checkpoints, summaries and actions.
 
     Args:
-      trainer: runs training steps and owns the global step. Required by ``train`` and
-        ``train_and_evaluate``.
-      evaluator: evaluates the current model state. Required by ``evaluate``.
-      checkpoint_manager: a :class:`~cadence.checkpoint.CheckpointManager`. ``None``: no
-        checkpoint is restored or saved.
-      steps_per_loop: steps per inner loop: an int >= 1, or a callable ``global_step -> int``
-        evaluated before each inner loop. Required with a trainer.
-      checkpoint_interval: save a checkpoint after an inner loop in which the global step crossed a
-        multiple of it. ``None``: save only at completion.
-      summary_interval: write train summaries after an inner loop in which the global step crossed
-        a multiple of it; must be a multiple of ``steps_per_loop`` when both are ints. ``None``:
-        after every inner loop.
-      summary_dir: where train summaries go (TensorBoard events + ``metrics.jsonl``). ``None``:
-        no train summaries.
-      eval_summary_dir: where eval summaries go. ``None``: ``summary_dir``'s value.
-      train_actions: callables run on each inner loop's output dict, which includes
-        ``steps_per_second``. Actions with ``state_dict``/``load_state_dict`` are checkpointed;
-        an action with ``attach(controller)`` is handed this controller once, before the restore.
-      eval_actions: callables run on each evaluation's metrics dict (same rules).
-      callbacks: :class:`~cadence.callbacks.Callback` objects told about the run's events
-        (training start and end, checkpoint committed or restored, evaluation done, close); a
-        hook is called only if the object has it. Same rules as actions for ``attach`` and
-        ``state_dict``/``load_state_dict`` (saved under ``callbacks/<i>/<ClassName>``).
+      trainer: runs training steps and owns the global step (``train``, ``train_and_evaluate``).
+      evaluator: evaluates the current model state (``evaluate``).
+      checkpoint_manager: ``None``: no checkpoint is restored or saved.
+      steps_per_loop: an int >= 1, or a callable ``global_step -> int`` called before each inner
+        loop. Required with a trainer.
+      checkpoint_interval: save after an inner loop in which the global step crossed a multiple
+        of it. ``None``: only at completion.
+      summary_interval: write train summaries after a loop that crossed a multiple of it (a
+        multiple of an int ``steps_per_loop``). ``None``: after every loop.
+      summary_dir, eval_summary_dir: where train / eval summaries go (TensorBoard events +
+        ``metrics.jsonl``; a nested output's top-level keys get a subdirectory each, as in
+        Orbit). ``None``: none; ``eval_summary_dir=None`` uses ``summary_dir``.
+      train_actions: callables run on each inner loop's output (with ``steps_per_second``).
+      eval_actions: callables run on each evaluation's metrics.
+      callbacks: :class:`~cadence.callbacks.Callback` instances told about the run's events.
       restore_step: the checkpoint restored on construction. ``None``: the latest committed one
-        (a corrupt one is reported and skipped, falling back to the previous); an int: exactly that
-        step (missing or corrupt raises :class:`~cadence.errors.CheckpointError`).
-      restore: False restores nothing on construction (nor calls ``initialize()``): a continuous
-        evaluator restores each checkpoint itself. :attr:`restored_step` is then None.
-      progress: show progress (a bar on a terminal, periodic lines otherwise). ``None``: on,
-        except in processes of a non-zero ``RANK``.
-      coordinator: how the ranks of a multi-process job agree (``cadence.torch`` passes one on
-        ``torch.distributed``). ``None``: a single process. With several ranks, the chief (rank 0)
-        alone writes checkpoints, ``FINAL`` and summaries; no rank goes on past a save until it
-        is committed; a stop asked for on any rank (an action's :class:`StopTraining`) is agreed
-        at the end of the inner loop, so all ranks save and stop at the same step.
+        (a corrupt one is reported and skipped); an int: exactly that step (missing or corrupt
+        raises :class:`~cadence.errors.CheckpointError`).
+      restore: False restores nothing on construction, nor calls ``initialize()`` (a continuous
+        evaluator restores each checkpoint itself); :attr:`restored_step` stays None.
+      progress: a bar on a terminal, periodic lines otherwise. ``None``: on, but for non-zero ranks.
+      coordinator: how the ranks of a job agree (``None``: one process). The chief alone writes
+        checkpoints, ``FINAL`` and summaries; no rank goes on past a save before its commit; a stop
+        on any rank is agreed at the end of the loop, so all ranks save and stop at one step.
 
-    On construction the controller restores a checkpoint if the manager has one (model, optimizer,
-    data position, RNG, actions' state: whatever the trainer and actions save). When none exists,
-    ``trainer.initialize()`` (or ``evaluator.initialize()`` without a trainer) is called if defined.
+    Actions and callbacks take part through :mod:`cadence.lifecycle`'s protocols: ``RunAware``
+    ones are attached to this controller (a ``RunContext``) once, before the restore, also when
+    wrapped in another action; ``Stateful`` ones are saved in every checkpoint
+    (``train_actions/<i>/<Class>``, ``eval_actions/...``, ``callbacks/...``; ``checkpoint_name``
+    replaces the class name); ``Closeable`` actions are closed by :meth:`close`.
+
+    On construction the latest checkpoint is restored (model, optimizer, data position, RNG,
+    actions' state); when there is none, the trainer's (or a lone evaluator's) ``initialize()``
+    runs if it is :class:`~cadence.runner.Initializable`.
 
     Raises:
-      ValueError: neither trainer nor evaluator; bad ``steps_per_loop`` / intervals.
+      ValueError: neither trainer nor evaluator; bad ``steps_per_loop`` / intervals; with a
+        trainer, a ``restore_step`` older than the latest checkpoint (two runs in one dir).
+      TypeError: a callback that is not a :class:`~cadence.callbacks.Callback`.
     """
 
     def __init__(
         self,
         trainer: Trainer | None = None,
         evaluator: Evaluator | None = None,
-        checkpoint_manager: Any | None = None,
+        checkpoint_manager: CheckpointManager | None = None,
         steps_per_loop: StepsPerLoop | None = None,
         checkpoint_interval: int | None = None,
         summary_interval: int | None = None,
@@ -143,22 +106,7 @@ class Controller:
     ) -> None:
         if trainer is None and evaluator is None:
             raise ValueError("Controller needs a trainer, an evaluator, or both; got neither")
-        if trainer is not None:
-            if steps_per_loop is None:
-                raise ValueError("steps_per_loop is required when a trainer is given")
-            if not callable(steps_per_loop):
-                _check_interval("steps_per_loop", steps_per_loop)
-        _check_interval("checkpoint_interval", checkpoint_interval)
-        _check_interval("summary_interval", summary_interval)
-        if (
-            isinstance(summary_interval, int)
-            and isinstance(steps_per_loop, int)
-            and summary_interval % steps_per_loop
-        ):
-            raise ValueError(
-                f"summary_interval ({summary_interval}) must be a multiple of "
-                f"steps_per_loop ({steps_per_loop})"
-            )
+        check_loop_settings(steps_per_loop, checkpoint_interval, summary_interval, training=trainer is not None)
         self.trainer = trainer
         self.evaluator = evaluator
         self.checkpoint_manager = checkpoint_manager
@@ -167,24 +115,30 @@ class Controller:
         self.summary_interval = summary_interval
         self.train_actions = list(train_actions)
         self.eval_actions = list(eval_actions)
-        self.callbacks = list(callbacks)
         self.coordinator: Coordinator = coordinator if coordinator is not None else LocalCoordinator()
         self.progress = progress if self.coordinator.is_chief else False
-        self._summary_dir = summary_dir
-        self._eval_summary_dir = eval_summary_dir if eval_summary_dir is not None else summary_dir
-        self._writers: dict[str, SummaryWriter] = {}
-        self._step = 0  # global step of an evaluator-only controller (from its checkpoint)
-        self._loop = _LoopState()
-        self._save_pending = False
-        self._closed_callbacks = False
+        self.restored_step: int | None = None
         self.stop_reason: str | None = None
+        self._hooks = CallbackHooks(callbacks)
+        self.callbacks = self._hooks.callbacks
+        self._session = CheckpointSession(checkpoint_manager, self.coordinator,
+                                          on_save=self._hooks.checkpoint_save, on_load=self._hooks.checkpoint_load)
+        chief = self.coordinator.is_chief
+        eval_dir = eval_summary_dir if eval_summary_dir is not None else summary_dir
+        self._train_summaries = SummaryManager(summary_dir, enabled=chief and summary_dir is not None)
+        self._eval_summaries = SummaryManager(eval_dir, enabled=chief and eval_dir is not None)
+        self._components = components((*self.train_actions, *self.eval_actions, *self.callbacks))
+        self._step = 0  # global step of an evaluator-only controller (from its checkpoint)
+        self._eval_state = EvalState()
+        self._save_pending = False
         try:
-            for obj in (*self.train_actions, *self.eval_actions, *self.callbacks):
-                attach = getattr(obj, "attach", None)
-                if callable(attach):
-                    attach(self)
-            self._check_branch(restore_step)
-            self.restored_step = self.restore(restore_step) if restore else None
+            for obj in self._components:
+                if isinstance(obj, RunAware):
+                    obj.attach(self)
+            if trainer is not None:
+                self._session.check_branch(restore_step)
+            if restore:
+                self.restored_step = self.restore(restore_step)
         except BaseException:
             self._close(propagating=True)  # e.g. signal handlers installed by attach()
             raise
@@ -199,110 +153,62 @@ class Controller:
     @property
     def last_eval_step(self) -> int | None:
         """The global step of the last evaluation (checkpointed); None before any."""
-        return self._loop.last_eval_step
+        return self._eval_state.last_eval_step
 
     def checkpoint_objects(self) -> dict[str, object]:
         """What a checkpoint holds: the trainer (or lone evaluator), the controller's own state,
-        and (with a trainer) stateful actions and callbacks. Actions that write checkpoints
-        elsewhere (``best/``) use it. An evaluator-only controller leaves its actions' state alone: the
-        checkpoint's action states belong to the training run that saved them."""
-        objects: dict[str, object] = {"controller": self._loop}
+        and (with a trainer) stateful actions and callbacks. An evaluator-only controller leaves
+        its actions' state alone: the checkpoint's action states belong to the training run."""
+        objects: dict[str, object] = {"controller": self._eval_state}
         runner = self.trainer if self.trainer is not None else self.evaluator
-        if callable(getattr(runner, "load_checkpoint", None)):
+        if isinstance(runner, Restorable):
             objects["trainer" if runner is self.trainer else "evaluator"] = runner
-        if self.trainer is None:  # actions' state belongs to the training run that saved it
-            return objects
-        groups = (("train_actions", self.train_actions), ("eval_actions", self.eval_actions),
-                  ("callbacks", self.callbacks))
-        for kind, actions in groups:
-            for i, action in enumerate(actions):
-                if _stateful(action):
-                    name = getattr(action, "checkpoint_name", None) or type(action).__name__
-                    objects[f"{kind}/{i}/{name}"] = action
+        if self.trainer is not None:
+            objects.update(stateful_members(train_actions=self.train_actions, eval_actions=self.eval_actions,
+                                            callbacks=self.callbacks))
         return objects
-
-    def _check_branch(self, restore_step: int | None) -> None:
-        """Training from a checkpoint older than the latest would mix two runs in one directory."""
-        if self.trainer is None or restore_step is None or self.checkpoint_manager is None:
-            return
-        later = [s for s in self.checkpoint_manager.steps() if s > restore_step]
-        if later:
-            raise ValueError(
-                f"restore_step={restore_step} with a trainer, but checkpoints {later} exist after it: "
-                "training from there would mix two runs in one model dir. Copy the checkpoint to a new "
-                "model dir, or delete the later checkpoints first."
-            )
 
     def restore(self, step: int | None = None) -> int | None:
         """Restore checkpoint ``step`` (``None``: the latest); return the restored step or None.
 
         Without a checkpoint manager, or when the manager has no checkpoint, nothing is restored,
-        the runner's ``initialize()`` runs (if it has one) and None is returned. After a restore,
-        the callbacks' ``on_checkpoint_load`` is called.
+        the runner's ``initialize()`` runs (if it is Initializable) and None is returned. After a
+        restore, the callbacks' ``on_checkpoint_load`` is called.
         """
-        restored = None
-        if self.checkpoint_manager is not None:
-            restored = self.checkpoint_manager.restore(self.checkpoint_objects(), step)
+        restored = self._session.restore(self.checkpoint_objects(), step)
         if restored is None:
             runner = self.trainer if self.trainer is not None else self.evaluator
-            initialize = getattr(runner, "initialize", None)
-            if callable(initialize):
-                initialize()
+            if isinstance(runner, Initializable):
+                runner.initialize()
             logger.info("no checkpoint restored: starting at step %d", self.global_step)
         else:
             self._step = restored
-            self._fire("on_checkpoint_load", self.checkpoint_manager.path(restored))
         return restored
 
     def rollback(self) -> int:
-        """Restore model, optimizer, scheduler, grad scaler and global step from the latest
-        committed checkpoint, but keep the data position and RNG moving forward: the batches
-        consumed since that checkpoint are skipped. Returns the step rolled back to.
-
-        Used by NaN/loss-spike recovery. The trainer's ``load_checkpoint`` must accept the
-        keywords ``restore_data`` and ``restore_rng`` (``cadence.torch.TorchTrainer`` does).
-
-        Raises:
-          ValueError: no trainer or no checkpoint manager.
-          CheckpointError: there is no committed checkpoint to roll back to.
-        """
-        self._require("trainer", "rollback")
-        self._require("checkpoint_manager", "rollback")
-        restored = self.checkpoint_manager.restore({"trainer": _KeepDataPosition(self.trainer)})
-        if restored is None:
-            raise CheckpointError(
-                f"cannot roll back: no committed checkpoint in {self.checkpoint_manager.directory}"
-            )
-        self._fire("on_checkpoint_load", self.checkpoint_manager.path(restored))
-        return restored
+        """Restore the latest checkpoint's model, optimizer and global step, keeping the data
+        position and RNG moving forward (NaN recovery; see
+        :meth:`CheckpointSession.rollback <cadence.checkpoint.session.CheckpointSession.rollback>`);
+        the step rolled back to. ValueError without a trainer or manager; CheckpointError
+        without a committed checkpoint."""
+        self._require(self.checkpoint_manager, "checkpoint_manager", "rollback")
+        return self._session.rollback(self._require(self.trainer, "trainer", "rollback"))
 
     def save_checkpoint(self) -> str | None:
-        """Commit a checkpoint at the current global step (no-op without a manager).
-
-        A collective in a multi-process job: every rank calls it, the chief writes, all wait for
-        the commit. Saving twice at the same step writes once. Returns the checkpoint's path.
-        The callbacks' ``on_checkpoint_save`` runs for each commit reported by the manager
-        (with an asynchronous manager: the commits finished so far).
-        """
-        if self.checkpoint_manager is None:
-            return None
-        self.prepare_checkpoint()
-        path = self.checkpoint_manager.path(self.global_step)
-        if self.coordinator.is_chief:
-            # An asynchronous save in flight is waited for by save() anyway: report it first, before
-            # the next commit's retention may delete it.
-            self._wait_for_commits()
-            path = self.checkpoint_manager.save(self.global_step, self.checkpoint_objects())
-        self.coordinator.barrier()  # no rank goes on before the checkpoint is committed
-        self._report_commits()
-        return path
+        """Collective: commit a checkpoint at the current step (the chief writes, every rank
+        waits for the commit; a step saved twice is written once); its path, None without a
+        manager. ``on_checkpoint_save`` runs for each commit reported so far."""
+        return self._session.save(self.global_step, self.checkpoint_objects, self.prepare_checkpoint)
 
     def prepare_checkpoint(self) -> None:
-        """Collective: let the trainer gather what the chief saves from every rank (its
-        ``prepare_checkpoint()``, e.g. each rank's RNG state). Called on all ranks before a save."""
-        prepare = getattr(self.trainer, "prepare_checkpoint", None)
-        if callable(prepare):
-            prepare()
+        """Collective, before a save: the trainer gathers what the chief saves from every rank."""
+        if isinstance(self.trainer, GathersCheckpoint):
+            self.trainer.prepare_checkpoint()
+
+    def request_stop(self, reason: str) -> None:
+        """End training cleanly after this inner loop (as an action raising StopTraining does)."""
+        self.stop_reason = reason
+        logger.info("stop requested at step %d: %s", self.global_step, reason)
 
     # ------------------------------------------------------------------ train
 
@@ -314,7 +220,7 @@ class Controller:
             the training data is exhausted (the trainer returns having advanced fewer steps than
             asked).
           checkpoint_at_completion: save a checkpoint and mark the run ``FINAL`` when done (also
-            when an action raised :class:`StopTraining`).
+            when an action stopped training).
 
         The callbacks' ``on_train_start`` runs first and ``on_train_end`` last (also when the
         target was already reached; see :class:`~cadence.callbacks.Callback`).
@@ -324,77 +230,50 @@ class Controller:
           RuntimeError: the trainer advanced a different number of steps than requested (with
             ``steps=None``, advancing fewer is how exhaustion is signalled and is not an error).
         """
-        self._require("trainer", "train")
+        self._require(self.trainer, "trainer", "train")
         self.stop_reason = None
-
-        def run() -> None:
+        with self._hooks.training(on_preempted=self._session.wait_for_commits):
             if steps is not None and self.global_step >= steps:
                 logger.info("train: global step %d already reached target %d", self.global_step, steps)
                 return
-            self._reopen_if_final(steps)
+            self._session.reopen_if_final(steps)
             with self._progress(steps) as progress:
                 self._train_until(steps, progress, until_exhausted=steps is None)
             if checkpoint_at_completion:
                 self._complete()
 
-        self._training(run)
-
-    def _training(self, run: Callable[[], _T]) -> _T:
-        """``run()`` between the callbacks' ``on_train_start`` and ``on_train_end``. The end is
-        also called on :class:`~cadence.errors.PreemptedExit` (preemption's save-and-exit), once
-        that checkpoint is committed; not after any other exception."""
-        self._fire("on_train_start")
-        try:
-            result = run()
-        except PreemptedExit:
-            self._wait_for_commits()
-            self._fire("on_train_end")
-            raise
-        self._fire("on_train_end")
-        return result
-
-    def _train_until(
-        self, target: int | None, progress: ProgressReporter, *, until_exhausted: bool, defer_save: bool = False
-    ) -> bool:
+    def _train_until(self, target: int | None, progress: ProgressReporter, *, until_exhausted: bool,
+                     defer_save: bool = False) -> bool:
         """Run inner loops until ``target`` (None: no target) or a stop; True if the run is over.
 
         "Over" means the data ran out or an action asked to stop; reaching ``target`` is not.
-        ``until_exhausted``: the run trains until the data runs out, so a trainer advancing fewer
-        steps than requested means exhaustion rather than an error. ``defer_save``: an interval
-        checkpoint due at the last loop is left to the caller (``_save_pending``), which saves it
-        after the evaluation that follows, so the eval actions' state is in it.
+        ``until_exhausted``: a trainer advancing fewer steps than requested means exhaustion
+        rather than an error. ``defer_save``: an interval checkpoint due at the last loop is left
+        to the caller (``_save_pending``), which saves it after the evaluation that follows, so
+        the eval actions' state is in it.
         """
+        trainer = self._require(self.trainer, "trainer", "train")
         while (target is None or self.global_step < target) and self.stop_reason is None:
             before = self.global_step
             requested = self._loop_size(before, target)
             start = time.perf_counter()
-            logs = dict(self.trainer.train(requested) or {})
+            logs = dict(trainer.train(requested) or {})
             elapsed = time.perf_counter() - start
-            raise_if_failed = getattr(self.checkpoint_manager, "raise_if_failed", None)
-            if callable(raise_if_failed):
-                raise_if_failed()  # an asynchronous save that failed surfaces at the next loop
-            self._report_commits()  # asynchronous saves committed during the loop
+            self._session.after_loop()  # an asynchronous save that failed surfaces here
             after = self.global_step
-            advanced = after - before
-            exhausted = until_exhausted and advanced < requested
-            if advanced != requested and not exhausted:
-                raise RuntimeError(
-                    f"the trainer advanced the global step by {advanced} (from {before} to {after}) "
-                    f"but {requested} steps were requested"
-                    + ("; the training data may be exhausted: make the input repeat or set steps=None"
-                       if advanced < requested else "")
-                )
-            if advanced == 0:
+            exhausted = check_advance(before, after, requested, until_exhausted=until_exhausted)
+            if after == before:
                 return True
-            logs["steps_per_second"] = advanced / elapsed if elapsed > 0 else float("inf")
-            if self.summary_interval is None or _crossed(before, after, self.summary_interval):
-                self._write_summary("train", self._summary_dir, after, logs)
+            logs["steps_per_second"] = (after - before) / elapsed if elapsed > 0 else float("inf")
+            if self.summary_interval is None or crossed(before, after, self.summary_interval):
+                self._train_summaries.write_summaries(after, logs)
+                self._train_summaries.flush()
             progress.update(after, {k: v for k, v in logs.items() if k != "steps_per_second"})
             self._run_actions(self.train_actions, logs)
             self._agree_on_stop()
             if self.global_step != after:  # an action rolled the trainer back: nothing to save
                 continue
-            if self.checkpoint_manager is not None and _crossed(before, after, self.checkpoint_interval):
+            if self.checkpoint_manager is not None and crossed(before, after, self.checkpoint_interval):
                 last = exhausted or self.stop_reason is not None or after == target
                 if defer_save and last:
                     self._save_pending = True
@@ -406,7 +285,8 @@ class Controller:
         return self.stop_reason is not None
 
     def _loop_size(self, step: int, target: int | None) -> int:
-        size = self.steps_per_loop(step) if callable(self.steps_per_loop) else self.steps_per_loop
+        spl = self.steps_per_loop
+        size = spl(step) if callable(spl) else spl
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"steps_per_loop({step}) returned {size!r}; expected an int >= 1")
         return size if target is None else min(size, target - step)
@@ -420,26 +300,27 @@ class Controller:
           steps: batches to evaluate; ``-1`` until the eval data is exhausted.
 
         Writes eval summaries at the current global step, runs the eval actions, then the
-        callbacks' ``on_eval_end(metrics, step)``. An eval action
-        that raises :class:`StopTraining` sets :attr:`stop_reason`: a running
-        ``train_and_evaluate`` then ends cleanly; ``evaluate`` itself returns normally.
+        callbacks' ``on_eval_end(metrics, step)``. An eval action that stops training sets
+        :attr:`stop_reason`: a running ``train_and_evaluate`` then ends cleanly; ``evaluate``
+        itself returns normally.
 
         Raises:
           ValueError: no evaluator, or ``steps`` neither -1 nor >= 1.
         """
-        self._require("evaluator", "evaluate")
+        evaluator = self._require(self.evaluator, "evaluator", "evaluate")
         if not isinstance(steps, int) or isinstance(steps, bool) or (steps != -1 and steps < 1):
             raise ValueError(f"evaluate: steps must be -1 (all) or an int >= 1, got {steps!r}")
         start = time.perf_counter()
-        metrics = dict(self.evaluator.evaluate(steps) or {})
+        metrics = dict(evaluator.evaluate(steps) or {})
         elapsed = time.perf_counter() - start
         step = self.global_step
-        self._loop.last_eval_step = step
-        self._write_summary("eval", self._eval_summary_dir, step, metrics)
-        shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)))
+        self._eval_state.last_eval_step = step
+        self._eval_summaries.write_summaries(step, metrics)
+        self._eval_summaries.flush()
+        shown = "  ".join(f"{k}={format_value(v)}" for k, v in metrics.items() if isinstance(v, (int, float)))
         logger.info("eval at step %d (%.1fs): %s", step, elapsed, shown)
         self._run_actions(self.eval_actions, metrics)
-        self._fire("on_eval_end", metrics, step)
+        self._hooks.eval_end(metrics, step)
         return metrics
 
     def evaluate_continuously(
@@ -448,41 +329,29 @@ class Controller:
         timeout: float | None = None,
         timeout_fn: Callable[[], bool] | None = None,
         *,
-        mode: str = "latest",
-        poll_interval: float = 1.0,
+        mode: str | None = None,
+        poll_interval: float | None = None,
     ) -> dict[str, Any] | None:
         """Evaluate checkpoints as they are committed; return the last evaluation's metrics.
 
-        Orbit's contract: waits for new checkpoints, polling every ``poll_interval`` seconds;
-        ``mode="latest"`` evaluates the newest one each time (checkpoints written during a slow
-        evaluation are skipped), ``mode="every"`` each one in step order. After ``timeout``
-        seconds without a new checkpoint, ``timeout_fn()`` decides: True (or no ``timeout_fn``)
-        stops, False keeps waiting; ``timeout=None`` waits for ever. Unlike Orbit, it also stops
-        once the final checkpoint (``checkpoints/FINAL``) has been evaluated. A checkpoint that
-        cannot be read is reported and skipped. Returns None when nothing was evaluated.
-
-        For a separate evaluator process with leases, progress that survives restarts and
-        retries, use :class:`cadence.sidecar.SidecarEvaluator`.
+        Orbit's contract, run by the sidecar's loop (:class:`~cadence.sidecar.ContinuousEvaluation`)
+        with the sidecar's defaults (``None``): ``mode="every"`` evaluates each checkpoint in step
+        order (``"latest"`` jumps to the newest, as Orbit), a new one is noticed within
+        ``poll_interval`` s, one that fails to load is retried, then skipped. After ``timeout``
+        seconds without a new checkpoint, ``timeout_fn()`` decides: True (or none) stops, False
+        waits on; ``timeout=None`` waits for ever. Unlike Orbit it also stops once the final
+        checkpoint (``FINAL``) was evaluated. None when nothing was evaluated.
 
         Raises:
           ValueError: no evaluator or no checkpoint manager.
         """
-        from cadence.checkpoint.watcher import CheckpointWatcher
+        from cadence.sidecar import ContinuousEvaluation
 
-        self._require("evaluator", "evaluate_continuously")
-        self._require("checkpoint_manager", "evaluate_continuously")
-        watcher = CheckpointWatcher(self.checkpoint_manager, mode=mode, poll_interval=poll_interval,
-                                    timeout=timeout, timeout_fn=timeout_fn)
-        output = None
-        for step in watcher:
-            try:
-                self.restore(step)
-            except CheckpointError as e:
-                logger.warning("skipping checkpoint %d: %s", step, e)
-                continue
-            output = self.evaluate(steps)
-        logger.info("evaluate_continuously: stopped (%s) after step %s", watcher.stop_reason, watcher.after)
-        return output
+        self._require(self.evaluator, "evaluator", "evaluate_continuously")
+        self._require(self.checkpoint_manager, "checkpoint_manager", "evaluate_continuously")
+        result = ContinuousEvaluation(self, steps=steps, timeout=timeout, timeout_fn=timeout_fn, mode=mode,
+                                      poll_interval=poll_interval).run()
+        return result.last_metrics
 
     # ------------------------------------------------------------------ both
 
@@ -503,58 +372,37 @@ class Controller:
           eval_interval: evaluate whenever the global step reaches a multiple of it (segments are
             cut at absolute multiples, so resumed runs evaluate at the same steps). ``None``:
             evaluate once, at the end.
-          throttle_secs: tf.estimator's ``EvalSpec.throttle_secs``: an evaluation due less than
-            this many seconds after the previous one started is skipped. 0: never skipped.
-          start_delay_secs: tf.estimator's ``EvalSpec.start_delay_secs``: evaluations due in the
-            first this many seconds of the call are skipped. 0: none. The final evaluation is
-            never skipped by either (tf.estimator also always evaluates after the last step).
+          throttle_secs, start_delay_secs: tf.estimator's ``EvalSpec`` throttling (see
+            :class:`~cadence.schedule.EvalThrottle`); the final evaluation is never skipped.
 
-        Each segment ends with an evaluation, *then* the checkpoint due at that step (interval or
-        final), so a checkpoint at step N holds the eval actions' state after the evaluation at
-        N. A run resumed at an evaluation step whose evaluation never ran (it was preempted right
-        before it) evaluates first. At the end (target reached, data exhausted, or
-        :class:`StopTraining` from an action) the final checkpoint is saved and ``FINAL``
-        written. A run that is already complete is evaluated once. The callbacks'
-        ``on_train_start`` runs first and ``on_train_end`` last, as in :meth:`train`.
+        Each segment ends with an evaluation, *then* the checkpoint due at that step, so a
+        checkpoint at step N holds the eval actions' state after the evaluation at N; a run
+        resumed at an evaluation step whose evaluation never ran evaluates first. At the end
+        (target reached, data exhausted, or a stop) the final checkpoint is saved and ``FINAL``
+        written; a complete run is evaluated once. Callbacks as in :meth:`train`.
         """
-        self._require("trainer", "train_and_evaluate")
-        self._require("evaluator", "train_and_evaluate")
-        _check_interval("eval_interval", eval_interval)
+        self._require(self.trainer, "trainer", "train_and_evaluate")
+        self._require(self.evaluator, "evaluator", "train_and_evaluate")
+        check_interval("eval_interval", eval_interval)
+        throttle = EvalThrottle(throttle_secs, start_delay_secs)
         self.stop_reason = None
-        self._reopen_if_final(train_steps)
-        if throttle_secs < 0 or start_delay_secs < 0:
-            raise ValueError(f"throttle_secs and start_delay_secs must be >= 0, got {throttle_secs}, {start_delay_secs}")
-        return self._training(lambda: self._train_and_evaluate(
-            train_steps, eval_steps, eval_interval, throttle_secs, start_delay_secs))
-
-    def _train_and_evaluate(self, train_steps: int | None, eval_steps: int, eval_interval: int | None,
-                            throttle_secs: float, start_delay_secs: float) -> dict[str, Any]:
-        started = time.monotonic()
-        last_eval: list[float] = []  # when the last evaluation of this call started
+        self._session.reopen_if_final(train_steps)
 
         def evaluate() -> dict[str, Any]:
-            last_eval[:] = [time.monotonic()]
+            throttle.evaluating()
             return self.evaluate(eval_steps)
 
-        def throttled() -> bool:
-            now = time.monotonic()
-            return now - started < start_delay_secs or bool(last_eval and now - last_eval[0] < throttle_secs)
-
-        output: dict[str, Any] | None = None
-        step = self.global_step
-        if eval_interval is not None and step > 0 and step % eval_interval == 0 and self.last_eval_step != step:
-            output = evaluate()
-        over = (train_steps is not None and step >= train_steps) or self.stop_reason is not None
-        with self._progress(train_steps) as progress:
+        with self._hooks.training(on_preempted=self._session.wait_for_commits), \
+                self._progress(train_steps) as progress:
+            output: dict[str, Any] | None = None
+            if self._eval_state.due_on_resume(self.global_step, eval_interval):
+                output = evaluate()
+            over = (train_steps is not None and self.global_step >= train_steps) or self.stop_reason is not None
             while not over:
-                step = self.global_step
-                target = train_steps
-                if eval_interval is not None:
-                    boundary = (step // eval_interval + 1) * eval_interval
-                    target = boundary if target is None else min(target, boundary)
+                target = segment_target(self.global_step, train_steps, eval_interval)
                 over = self._train_until(target, progress, until_exhausted=train_steps is None, defer_save=True)
                 over = over or (train_steps is not None and self.global_step >= train_steps)
-                if over or not throttled():
+                if over or not throttle.skips():
                     output = evaluate()
                 else:
                     logger.info("evaluation at step %d skipped (start_delay_secs / throttle_secs)", self.global_step)
@@ -563,46 +411,24 @@ class Controller:
                 if self._save_pending and not over:
                     self.save_checkpoint()
                 self._save_pending = False
-        if output is None or self.last_eval_step != self.global_step:
-            output = evaluate()
-        self._complete()
-        return output
+            if output is None or self.last_eval_step != self.global_step:
+                output = evaluate()
+            self._complete()
+            return output
 
     # ------------------------------------------------------------------ helpers
 
-    def _require(self, role: str, method: str) -> None:
-        if getattr(self, role) is None:
+    def _require(self, value: _T | None, role: str, method: str) -> _T:
+        if value is None:
             raise ValueError(f"Controller.{method}() needs a {role}; this controller was built without one")
+        return value
 
     def _run_actions(self, actions: list[Action], output: dict[str, Any]) -> None:
         for action in actions:
             try:
                 action(output)
             except StopTraining as stop:
-                self.stop_reason = stop.reason
-                logger.info("stop requested at step %d: %s", self.global_step, stop.reason)
-
-    def _fire(self, hook: str, *args: Any) -> None:
-        """Call ``hook(*args)`` on every callback that has it, in order."""
-        for callback in self.callbacks:
-            method = getattr(callback, hook, None)
-            if callable(method):
-                method(*args)
-
-    def _report_commits(self) -> None:
-        """Tell the callbacks about the checkpoints the manager committed since the last time."""
-        take = getattr(self.checkpoint_manager, "take_committed", None)
-        if not callable(take):
-            return
-        for _, path in take():
-            self._fire("on_checkpoint_save", path)
-
-    def _wait_for_commits(self) -> None:
-        """Wait for an asynchronous save in flight, then report the commits."""
-        wait = getattr(self.checkpoint_manager, "wait", None)
-        if callable(wait):
-            wait()
-        self._report_commits()
+                self.request_stop(stop.reason)
 
     def _agree_on_stop(self) -> None:
         """Collective (several ranks): a stop asked for on any rank stops every rank."""
@@ -612,85 +438,25 @@ class Controller:
 
     def _complete(self) -> None:
         """Save the final checkpoint and mark the run FINAL."""
-        if self.checkpoint_manager is None:
-            return
-        self.save_checkpoint()
-        if self.coordinator.is_chief:
-            self.checkpoint_manager.mark_final(self.global_step)  # waits for an asynchronous commit
-        self._report_commits()
-
-    def _reopen_if_final(self, target: int | None) -> None:
-        """A run marked FINAL that trains further is no longer final: remove the marker."""
-        manager = self.checkpoint_manager
-        if manager is None or not self.coordinator.is_chief:
-            return
-        final = manager.final_step()
-        if final is not None and (target is None or target > final):
-            manager.clear_final()
+        self._session.complete(self.global_step, self.save_checkpoint)
 
     def _progress(self, total: int | None) -> ProgressReporter:
         return ProgressReporter(total, initial_step=self.global_step, enabled=self.progress)
 
-    def _write_summary(self, kind: str, logdir: str | None, step: int, metrics: Mapping[str, Any]) -> None:
-        if logdir is None or not self.coordinator.is_chief:
-            return
-        key = f"{kind}:{logdir}"
-        if key not in self._writers:
-            self._writers[key] = SummaryWriter(logdir)
-        writer = self._writers[key]
-        writer.write(step, metrics)
-        writer.flush()
-
     def close(self) -> None:
-        """Wait for a pending asynchronous checkpoint (raising its failure) and report the
-        commits to the callbacks, flush and close summary writers, call ``close()`` on actions
-        that have one, and the callbacks' ``on_close`` (once) -- the last three always.
-
-        An ``on_close`` that raises does not stop the others; the first such error is raised
-        after all ran, unless the closing itself failed. Leaving a ``with controller:`` block
-        on an exception never replaces that exception with an ``on_close`` error (it is logged).
-        """
+        """Wait for a pending asynchronous checkpoint (raising its failure) and report its
+        commit, then -- always -- close the summary writers, the ``Closeable`` actions (wrapped
+        ones too) and the callbacks (``on_close``, once; see
+        :meth:`CallbackHooks.close_run <cadence.hooks.CallbackHooks.close_run>`: leaving a
+        ``with controller:`` block on an exception never replaces it with an ``on_close`` error)."""
         self._close(propagating=False)
 
     def _close(self, propagating: bool) -> None:
-        try:
-            try:
-                close_manager = getattr(self.checkpoint_manager, "close", None)
-                if callable(close_manager):
-                    close_manager()
-                self._report_commits()
-            finally:
-                for writer in self._writers.values():
-                    writer.close()
-                self._writers.clear()
-                for action in (*self.train_actions, *self.eval_actions):
-                    close = getattr(action, "close", None)
-                    if callable(close):
-                        close()
-        except BaseException:
-            self._close_callbacks(raise_errors=False)
-            raise
-        self._close_callbacks(raise_errors=not propagating)
+        closeables = [o for o in self._components if isinstance(o, Closeable) and not isinstance(o, Callback)]
+        self._hooks.close_run(self._session.close, self._train_summaries.close, self._eval_summaries.close,
+                              *(o.close for o in closeables), propagating=propagating)
 
-    def _close_callbacks(self, *, raise_errors: bool) -> None:
-        """Every callback's ``on_close``, once; errors are logged, the first raised if asked."""
-        if self._closed_callbacks:
-            return
-        self._closed_callbacks = True
-        first: BaseException | None = None
-        for callback in self.callbacks:
-            on_close = getattr(callback, "on_close", None)
-            if not callable(on_close):
-                continue
-            try:
-                on_close()
-            except BaseException as e:  # the other callbacks still close
-                logger.exception("callback %s: on_close failed", type(callback).__name__)
-                first = first if first is not None else e
-        if first is not None and raise_errors:
-            raise first
-
-    def __enter__(self) -> "Controller":
+    def __enter__(self) -> Controller:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:

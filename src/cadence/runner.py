@@ -3,13 +3,15 @@
 Both are plain protocols (Orbit's ``AbstractTrainer`` / ``AbstractEvaluator``): the controller
 never imports a framework. ``cadence.torch`` ships implementations for PyTorch; tests use fakes.
 
-Optional methods, looked up with ``getattr``:
+Optional capabilities, each a declared protocol checked with ``isinstance``:
 
-* ``initialize()`` -- called once by the controller when no checkpoint was restored (a fresh
-  start): load pretrained weights and the like.
-* ``save_checkpoint(writer) -> JSON | None`` and ``load_checkpoint(reader, state)`` -- see
-  :class:`cadence.checkpoint.Checkpointable`. A trainer that has them is saved and restored by
-  the controller's checkpoint manager; an evaluator-only controller restores the evaluator.
+* :class:`Initializable` (``initialize()``) -- called once by the controller when no checkpoint
+  was restored (a fresh start): load pretrained weights and the like.
+* :class:`~cadence.checkpoint.Checkpointable` (``save_checkpoint(writer)`` /
+  ``load_checkpoint(reader, state)``) -- a trainer that is one is saved and restored by the
+  controller's checkpoint manager; an evaluator-only controller restores the evaluator.
+* :class:`GathersCheckpoint` (``prepare_checkpoint()``) -- a collective called on every rank
+  before each save, to gather what the chief writes (e.g. each rank's RNG state).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 Logs = Mapping[str, Any]
+
+__all__ = ["Evaluator", "GathersCheckpoint", "Initializable", "Logs", "Trainer"]
 
 
 @runtime_checkable
@@ -44,3 +48,17 @@ class Evaluator(Protocol):
     def evaluate(self, num_steps: int) -> Logs | None:
         """Evaluate ``num_steps`` batches (``-1``: until the eval data is exhausted); return metrics."""
         ...
+
+
+@runtime_checkable
+class Initializable(Protocol):
+    """A runner with work to do on a fresh start (no checkpoint restored)."""
+
+    def initialize(self) -> None: ...
+
+
+@runtime_checkable
+class GathersCheckpoint(Protocol):
+    """A trainer that gathers state from every rank before a save (a collective)."""
+
+    def prepare_checkpoint(self) -> None: ...

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 from cadence.storage import Storage
 
-__all__ = ["METRICS_FILE", "SummaryWriter", "flatten_scalars", "json_value", "read_metrics", "to_scalar"]
+__all__ = ["METRICS_FILE", "SummaryManager", "SummaryWriter", "flatten_scalars", "json_value", "read_metrics", "to_scalar"]
 
 METRICS_FILE = "metrics.jsonl"
 """Name of the JSON-lines file written next to the event files."""
@@ -183,8 +183,9 @@ class SummaryWriter:
         """Path (or URL) of ``metrics.jsonl``."""
         return _join(self._logdir, METRICS_FILE)
 
-    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Record the scalar entries of ``metrics`` at ``step`` (see :func:`flatten_scalars`).
+    def write(self, step: int, metrics: Mapping[str, Any], *, events: bool = True, jsonl: bool = True) -> None:
+        """Record the scalar entries of ``metrics`` at ``step`` (see :func:`flatten_scalars`) in
+        the TensorBoard events (``events``) and ``metrics.jsonl`` (``jsonl``).
 
         A step with no scalar metric writes nothing.
         """
@@ -196,8 +197,10 @@ class SummaryWriter:
         with self._lock:
             if self._closed:
                 raise ValueError(f"SummaryWriter({self._logdir!r}) is closed")
-            self._write_jsonl(step, wall_time, scalars)
-            self._write_events(step, wall_time, scalars)
+            if jsonl:
+                self._write_jsonl(step, wall_time, scalars)
+            if events:
+                self._write_events(step, wall_time, scalars)
 
     def flush(self) -> None:
         """Push everything written so far to disk (or to the remote store)."""
@@ -292,6 +295,64 @@ class SummaryWriter:
             self._events = EventFileWriter(self._path)
         values = [Summary.Value(tag=tag, simple_value=float(v)) for tag, v in scalars.items()]
         self._events.add_event(Event(wall_time=wall_time, step=step, summary=Summary(value=values)))
+
+
+class SummaryManager:
+    """The summaries of one directory, written as Orbit's ``SummaryManager`` writes them.
+
+    :meth:`write_summaries` takes a run's output, e.g. an evaluation over two datasets
+    ``{"loss": 0.3, "ds1": {"accuracy": 0.9}, "ds2": {"accuracy": 0.8}}``: the flat entries go to
+    TensorBoard events in ``summary_dir``, and each top-level key whose value is a mapping gets a
+    subdirectory (``summary_dir/ds1/``) whose events hold its entries as tags (``accuracy``; deeper
+    mappings as ``a/b`` tags), so TensorBoard draws the datasets as curves of one chart.
+    ``summary_dir/metrics.jsonl`` records the whole output, nested keys as ``ds1/accuracy``.
+
+    Args:
+      summary_dir: a local path or fsspec URL (remote: ``metrics.jsonl`` only, see
+        :class:`SummaryWriter`); ``None``: nothing is written.
+      enabled: False writes nothing (e.g. on all but the chief of several ranks).
+
+    Writers and directories are created on the first write that needs them; :meth:`close`
+    closes them (a later write opens them again).
+    """
+
+    def __init__(self, summary_dir: str | os.PathLike[str] | None, *, enabled: bool = True) -> None:
+        self.summary_dir = None if summary_dir is None else os.fspath(summary_dir)
+        self.enabled = enabled and summary_dir is not None
+        self._writers: dict[str, SummaryWriter] = {}
+
+    def summary_writer(self, relative_path: str = "") -> SummaryWriter:
+        """The writer of ``summary_dir/relative_path`` (``""``: the directory itself)."""
+        if self.summary_dir is None:
+            raise ValueError("SummaryManager(None) has no directory to write to")
+        if relative_path not in self._writers:
+            logdir = _join(self.summary_dir, relative_path) if relative_path else self.summary_dir
+            self._writers[relative_path] = SummaryWriter(logdir)
+        return self._writers[relative_path]
+
+    def write_summaries(self, step: int, summary_dict: Mapping[str, Any]) -> None:
+        """Write ``summary_dict`` at ``step``: see the class docstring. No-op when disabled."""
+        if not self.enabled:
+            return
+        flat = {k: v for k, v in summary_dict.items() if not isinstance(v, Mapping)}
+        root = self.summary_writer()
+        root.write(step, summary_dict, events=False)
+        root.write(step, flat, jsonl=False)
+        for key, value in summary_dict.items():
+            if isinstance(value, Mapping):
+                self.summary_writer(str(key)).write(step, value, jsonl=False)
+
+    def flush(self) -> None:
+        for writer in self._writers.values():
+            writer.flush()
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
+
+    def __repr__(self) -> str:
+        return f"SummaryManager({self.summary_dir!r}, enabled={self.enabled})"
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Framework-agnostic actions: callables the Controller runs on each train loop's or evaluation's
 output (no torch here).
 
-The action contract: ``action(output: dict) -> Any``. An action with ``attach(controller)`` is
-given the controller once, when the controller is built; one with ``state_dict()`` /
-``load_state_dict(state)`` (JSON) is saved in and restored from checkpoints; raising
-:class:`~cadence.errors.StopTraining` ends training cleanly.
+The action contract: ``action(output: dict) -> Any``; raising :class:`~cadence.errors.StopTraining`
+ends training cleanly. What else an action may be and use is declared in :mod:`cadence.lifecycle`:
+``RunAware`` (``attach(run)``: handed the run's :class:`~cadence.lifecycle.RunContext` once),
+``Stateful`` (saved in and restored from checkpoints), ``Closeable``, ``Composite`` (a wrapper).
 """
 
 from __future__ import annotations

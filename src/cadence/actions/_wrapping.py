@@ -1,16 +1,21 @@
-"""What actions that wrap other actions share: calling them, forwarding ``attach`` and state."""
+"""What actions that wrap other actions share: :class:`WrapperAction`.
+
+A wrapper declares what it wraps (:meth:`WrapperAction.wrapped`, the
+:class:`~cadence.lifecycle.Composite` protocol): the controller attaches and closes those objects
+itself, so no wrapper forwards ``attach`` or ``close``. The wrapped objects' state is carried in
+the wrapper's own ``state_dict`` (keyed by position and class name), written here once.
+"""
 
 from __future__ import annotations
 
-import inspect
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+from cadence.checkpoint.protocol import Stateful
 from cadence.errors import StopTraining
+from cadence.lifecycle import Action, owner_of
 
 logger = logging.getLogger("cadence")
-
-Action = Callable[[dict[str, Any]], Any]
 
 
 def as_list(action: Action | Sequence[Action], owner: str) -> list[Action]:
@@ -20,17 +25,6 @@ def as_list(action: Action | Sequence[Action], owner: str) -> list[Action]:
         if not callable(a):
             raise TypeError(f"{owner}: actions must be callables, got {a!r:.200}")
     return actions
-
-
-def owners(*callables: object) -> list[object]:
-    """The objects behind ``callables`` (a bound method's instance, else the callable itself),
-    without repeats. ``best.test`` and ``best.commit`` both stand for ``best``."""
-    found: list[object] = []
-    for c in callables:
-        obj = c.__self__ if inspect.ismethod(c) else c
-        if not any(obj is seen for seen in found):
-            found.append(obj)
-    return found
 
 
 def run_all(actions: list[Action], output: dict[str, Any]) -> None:
@@ -46,33 +40,43 @@ def run_all(actions: list[Action], output: dict[str, Any]) -> None:
         raise stop
 
 
-def attach_all(targets: list[object], controller: Any) -> None:
-    for obj in targets:
-        attach = getattr(obj, "attach", None)
-        if callable(attach):
-            attach(controller)
-
-
-def _stateful(obj: object) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
 def _key(i: int, obj: object) -> str:
     return f"{i}/{getattr(obj, 'checkpoint_name', None) or type(obj).__name__}"
 
 
-def state_of(targets: list[object]) -> dict[str, Any]:
-    """The inner stateful objects' states, keyed ``"<position>/<class name>"``."""
-    return {_key(i, obj): obj.state_dict() for i, obj in enumerate(targets) if _stateful(obj)}  # type: ignore[attr-defined]
+class WrapperAction:
+    """Base of actions that run other actions: :meth:`wrapped` and the inner objects' state.
 
+    Args:
+      owner: the wrapper's name, for messages.
+      action: a callable ``output -> Any`` or a list / tuple of them.
+      extra: other callables whose owners belong to the wrapper (a condition).
+    """
 
-def load_state_of(targets: list[object], state: Mapping[str, Any], owner: str) -> None:
-    """Give each inner stateful object its saved state; those without one are left as they are."""
-    for i, obj in enumerate(targets):
-        if not _stateful(obj):
-            continue
-        key = _key(i, obj)
-        if key in state:
-            obj.load_state_dict(state[key])  # type: ignore[attr-defined]
-        else:
-            logger.debug("%s: no saved state for inner action %s; left as is", owner, key)
+    def __init__(self, owner: str, action: Action | Sequence[Action], *extra: object) -> None:
+        self._actions = as_list(action, owner)
+        self._targets: list[object] = []
+        for fn in (*extra, *self._actions):
+            obj = owner_of(fn)
+            if not any(obj is seen for seen in self._targets):
+                self._targets.append(obj)
+
+    def wrapped(self) -> list[object]:
+        """The objects behind the wrapped callables (a bound method's instance, else the callable),
+        without repeats: the controller attaches and closes them."""
+        return list(self._targets)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped stateful objects' states, keyed ``"<position>/<class name>"``."""
+        return {_key(i, obj): obj.state_dict() for i, obj in enumerate(self._targets) if isinstance(obj, Stateful)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Give each wrapped stateful object its saved state; one without a saved state is left as is."""
+        for i, obj in enumerate(self._targets):
+            if not isinstance(obj, Stateful):
+                continue
+            key = _key(i, obj)
+            if key in state:
+                obj.load_state_dict(state[key])
+            else:
+                logger.debug("%s: no saved state for inner action %s; left as is", type(self).__name__, key)

@@ -10,9 +10,10 @@ import time
 from typing import Any, Callable, Mapping
 
 from cadence.actions.best_metric import NewBestMetric
-from cadence.actions.metric_path import Metric, metric_name
+from cadence.actions.metric_path import Metric, is_better, metric_name
 from cadence.checkpoint import CheckpointManager, JSONState, copy_objects
 from cadence.errors import CheckpointError
+from cadence.lifecycle import RunContext
 from cadence.summary import json_value
 
 logger = logging.getLogger("cadence.actions")
@@ -71,7 +72,7 @@ class BestCheckpointExporter:
         # old one (a resumed run re-evaluating), so "keep the newest step" would keep the wrong one.
         self.manager = CheckpointManager(best_dir, max_to_keep=None, storage_options=storage_options)
         self._best = NewBestMetric(metric, higher_is_better)
-        self._controller: Any = None
+        self._run: RunContext | None = None
         self._chief = True
         self.record = self._read_record()
         if self.record is not None:
@@ -85,10 +86,9 @@ class BestCheckpointExporter:
     def best_value(self) -> float | None:
         return self._best.best_value
 
-    def attach(self, controller: Any) -> None:
-        self._controller = controller
-        coordinator = getattr(controller, "coordinator", None)
-        self._chief = coordinator is None or coordinator.is_chief
+    def attach(self, run: RunContext) -> None:
+        self._run = run
+        self._chief = run.coordinator.is_chief
 
     def _read_record(self) -> dict[str, Any] | None:
         """The record of the best-valued committed checkpoint in ``best/`` (normally the only one;
@@ -99,18 +99,21 @@ class BestCheckpointExporter:
             if not isinstance(record, dict) or not isinstance(record.get("value"), (int, float)):
                 raise CheckpointError(f"{self.manager.path(step)} has no best record in its state.json")
             records.append(record)
-        if not records:
-            return None
-        pick = max if self._best.higher_is_better else min
-        return pick(records, key=lambda r: r["value"])
+        best: dict[str, Any] | None = None
+        for record in records:
+            reference = None if best is None else best["value"]
+            if is_better(record["value"], reference, higher_is_better=self._best.higher_is_better):
+                best = record
+        return best
 
     def __call__(self, metrics: dict[str, Any]) -> bool:
         """Commit ``best/`` when ``metrics`` hold a new best; return whether they did."""
-        if self._controller is None:
+        run = self._run
+        if run is None:
             raise RuntimeError("BestCheckpointExporter must be attached to a Controller (pass it in eval_actions)")
         if not self._best.test(metrics):
             return False
-        step = self._controller.global_step
+        step = run.global_step
         value = self._best.metric_value(metrics)
         if self.record is not None and self.record["step"] == step:
             # The same step re-evaluated with a better score: the same model, already in best/.
@@ -126,7 +129,7 @@ class BestCheckpointExporter:
             "metrics": _jsonable(metrics),
             "time": time.time(),
         }
-        objects = self._checkpoint_objects(step)  # collective with live state (all ranks)
+        objects = self._checkpoint_objects(run, step)  # collective with live state (all ranks)
         if self._chief:  # every rank took the same decision (metrics are reduced over ranks)
             objects[RECORD] = JSONState(record)
             path = self.manager.save(step, objects)
@@ -139,24 +142,22 @@ class BestCheckpointExporter:
                 self.export_fn(step, record)
         self._best.commit(metrics)
         self.record = record
-        coordinator = getattr(self._controller, "coordinator", None)
-        if coordinator is not None:
-            coordinator.barrier()
+        run.coordinator.barrier()
         return True
 
-    def _checkpoint_objects(self, step: int) -> dict[str, object]:
-        source = self._controller.checkpoint_manager
+    def _checkpoint_objects(self, run: RunContext, step: int) -> dict[str, object]:
+        source = run.checkpoint_manager
         if source is not None and step in source.steps():
             if not self._chief:
                 return {}
             reader, state = source.read(step)
             return copy_objects(reader, state)
-        if self._controller.trainer is None:
+        if run.trainer is None:
             raise CheckpointError(
                 f"no committed checkpoint at step {step} to copy to {self.best_dir}, and no trainer state to save"
             )
-        self._controller.prepare_checkpoint()
-        return dict(self._controller.checkpoint_objects())
+        run.prepare_checkpoint()
+        return dict(run.checkpoint_objects())
 
     def _write_best_json(self, record: Mapping[str, Any]) -> None:
         storage = self.manager.storage

@@ -6,7 +6,7 @@ import logging
 import math
 from typing import Any, Mapping
 
-from cadence.actions.metric_path import Metric, get_metric, metric_name, same_metric
+from cadence.actions.metric_path import Metric, get_metric, is_better, metric_name, same_metric
 from cadence.actions.persisted import JSONPersistedValue, PersistedValueError
 
 logger = logging.getLogger("cadence")
@@ -102,12 +102,7 @@ class NewBestMetric:
 
     def is_better(self, value: float) -> bool:
         """Whether ``value`` would be a new best (strictly better, finite)."""
-        if not math.isfinite(value):
-            return False
-        best = self.best_value
-        if best is None:
-            return True
-        return value > best if self.higher_is_better else value < best
+        return is_better(value, self.best_value, higher_is_better=self.higher_is_better)
 
     def test(self, output: Mapping[str, Any]) -> bool:
         """Whether ``output`` holds a new best value. Records nothing: calling it again with the

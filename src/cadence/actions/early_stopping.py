@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from cadence.actions.metric_path import Metric, get_metric, metric_name, same_metric
+from cadence.actions.metric_path import Metric, get_metric, is_better, metric_name, same_metric
 from cadence.errors import StopTraining
+from cadence.lifecycle import RunContext
 
 __all__ = ["EarlyStopping"]
 
@@ -67,7 +68,7 @@ class EarlyStopping:
         self.min_delta = min_delta
         self.higher_is_better = bool(higher_is_better)
         self.baseline = None if baseline is None else _number("baseline", baseline)
-        self._controller: Any = None
+        self._run: RunContext | None = None
         self._best: float | None = None
         self._best_step: int | None = None
         self._wait = 0
@@ -94,20 +95,14 @@ class EarlyStopping:
         """Evaluations since the last improvement."""
         return self._wait
 
-    def attach(self, controller: Any) -> None:
-        """Read ``controller.global_step`` to record the step of the best value."""
-        self._controller = controller
+    def attach(self, run: RunContext) -> None:
+        """Read ``run.global_step`` to record the step of the best value."""
+        self._run = run
 
     def improves(self, value: float) -> bool:
         """Whether ``value`` would count as an improvement now."""
-        if not math.isfinite(value):
-            return False
         reference = self._best if self._best is not None else self.baseline
-        if reference is None:
-            return True
-        if self.higher_is_better:
-            return value > reference + self.min_delta
-        return value < reference - self.min_delta
+        return is_better(value, reference, higher_is_better=self.higher_is_better, min_delta=self.min_delta)
 
     def __call__(self, output: Mapping[str, Any]) -> None:
         value = get_metric(output, self.metric)
@@ -121,7 +116,7 @@ class EarlyStopping:
             raise StopTraining(self._reason())
 
     def _step(self) -> int | None:
-        return None if self._controller is None else int(self._controller.global_step)
+        return None if self._run is None else int(self._run.global_step)
 
     def _reason(self) -> str:
         name = metric_name(self.metric)

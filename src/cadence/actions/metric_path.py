@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Mapping, Union
 
 from cadence.errors import CadenceError
@@ -90,6 +91,17 @@ def metric_name(metric: Metric) -> str:
     if isinstance(metric, str):
         return metric
     return getattr(metric, "__qualname__", None) or getattr(metric, "__name__", None) or repr(metric)
+
+
+def is_better(value: float, reference: float | None, *, higher_is_better: bool, min_delta: float = 0.0) -> bool:
+    """Whether ``value`` improves on ``reference`` by more than ``min_delta``: strictly, in the
+    direction ``higher_is_better``. A non-finite value never does; any finite value improves on
+    a ``None`` reference (nothing to beat yet)."""
+    if not math.isfinite(value):
+        return False
+    if reference is None:
+        return True
+    return value > reference + min_delta if higher_is_better else value < reference - min_delta
 
 
 def same_metric(state: Mapping[str, Any], metric: Metric, higher_is_better: bool, owner: str) -> bool:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from cadence.actions import _wrapping
-from cadence.actions._wrapping import Action
+from cadence.actions._wrapping import WrapperAction, run_all
+from cadence.lifecycle import Action, RunContext
 
 __all__ = ["PeriodicAction"]
 
 
-class PeriodicAction:
+class PeriodicAction(WrapperAction):
     """Runs ``action`` (one or a sequence) when the global step has crossed a multiple of
     ``every_n_steps`` since this action was last called.
 
@@ -29,8 +29,8 @@ class PeriodicAction:
     once. The Controller attaches actions *before* restoring, which is why the restored step is
     read at the first call rather than at attach time.
 
-    ``attach`` is forwarded, and inner stateful objects' states are carried, as in
-    :class:`~cadence.actions.ConditionalAction`.
+    The wrapped objects are attached and closed by the Controller, and their states carried in
+    this action's, as for :class:`~cadence.actions.ConditionalAction`.
 
     Args:
       action: a callable ``output -> Any``, or a list / tuple of them.
@@ -45,11 +45,10 @@ class PeriodicAction:
     def __init__(self, action: Action | Sequence[Action], every_n_steps: int) -> None:
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise ValueError(f"PeriodicAction: every_n_steps must be an int >= 1, got {every_n_steps!r}")
+        super().__init__("PeriodicAction", action)
         self.action = action
         self.every_n_steps = every_n_steps
-        self._actions = _wrapping.as_list(action, "PeriodicAction")
-        self._targets = _wrapping.owners(*self._actions)
-        self._controller: Any = None
+        self._run: RunContext | None = None
         self._attach_step = 0
         self._last_step: int | None = None
 
@@ -61,37 +60,35 @@ class PeriodicAction:
         """The global step at the previous call (or restored from a checkpoint); None before."""
         return self._last_step
 
-    def attach(self, controller: Any) -> None:
-        """Read the global step from ``controller`` (noting its current value as the fallback
-        reference). Forwarded to the actions' owners that have ``attach``."""
-        self._controller = controller
-        self._attach_step = int(controller.global_step)
-        _wrapping.attach_all(self._targets, controller)
+    def attach(self, run: RunContext) -> None:
+        """Read the global step from ``run`` (noting its current value as the fallback reference)."""
+        self._run = run
+        self._attach_step = int(run.global_step)
 
     def _reference(self) -> int:
         if self._last_step is not None:
             return self._last_step
-        restored = getattr(self._controller, "restored_step", None)
-        if isinstance(restored, int) and not isinstance(restored, bool):
+        restored = self._run.restored_step if self._run is not None else None
+        if restored is not None:
             return restored
         return self._attach_step
 
     def __call__(self, output: dict[str, Any]) -> None:
-        if self._controller is None:
+        if self._run is None:
             raise RuntimeError(
-                "PeriodicAction was called before attach(controller): it reads the controller's "
+                "PeriodicAction was called before attach(run): it reads the run's "
                 "global step. Pass it in the Controller's train_actions / eval_actions (which "
                 "attaches it), or call attach() yourself"
             )
-        step = int(self._controller.global_step)
+        step = int(self._run.global_step)
         last = self._reference()
         self._last_step = step
         if step // self.every_n_steps > last // self.every_n_steps:
-            _wrapping.run_all(self._actions, output)
+            run_all(self._actions, output)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"last_step": int | None, "actions": {...inner states...}}``."""
-        return {"last_step": self._last_step, "actions": _wrapping.state_of(self._targets)}
+        return {"last_step": self._last_step, "actions": super().state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         last = state.get("last_step")
@@ -99,4 +96,4 @@ class PeriodicAction:
             if not isinstance(last, int) or isinstance(last, bool):
                 raise ValueError(f"PeriodicAction.load_state_dict: last_step must be an int or None, got {last!r}")
             self._last_step = last
-        _wrapping.load_state_of(self._targets, state.get("actions") or {}, "PeriodicAction")
+        super().load_state_dict(state.get("actions") or {})

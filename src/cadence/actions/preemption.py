@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 from types import FrameType
 from typing import Any, Iterable
 
 from cadence.errors import PreemptedExit
+from cadence.lifecycle import RunContext
+from cadence.signals import SignalHandlers, install_handlers, signal_name
 
 logger = logging.getLogger("cadence.actions")
 
@@ -36,7 +37,8 @@ class SaveCheckpointIfPreempted:
     loop: all ranks commit the same step and exit.
 
     Handlers can only be installed from the main thread; elsewhere a warning is logged and the
-    action does nothing. :meth:`close` (called by ``Controller.close``) restores the previous
+    action does nothing. :meth:`close` (called by ``Controller.close``, also when this action is
+    wrapped in another, e.g. a :class:`~cadence.actions.ConditionalAction`) restores the previous
     handlers.
     """
 
@@ -49,22 +51,21 @@ class SaveCheckpointIfPreempted:
         self.received: int | None = None
         self._sigint = False
         self._saving = False
-        self._controller: Any = None
-        self._previous: dict[int, Any] = {}
+        self._run: RunContext | None = None
+        self._handlers: SignalHandlers | None = None
 
     @property
     def preempted(self) -> bool:
         """Whether a signal was received and not yet acted on."""
         return self.received is not None
 
-    def attach(self, controller: Any) -> None:
-        self._controller = controller
-        if threading.current_thread() is not threading.main_thread():
-            logger.warning("SaveCheckpointIfPreempted: not in the main thread; signal handlers not installed")
+    def attach(self, run: RunContext) -> None:
+        self._run = run
+        if self._handlers is not None:  # attached twice: keep the original handlers
             return
-        for signum in self.signals:
-            previous = signal.signal(signum, self._handle)
-            self._previous.setdefault(signum, previous)  # attached twice: keep the originals
+        self._handlers = install_handlers(self.signals, self._handle, owner="SaveCheckpointIfPreempted")
+        if not self._handlers.installed:
+            logger.warning("SaveCheckpointIfPreempted: not in the main thread; signal handlers not installed")
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT:
@@ -75,21 +76,21 @@ class SaveCheckpointIfPreempted:
             self.received = signum
 
     def __call__(self, output: dict[str, Any]) -> None:
-        if self._controller is None:
+        run = self._run
+        if run is None:
             return
-        coordinator = getattr(self._controller, "coordinator", None)
         preempted = self.received is not None
-        if coordinator is not None and coordinator.world_size > 1:
-            preempted = coordinator.any(preempted)  # a signal to any rank preempts them all
+        if run.coordinator.world_size > 1:
+            preempted = run.coordinator.any(preempted)  # a signal to any rank preempts them all
         if not preempted:
             return
-        name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
+        name = signal_name(self.received) if self.received is not None else "a signal on another rank"
         self._saving = True
         try:
-            path = self._controller.save_checkpoint()
+            path = run.save_checkpoint()
         finally:
             self._saving = False
-        logger.warning("received %s: committed checkpoint %s at step %d", name, path, self._controller.global_step)
+        logger.warning("received %s: committed checkpoint %s at step %d", name, path, run.global_step)
         if self.keep_running:
             self.received = None
             self._sigint = False
@@ -98,6 +99,6 @@ class SaveCheckpointIfPreempted:
 
     def close(self) -> None:
         """Restore the signal handlers that were in place before :meth:`attach`."""
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
+        if self._handlers is not None:
+            self._handlers.restore()
+            self._handlers = None

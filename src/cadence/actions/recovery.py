@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from cadence.errors import CheckpointError, TrainingDivergedError
+from cadence.lifecycle import RunContext
 
 logger = logging.getLogger("cadence.actions")
 
@@ -18,7 +19,7 @@ class RecoveryAction:
     infinite, or when ``loss_upper_bound`` is set, the global step is at least
     ``recovery_begin_steps`` and the loss exceeds the bound. Then model, optimizer, scheduler,
     grad scaler and global step are restored from the latest committed checkpoint through
-    :meth:`cadence.Controller.rollback`, while the data position keeps moving forward: the batches
+    :meth:`~cadence.lifecycle.RunContext.rollback`, while the data position keeps moving forward: the batches
     of the steps since that checkpoint are skipped (as large-model practice does for loss spikes)
     and the skipped range is logged and kept in :attr:`skipped`.
 
@@ -53,10 +54,10 @@ class RecoveryAction:
         self.loss_key = loss_key
         self.trials = 0
         self.skipped: list[tuple[int, int]] = []
-        self._controller: Any = None
+        self._run: RunContext | None = None
 
-    def attach(self, controller: Any) -> None:
-        self._controller = controller
+    def attach(self, run: RunContext) -> None:
+        self._run = run
 
     def diverged(self, loss: float, step: int) -> bool:
         """Whether ``loss`` at global step ``step`` calls for a recovery."""
@@ -69,16 +70,16 @@ class RecoveryAction:
         )
 
     def __call__(self, output: dict[str, Any]) -> None:
-        if self._controller is None:
+        run = self._run
+        if run is None:
             raise RuntimeError("RecoveryAction must be attached to a Controller (pass it in train_actions)")
         if self.loss_key not in output:
             raise KeyError(f"RecoveryAction: no {self.loss_key!r} in the train output; it has {sorted(output)}")
         loss = float(output[self.loss_key])
-        step = self._controller.global_step
+        step = run.global_step
         diverged = self.diverged(loss, step)
-        coordinator = getattr(self._controller, "coordinator", None)
-        if coordinator is not None and coordinator.world_size > 1:
-            diverged = coordinator.any(diverged)  # every rank rolls back together
+        if run.coordinator.world_size > 1:
+            diverged = run.coordinator.any(diverged)  # every rank rolls back together
         if not diverged:
             return
         if self.trials >= self.max_trials:
@@ -87,7 +88,7 @@ class RecoveryAction:
                 f"steps skipped so far: {self._ranges()}"
             )
         try:
-            to = self._controller.rollback()
+            to = run.rollback()
         except CheckpointError as e:
             raise TrainingDivergedError(f"loss {loss} at step {step} and {e}") from e
         self.trials += 1

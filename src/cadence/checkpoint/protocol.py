@@ -55,10 +55,17 @@ class CheckpointReader(Protocol):
 
 
 @runtime_checkable
-class Checkpointable(Protocol):
-    def save_checkpoint(self, writer: CheckpointWriter) -> JSON | None: ...
+class Restorable(Protocol):
+    """Restores itself from a checkpoint (an evaluator that only reads checkpoints is one)."""
 
     def load_checkpoint(self, reader: CheckpointReader, state: JSON | None) -> None: ...
+
+
+@runtime_checkable
+class Checkpointable(Restorable, Protocol):
+    """Writes its own files into a checkpoint and restores itself from them."""
+
+    def save_checkpoint(self, writer: CheckpointWriter) -> JSON | None: ...
 
 
 @runtime_checkable

@@ -19,7 +19,8 @@ class CheckpointWatcher:
       mode: ``"every"`` yields each committed checkpoint after ``after`` in step order, including
         those that existed before the watch started; ``"latest"`` yields only the newest one each
         time (checkpoints written meanwhile are skipped: Orbit's and Keras' behaviour).
-      poll_interval: seconds between looks while nothing is new.
+      poll_interval: seconds between looks while nothing is new. (Both have no default here: the
+        sidecar's settings, :class:`~cadence.config.SidecarConfig`, own them.)
       timeout: stop after this many seconds without a new checkpoint; ``None``: wait for ever
         (unless the run is final).
       timeout_fn: called on timeout: True (or no ``timeout_fn``) stops, False waits another
@@ -39,8 +40,8 @@ class CheckpointWatcher:
         self,
         manager: CheckpointManager,
         *,
-        mode: Mode = "every",
-        poll_interval: float = 0.5,
+        mode: Mode,
+        poll_interval: float,
         timeout: float | None = None,
         timeout_fn: Callable[[], bool] | None = None,
         after: int | None = None,

@@ -33,12 +33,14 @@ from cadence.torch.state import (
 from cadence.torch.task import Task
 from cadence.torch.trainer import TorchTrainer, build_runners
 
-_EXPERIMENT = ("Run", "build_run", "build_sidecar", "build_task", "load_task_class", "run_evaluation", "run_training")
+_EXPERIMENT = ("Run", "build_run", "build_sidecar", "build_task", "load_task_class", "run_evaluation", "run_sidecar",
+               "run_training")
 _SMOKE = ("SmokeReport", "StageResult", "run_smoke")
 
 # The config-driven entry points, imported on first use.
 __getattr__ = lazy_attributes(
-    __name__, {**dict.fromkeys(_EXPERIMENT, "cadence.torch.experiment"), **dict.fromkeys(_SMOKE, "cadence.torch.smoke")}, ()
+    __name__, {**dict.fromkeys(_EXPERIMENT, "cadence.torch.experiment"), **dict.fromkeys(_SMOKE, "cadence.torch.smoke"),
+               "train_and_evaluate": "cadence.torch.roles"}, ()
 )[0]
 
 
@@ -76,6 +78,7 @@ __all__ = [
     "state_dict_to_safetensors",
     "torch_state_to_bytes",
     "unwrap_model",
+    "train_and_evaluate",
     *_EXPERIMENT,
     *_SMOKE,
 ]

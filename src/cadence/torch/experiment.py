@@ -24,6 +24,8 @@ from cadence.checkpoint import CheckpointManager
 from cadence.config import ExperimentConfig, save_config
 from cadence.controller import Controller
 from cadence.errors import CheckpointError, ConfigError
+from cadence.lifecycle import RunContext
+from cadence.sidecar import SidecarEvaluator, SidecarResult
 from cadence.torch.context import Context
 from cadence.torch.export_formats import TRACED_FORMATS
 from cadence.torch.signatures import check_signatures, has_export_signatures
@@ -34,7 +36,7 @@ from cadence.torch.trainer import build_runners
 logger = logging.getLogger("cadence")
 
 __all__ = ["ModelExporter", "Run", "build_actions", "build_callbacks", "build_run", "build_sidecar", "build_task",
-           "load_class", "load_task_class", "run_evaluation", "run_training"]
+           "load_class", "load_task_class", "run_evaluation", "run_sidecar", "run_training"]
 
 
 def load_class(spec: str, field: str) -> type:
@@ -188,13 +190,15 @@ class ExportEveryEval:
 
     def __init__(self, export: ModelExporter) -> None:
         self.export = export
-        self._controller: Any = None
+        self._run: RunContext | None = None
 
-    def attach(self, controller: Any) -> None:
-        self._controller = controller
+    def attach(self, run: RunContext) -> None:
+        self._run = run
 
     def __call__(self, metrics: dict[str, Any]) -> None:
-        self.export(self._controller.global_step, {"metrics": metrics})
+        if self._run is None:
+            raise RuntimeError("ExportEveryEval must be attached to a Controller (pass it in eval_actions)")
+        self.export(self._run.global_step, {"metrics": metrics})
 
 
 def build_actions(cfg: ExperimentConfig, task: Task, model: Any, *, train: bool,
@@ -348,16 +352,14 @@ def _train_only(cfg: ExperimentConfig, progress: bool | None) -> dict[str, Any]:
     return {}
 
 
-def build_sidecar(cfg: ExperimentConfig) -> Any:
+def build_sidecar(cfg: ExperimentConfig) -> SidecarEvaluator:
     """A :class:`~cadence.sidecar.SidecarEvaluator` for the experiment: the task's torch
     evaluator, the ``sidecar:`` settings, the configured eval actions (best checkpoint and its
     export, export on every evaluation) and callbacks (:func:`build_callbacks`). Early stopping
     needs the trainer's loop and is ignored here, with a warning."""
-    from cadence.sidecar import SidecarEvaluator
-
     if not cfg.model_dir:
         raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
-    t, sc = cfg.trainer, cfg.sidecar
+    t = cfg.trainer
     task, ctx, _, evaluator = _build_runners_for(cfg, train=False)
     _, eval_actions = build_actions(cfg, task, evaluator.model, train=False, chief=ctx.is_chief)
     callbacks = build_callbacks(cfg, task)
@@ -365,12 +367,16 @@ def build_sidecar(cfg: ExperimentConfig) -> Any:
         logger.warning("trainer.early_stopping is ignored by the sidecar: only an in-process evaluation can stop training")
     best = t.best_checkpoint
     return SidecarEvaluator(
-        evaluator, cfg.model_dir, mode=sc.mode, steps=t.validation_steps, max_evaluations=sc.max_evaluations,
-        timeout=sc.timeout, poll_interval=sc.poll_interval, name=sc.name, eval_actions=eval_actions,
-        train_steps=t.train_steps, max_pending=sc.max_pending, lease_ttl=sc.lease_ttl,
+        evaluator, cfg.model_dir, steps=t.validation_steps, eval_actions=eval_actions, train_steps=t.train_steps,
         best_metric=best.metric if best else None, higher_is_better=best.higher_is_better if best else True,
-        callbacks=callbacks,
+        callbacks=callbacks, **cfg.sidecar.model_dump(),
     )
+
+
+def run_sidecar(cfg: ExperimentConfig) -> SidecarResult:
+    """Run the experiment's sidecar evaluator until it stops (``cadence evaluate --continuous``,
+    the evaluator role); return what it did and why it stopped."""
+    return build_sidecar(cfg).start()
 
 
 def run_evaluation(cfg: ExperimentConfig, step: int | None = None) -> tuple[int, dict[str, Any]]:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from cadence.lifecycle import RunContext
 from cadence.storage import Storage
 from cadence.torch.export_formats import (  # noqa: F401 - re-exported
     FILES,
@@ -236,7 +237,7 @@ class ExportModel:
         self._model_fn = model_fn
         self._example_inputs = _as_inputs(example_inputs)
         self._inputs_resolved = self._example_inputs is not None
-        self._controller: Any = None
+        self._run: RunContext | None = None
         if self._example_inputs is None and _traced(self.formats):
             task_defines = self._task is not None and (
                 type(self._task).example_inputs is not Task.example_inputs or has_export_signatures(self._task)
@@ -246,16 +247,18 @@ class ExportModel:
         if "onnx" in self.formats:
             _require_onnx()
 
-    def attach(self, controller: Any) -> None:
-        """Called by the controller: its ``global_step`` goes into the metadata as ``step``."""
-        self._controller = controller
+    def attach(self, run: RunContext) -> None:
+        """Called by the controller: the run's ``global_step`` goes into the metadata as ``step``,
+        and its trainer's (or evaluator's) ``model`` is exported when no model was given."""
+        self._run = run
 
     def _model(self) -> nn.Module:
         if self._model_fn is not None:
             return self._model_fn()
         if self._module is not None:
             return self._module
-        for runner in (getattr(self._controller, "trainer", None), getattr(self._controller, "evaluator", None)):
+        runners = (self._run.trainer, self._run.evaluator) if self._run is not None else ()
+        for runner in runners:
             model = getattr(runner, "model", None)
             if isinstance(model, nn.Module):
                 return model
@@ -279,8 +282,8 @@ class ExportModel:
             return None
         directory = self.file_manager.next_name()
         metadata: dict[str, Any] = {"metrics": dict(output or {})}
-        if self._controller is not None:
-            metadata["step"] = int(self._controller.global_step)
+        if self._run is not None:
+            metadata["step"] = int(self._run.global_step)
         if self._task is not None:
             export_task_model(self._task, self._model(), directory, self.formats, example_inputs=self._inputs(),
                               metadata=metadata)
