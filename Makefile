@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench docs clean
+.PHONY: install demo test lint bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Linter, type checker and the layering contracts (pyproject.toml); CI runs it before the tests.
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # Side-by-side measurements (peers installed from the bench extra); writes benchmarks/results/.
 bench: $(STAMP)

@@ -270,7 +270,8 @@ def test_evaluate_continuously_reports_each_restore(tmp_path):
     with controller(tmp_path, []) as c:
         c.train(4)
     events: list = []
-    with Controller(evaluator=RestoringEvaluator(FakeTrainer()), checkpoint_manager=manager(tmp_path, writer=False), restore=False,
+    with Controller(evaluator=RestoringEvaluator(FakeTrainer()), checkpoint_manager=manager(tmp_path, writer=False),
+                    restore=False,
                     callbacks=[Recorder(events)], progress=False) as c:
         c.evaluate_continuously(mode="every", poll_interval=0.01, timeout=0)
     assert events == [("attach", None), ("load", "ckpt-2"), ("eval_end", (2, 3)),

@@ -244,7 +244,7 @@ def test_reduce_metrics_with_one_gather():
     out = reduce_metrics(reducers, coord)
     assert CountingCoordinator.gathers == 1
     assert list(out) == ["acc", "top", "auc", "n"]
-    assert out["acc"] == pytest.approx(np.mean(LABELS == (SCORES > 0.6)), abs=1e-12)
+    assert out["acc"] == pytest.approx(np.mean((SCORES > 0.6) == LABELS), abs=1e-12)
     assert out["top"] == SCORES.max() and out["n"] == 1001.0
     assert out["auc"] == pytest.approx(roc_auc_score(LABELS, SCORES), abs=1e-12)
     assert type(out["auc"]) is float  # numpy scalars become Python numbers

@@ -146,19 +146,19 @@ def test_loader_resume_does_not_replay_large_offset():
 def test_loader_shards_and_global_offset(world_size):
     n, b = 1001, 7
     loaders = [ResumableLoader(Indexed(n), b, seed=9, epochs=1, rank=r, world_size=world_size) for r in range(world_size)]
-    per_rank = [list(l) for l in loaders]
+    per_rank = [list(loader) for loader in loaders]
     everything = [i for batches in per_rank for i in flat(batches)]
     assert sorted(everything) == list(range(n))  # disjoint, complete, no padding
-    assert [len(l) for l in loaders] == [len(p) for p in per_rank]
+    assert [len(loader) for loader in loaders] == [len(p) for p in per_rank]
     # resume rank r at a global offset saved by rank 0 after 5 batches
     ref0 = ResumableLoader(Indexed(n), b, seed=9, epochs=1, rank=0, world_size=world_size)
     list(itertools.islice(ref0, 5))
     state = ref0.state_dict()
     assert state == {"epoch": 0, "offset": 5 * b * world_size}
     for r in range(world_size):
-        l = ResumableLoader(Indexed(n), b, seed=9, epochs=1, rank=r, world_size=world_size)
-        l.load_state_dict(state)
-        assert [x.tolist() for x in l] == [x.tolist() for x in per_rank[r][5:]]
+        loader = ResumableLoader(Indexed(n), b, seed=9, epochs=1, rank=r, world_size=world_size)
+        loader.load_state_dict(state)
+        assert [x.tolist() for x in loader] == [x.tolist() for x in per_rank[r][5:]]
 
 
 def test_loader_drop_last_same_batch_count_on_all_ranks():

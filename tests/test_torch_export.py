@@ -164,11 +164,12 @@ def test_model_modes_restored_after_export(exported):
     fresh = build(exported["name"]).train()
     fresh_modes = [m.training for m in fresh.modules()]
     assert all(fresh_modes)
-    params = {k: v for k, v in fresh.state_dict(keep_vars=True).items()}
+    params = dict(fresh.state_dict(keep_vars=True).items())
     before = {k: v.clone() for k, v in params.items()}
     next(iter(fresh.children())).eval()  # a frozen submodule keeps its own mode
     expected = [m.training for m in fresh.modules()]
-    export_model(fresh, str(exported["dir"]) + "-modes", ["torchscript", "torch_export"], example_inputs=batch(exported["name"], 3))
+    export_model(fresh, str(exported["dir"]) + "-modes", ["torchscript", "torch_export"],
+                 example_inputs=batch(exported["name"], 3))
     assert [m.training for m in fresh.modules()] == expected
     after = fresh.state_dict(keep_vars=True)
     for k, v in after.items():

@@ -107,7 +107,8 @@ def test_strict_loading_names_missing_and_unexpected_keys():
     msg = str(e.value)
     assert "ckpt-3/model.safetensors" in msg and "unexpected keys: 2.bias, 2.weight" in msg
     with pytest.raises(CheckpointError, match=r"missing keys: 1\.bias, 1\.weight"):
-        load_model_safetensors(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), model_to_safetensors(nn.Sequential(nn.Linear(2, 2))))
+        load_model_safetensors(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
+                               model_to_safetensors(nn.Sequential(nn.Linear(2, 2))))
     with pytest.raises(CheckpointError, match="size mismatch"):
         load_model_safetensors(nn.Linear(3, 2), model_to_safetensors(nn.Linear(2, 2)))
 

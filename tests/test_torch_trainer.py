@@ -138,7 +138,8 @@ def test_returned_loss_is_the_mean_over_the_loop():
 
 def test_grad_accumulation_matches_larger_batch():
     def run(batch_size: int, k: int) -> list[torch.Tensor]:
-        trainer, _ = make(Regression(dropout=0.0, optimizer="sgd", lr=0.1, shuffle=False, batch_size=batch_size), grad_accum_steps=k)
+        trainer, _ = make(Regression(dropout=0.0, optimizer="sgd", lr=0.1, shuffle=False, batch_size=batch_size),
+                          grad_accum_steps=k)
         trainer.train(6)
         assert trainer.global_step == 6
         return params(trainer.model)
@@ -265,7 +266,7 @@ class ListData(Regression):
     def build_inputs(self, split, ctx):
         if split != "train":
             return super().build_inputs(split, ctx)
-        return [b for b in ResumableLoader(regression_data(64, 0), 16, seed=0, epochs=3)]
+        return list(ResumableLoader(regression_data(64, 0), 16, seed=0, epochs=3))
 
 
 def test_resume_by_replay_without_state_dict(caplog):

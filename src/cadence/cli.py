@@ -21,7 +21,7 @@ import datetime
 import json
 import logging
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from rich.console import Console
 from rich.logging import RichHandler
@@ -219,26 +219,25 @@ def _cmd_launch(args: argparse.Namespace, console: Console) -> int:
     if not args.sidecar:
         raise ConfigError("launch: nothing to launch; add --sidecar")
     cfg = _load(args)  # a bad config fails here (exit 2), before anything starts
-    if not cfg.model_dir:
-        raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
+    model_dir = cfg.require_model_dir()
     from cadence.checkpoint.leases import Leases
     from cadence.launch import launch, launch_exit_code, sidecar_commands
     from cadence.sidecar import lease_holder
 
-    leases = Leases(layout.checkpoints_dir(cfg.model_dir))
+    leases = Leases(layout.checkpoints_dir(model_dir))
     holder = lease_holder(cfg.sidecar.name)
 
     def sidecar_ready() -> bool:  # its lease protects every checkpoint from the trainer's retention
         return any(lease.holder == holder for lease in leases.active())
 
-    codes = launch(sidecar_commands(args.config, cfg.model_dir, args.overrides), env={"COLUMNS": "120"},
+    codes = launch(sidecar_commands(args.config, model_dir, args.overrides), env={"COLUMNS": "120"},
                    stop_others_on_failure=["trainer"], grace_s=args.grace,
                    start_when={"trainer": sidecar_ready})
     for name, code in codes.items():
         console.print(f"{name}: exit {code}")
     if codes.get("sidecar") == 0:
-        console.print(f"evaluations: {layout.eval_dir(cfg.model_dir, cfg.sidecar.name)}/evaluations.jsonl; "
-                      f"cadence ls {cfg.model_dir}")
+        console.print(f"evaluations: {layout.eval_dir(model_dir, cfg.sidecar.name)}/evaluations.jsonl; "
+                      f"cadence ls {model_dir}")
     return launch_exit_code(codes)
 
 

@@ -178,12 +178,13 @@ class ExportConfig(_Model):
     """Inference artefacts written under `MODEL_DIR/export/<on>/<step>/`."""
 
     formats: list[ExportFormat] = Field(
-        default_factory=lambda: ["safetensors"],
+        default_factory=lambda: list[ExportFormat](["safetensors"]),
         description="Artefacts per export: `safetensors`, `torch_export` (.pt2), `torchscript`, `onnx` (needs `cadence[onnx]`).",
     )
     on: Literal["best", "final", "every_eval"] = Field(
         default="best",
-        description="When to export: on a new best checkpoint (needs `trainer.best_checkpoint`), at the end of training, or after every evaluation.",
+        description=("When to export: on a new best checkpoint (needs `trainer.best_checkpoint`), at the end of "
+                     "training, or after every evaluation."),
     )
     max_to_keep: int | None = Field(
         default=5, ge=0, strict=True, description="Newest exports kept; `null` keeps all."
@@ -345,11 +346,13 @@ class TrainerConfig(_Model):
     )
     throttle_secs: float = Field(
         default=0.0, ge=0,
-        description="tf.estimator's `throttle_secs`: skip an in-process evaluation due sooner than this after the previous one (never the final).",
+        description=("tf.estimator's `throttle_secs`: skip an in-process evaluation due sooner than this after the "
+                     "previous one (never the final)."),
     )
     start_delay_secs: float = Field(
         default=0.0, ge=0,
-        description="tf.estimator's `start_delay_secs`: skip in-process evaluations due in the first this many seconds (never the final).",
+        description=("tf.estimator's `start_delay_secs`: skip in-process evaluations due in the first this many "
+                     "seconds (never the final)."),
     )
     save_on_preemption: bool = Field(
         default=True,
@@ -429,12 +432,18 @@ class ExperimentConfig(_Model):
         return data
 
     @model_validator(mode="after")
-    def _export_on_best_needs_best_checkpoint(self) -> "ExperimentConfig":
+    def _export_on_best_needs_best_checkpoint(self) -> ExperimentConfig:
         if self.export is not None and self.export.on == "best" and self.trainer.best_checkpoint is None:
             raise ValueError(
                 "export.on is 'best' but trainer.best_checkpoint is not set (set it, or export.on: final)"
             )
         return self
+
+    def require_model_dir(self) -> str:
+        """``model_dir``; ConfigError when it is not set (neither in the file nor ``--model-dir``)."""
+        from cadence.layout import require_model_dir
+
+        return require_model_dir(self.model_dir)
 
     @property
     def config_dir(self) -> Path | None:
@@ -592,8 +601,8 @@ def _index_keys(
                     f"(first set on line {first_line[key]})"
                 )
             first_line[key] = line
-            lines[(*loc, key)] = line
-            _index_keys(value_node, (*loc, key), lines, source, seen)
+            lines[loc + (key,)] = line
+            _index_keys(value_node, loc + (key,), lines, source, seen)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             _index_keys(item, (*loc, str(i)), lines, source, seen)

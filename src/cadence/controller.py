@@ -432,9 +432,9 @@ class Controller:
 
     def _agree_on_stop(self) -> None:
         """Collective (several ranks): a stop asked for on any rank stops every rank."""
-        if self.coordinator.world_size > 1 and self.coordinator.any(self.stop_reason is not None):
-            if self.stop_reason is None:
-                self.stop_reason = "stop requested on another rank"
+        agreed = self.coordinator.world_size > 1 and self.coordinator.any(self.stop_reason is not None)
+        if agreed and self.stop_reason is None:
+            self.stop_reason = "stop requested on another rank"
 
     def _complete(self) -> None:
         """Save the final checkpoint and mark the run FINAL."""

@@ -19,7 +19,7 @@ import types
 import typing
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Callable, Literal, Union
 
 import annotated_types
 import yaml
@@ -250,7 +250,7 @@ def config_reference(root: type[BaseModel] | None = None) -> str:
 def _fixed_width(parser: argparse.ArgumentParser) -> None:
     """Format ``parser``'s help at :data:`CLI_WIDTH` columns, uncoloured, whatever the terminal."""
     formatter_class = parser.formatter_class
-    parser.formatter_class = functools.partial(formatter_class, width=CLI_WIDTH)  # type: ignore[assignment]
+    parser.formatter_class = functools.partial(formatter_class, width=CLI_WIDTH)  # type: ignore[call-arg]
     if hasattr(parser, "color"):  # Python >= 3.14 colours help on a terminal
         parser.color = False
 
@@ -305,7 +305,7 @@ def cli_reference(parser: argparse.ArgumentParser | None = None) -> str:
 
 # -- files ------------------------------------------------------------------------------------------
 
-DOCS = {"config.md": config_reference, "cli.md": cli_reference}
+DOCS: dict[str, Callable[[], str]] = {"config.md": config_reference, "cli.md": cli_reference}
 """The generated pages, by file name under ``docs/``."""
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from cadence.errors import ConfigError
+from cadence.layout import require_model_dir
 
 __all__ = ["launch", "launch_exit_code", "sidecar_commands"]
 
@@ -49,8 +49,7 @@ def sidecar_commands(
     Raises:
       ConfigError: ``model_dir`` is empty (both processes must agree on it).
     """
-    if not model_dir:
-        raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
+    model_dir = require_model_dir(model_dir)
     config = os.fspath(config_path)
     sets = [arg for text in overrides for arg in ("--set", text)]
     common = [config, "--model-dir", os.fspath(model_dir), *sets]
@@ -84,6 +83,13 @@ class _Child:
     @property
     def running(self) -> bool:
         return self.proc is not None and self.returncode is None
+
+    @property
+    def started(self) -> subprocess.Popen[bytes]:
+        """The child's process; only for a child that was started (``proc`` set)."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was never started")
+        return self.proc
 
 
 @dataclass
@@ -218,10 +224,11 @@ def _pump(stream: IO[bytes], name: str, output: _Output) -> None:
 def _supervise(children: list[_Child], stoppers: set[str], grace_s: float,
                signals: list[int], output: _Output) -> None:
     def exited(child: _Child) -> None:
-        if child.returncode != 0 and child.name in stoppers:
+        code = child.returncode
+        if code is not None and code != 0 and child.name in stoppers:
             others = [c for c in children if c.running]
             if others:
-                output.line(_LAUNCHER, f"{child.name} exited with {_describe(child.returncode)}; "
+                output.line(_LAUNCHER, f"{child.name} exited with {_describe(code)}; "
                                        f"stopping {', '.join(c.name for c in others)}")
             for other in others:
                 _terminate(other, grace_s)
@@ -233,8 +240,8 @@ def _supervise(children: list[_Child], stoppers: set[str], grace_s: float,
     while any(c.running for c in children):
         now = time.monotonic()
         for child in children:
-            if child.running and child.proc.poll() is not None:
-                child.returncode = child.proc.returncode
+            if child.running and child.started.poll() is not None:
+                child.returncode = child.started.returncode
                 exited(child)
         if len(signals) > handled_signals:
             first = handled_signals == 0
@@ -287,12 +294,12 @@ def _cleanup(children: list[_Child], grace_s: float, output: _Output) -> None:
 def _terminate(child: _Child, grace_s: float) -> None:
     if child.kill_at is None:
         child.kill_at = time.monotonic() + grace_s
-        _signal_group(child.proc.pid, signal.SIGTERM)
+        _signal_group(child.started.pid, signal.SIGTERM)
 
 
 def _kill(child: _Child) -> None:
     child.killed = True
-    _signal_group(child.proc.pid, signal.SIGKILL)
+    _signal_group(child.started.pid, signal.SIGKILL)
 
 
 def _signal_group(pgid: int, signum: int) -> None:

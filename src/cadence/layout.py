@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from cadence.errors import ConfigError
+
 CHECKPOINTS = "checkpoints"
 TRAIN = "train"
 EVAL = "eval"
 CONFIG = "config.yaml"
+
+
+def require_model_dir(model_dir: str | None) -> str:
+    """``model_dir``; ConfigError naming the two ways to set it when it is empty or None."""
+    if not model_dir:
+        raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
+    return model_dir
 
 
 def join(model_dir: str, *parts: str) -> str:

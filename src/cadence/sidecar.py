@@ -203,9 +203,9 @@ class ContinuousEvaluation:
                 continue
             waiting = [step, *watcher.pending()]
             seen.update(waiting)
-            if self.mode == "every" and self.keeper is not None:
-                if step in self._release_excess(waiting, watcher, seen, done, result):
-                    continue
+            releasing = self.mode == "every" and self.keeper is not None
+            if releasing and step in self._release_excess(waiting, watcher, seen, done, result):
+                continue
             self._keep(reading=step)
             record = self._evaluate(step)
             self._record(record)
@@ -245,8 +245,8 @@ class ContinuousEvaluation:
         excess = []
         if self.max_pending is not None and len(waiting) > self.max_pending:
             excess = waiting[: len(waiting) - self.max_pending]
-        reasons = {s: "deleted by the trainer's retention before it could be evaluated" for s in gone}
-        reasons.update({s: f"more than max_pending={self.max_pending} checkpoints were waiting" for s in excess})
+        reasons = dict.fromkeys(gone, "deleted by the trainer's retention before it could be evaluated")
+        reasons.update(dict.fromkeys(excess, f"more than max_pending={self.max_pending} checkpoints were waiting"))
         for step in sorted(reasons):
             logger.warning("%s: skipping checkpoint %d: %s", self.name, step, reasons[step])
             self._record(self._new_record(step, "skipped", error=reasons[step]))

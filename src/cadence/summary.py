@@ -264,7 +264,7 @@ class SummaryWriter:
 
     def _append_remote(self, line: bytes) -> None:
         """Object stores cannot append: keep the whole file and rewrite it on each write."""
-        if self._remote_data is None:
+        if self._remote is None or self._remote_data is None:
             self._remote = Storage(self._logdir)
             self._remote.makedirs(self._remote.root)
             existing = _read_bytes(self.metrics_path) or b""

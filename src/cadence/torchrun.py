@@ -114,8 +114,7 @@ def train_with_torchrun(args: argparse.Namespace, cfg: ExperimentConfig, console
     already loaded once here so that a bad one fails before any process starts.
 
     SIGTERM / SIGHUP to this process are forwarded to the launcher, which stops the ranks."""
-    if not cfg.model_dir:
-        raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
+    cfg.require_model_dir()
     import signal
     import subprocess
 

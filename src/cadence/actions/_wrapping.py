@@ -20,7 +20,7 @@ logger = logging.getLogger("cadence")
 
 def as_list(action: Action | Sequence[Action], owner: str) -> list[Action]:
     """One action or a sequence of them, as a list; each must be callable."""
-    actions = list(action) if isinstance(action, (list, tuple)) else [action]
+    actions: list[Action] = list(action) if isinstance(action, (list, tuple)) else [action]  # type: ignore[list-item]
     for a in actions:
         if not callable(a):
             raise TypeError(f"{owner}: actions must be callables, got {a!r:.200}")

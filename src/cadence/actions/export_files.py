@@ -26,6 +26,11 @@ class ExportFileManager:
     ``separator="/"`` makes ``base_name`` a directory whose integer-named children are the members
     (``export/best/200/``, ``export/best/400/``, ...).
 
+    With ``subdirectory`` (Orbit's option), a member is ``{base_name}{separator}{id}/{subdirectory}``:
+    :meth:`next_name` returns that path, only ids whose ``subdirectory`` exists count, and
+    :meth:`clean_up` deletes the ``subdirectory`` alone, leaving the rest of ``base-<id>/`` (other
+    artefacts written beside it) in place.
+
     Works on local paths and fsspec URLs (``memory://``, ``s3://``) through
     :class:`~cadence.storage.Storage`; returned names have ``base_name``'s form (a URL stays a URL).
 
@@ -37,10 +42,13 @@ class ExportFileManager:
         exports are named by step. ``None``: a counter that starts after the highest existing id
         (0 when there is none) and so resumes its numbering after a restart, gaps included.
       separator: between ``base_name`` and the id; non-empty. ``"/"`` or ``"-"`` typically.
+      subdirectory: a relative path inside each ``base-<id>`` that is the member; ``None``: the
+        ``base-<id>`` file or directory itself.
       storage_options: passed to fsspec.
 
     Raises:
-      ValueError: empty ``base_name`` or ``separator``; ``max_to_keep`` not None or an int >= 0.
+      ValueError: empty ``base_name`` or ``separator``; ``max_to_keep`` not None or an int >= 0;
+        an empty or absolute ``subdirectory``.
     """
 
     def __init__(
@@ -50,8 +58,12 @@ class ExportFileManager:
         next_id_fn: Callable[[], int] | None = None,
         separator: str = "-",
         *,
+        subdirectory: str | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
+        if subdirectory is not None and (not isinstance(subdirectory, str) or not subdirectory.strip("/")
+                                         or subdirectory.startswith("/")):
+            raise ValueError(f"ExportFileManager: subdirectory must be a relative path, got {subdirectory!r}")
         if not isinstance(separator, str) or not separator:
             raise ValueError(f"ExportFileManager: separator must be a non-empty string, got {separator!r}")
         stripped = base_name.rstrip("/") if isinstance(base_name, str) else ""
@@ -65,6 +77,7 @@ class ExportFileManager:
             )
         self.base_name = stripped
         self.separator = separator
+        self.subdirectory = None if subdirectory is None else subdirectory.strip("/")
         self.max_to_keep = max_to_keep
         self._next_id_fn = next_id_fn
         self._storage = Storage(stripped, storage_options)
@@ -77,11 +90,12 @@ class ExportFileManager:
     def __repr__(self) -> str:
         return (
             f"ExportFileManager({self.base_name!r}, max_to_keep={self.max_to_keep!r}, "
-            f"separator={self.separator!r})"
+            f"separator={self.separator!r}, subdirectory={self.subdirectory!r})"
         )
 
     def _name(self, id_: int) -> str:
-        return f"{self.base_name}{self.separator}{id_}"
+        name = f"{self.base_name}{self.separator}{id_}"
+        return name if self.subdirectory is None else f"{name}/{self.subdirectory}"
 
     def _members(self) -> list[tuple[int, str]]:
         """``(id, file-system path)`` of every member, by increasing id."""
@@ -90,8 +104,14 @@ class ExportFileManager:
             if not entry.startswith(self._prefix):
                 continue
             suffix = entry[len(self._prefix):]
-            if _ID.fullmatch(suffix):
-                members.append((int(suffix), f"{self._dir.rstrip('/')}/{entry}"))
+            if not _ID.fullmatch(suffix):
+                continue
+            path = f"{self._dir.rstrip('/')}/{entry}"
+            if self.subdirectory is not None:
+                path = f"{path}/{self.subdirectory}"
+                if not self._storage.exists(path):
+                    continue
+            members.append((int(suffix), path))
         return sorted(members)
 
     @property
@@ -105,7 +125,7 @@ class ExportFileManager:
         return [self._name(id_) for id_, _ in self._members()]
 
     def next_name(self) -> str:
-        """A name for a new member: ``f"{base_name}{separator}{id}"``.
+        """A name for a new member: ``f"{base_name}{separator}{id}"`` (``/{subdirectory}`` after it).
 
         ``id`` is ``next_id_fn()`` when given (its name may already exist: the caller replaces
         it). Otherwise it is one more than both the highest existing id and the last id this

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping
 
 from cadence.errors import CadenceError
 
 logger = logging.getLogger("cadence")
 
 MetricFn = Callable[[Mapping[str, Any]], Any]
-Metric = Union[str, MetricFn]
+Metric = str | MetricFn
 
 __all__ = ["Metric", "MetricFn", "MetricNotFoundError", "get_metric", "metric_name", "same_metric"]
 

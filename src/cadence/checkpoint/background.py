@@ -60,6 +60,6 @@ class Worker:
         return pending
 
     @staticmethod
-    def _serve(tasks: "queue.SimpleQueue[Pending]") -> None:
+    def _serve(tasks: queue.SimpleQueue[Pending]) -> None:
         while True:
             tasks.get()._run()

@@ -68,7 +68,8 @@ class CheckpointManager:
         up after crashed saves -- temp dirs ``ckpt-N.tmp-*`` and ``ckpt-N/`` dirs without a
         manifest -- and removes lease files expired for more than :data:`STALE_LEASE_GRACE`
         seconds (dead readers'; unexpired ones are never touched). False for readers (sidecar
-        evaluators, tools): nothing on disk is changed, and :meth:`save`, :meth:`mark_final` and :meth:`clear_final` raise :class:`CheckpointError`.
+        evaluators, tools): nothing on disk is changed, and :meth:`save`, :meth:`mark_final` and
+        :meth:`clear_final` raise :class:`CheckpointError`.
         There must be at most one writer per directory at a time.
       async_save: :meth:`save` returns once the objects are snapshotted into memory (an object's
         ``snapshot_checkpoint()`` when it has one, see :mod:`cadence.checkpoint.protocol`); a
@@ -512,9 +513,7 @@ class CheckpointManager:
         for name in self.storage.listdir(self.storage.root):
             path = self.storage.join(name)
             try:
-                if _TEMP.fullmatch(name):
-                    self.storage.rmtree(path)
-                elif _COMMITTED.fullmatch(name) and not self._has_manifest(name):
+                if _TEMP.fullmatch(name) or _COMMITTED.fullmatch(name) and not self._has_manifest(name):
                     self.storage.rmtree(path)
                 elif _FINAL_TEMP.fullmatch(name):
                     self.storage.remove(path)
@@ -540,7 +539,7 @@ def _snapshot(step: int, objects: Mapping[str, object]) -> dict[str, object]:
             state = save(memory)
             snapshot[name] = Snapshot(memory.files, copy.deepcopy(state))
         elif hasattr(obj, "state_dict"):
-            snapshot[name] = Snapshot({}, copy.deepcopy(obj.state_dict()))  # type: ignore[attr-defined]
+            snapshot[name] = Snapshot({}, copy.deepcopy(obj.state_dict()))
         else:
             raise TypeError(f"cannot checkpoint {name!r}: {type(obj).__name__} has neither save_checkpoint nor state_dict")
     return snapshot

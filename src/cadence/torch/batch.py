@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -20,8 +20,9 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) 
         items = {k: move_to_device(v, device, non_blocking) for k, v in batch.items()}
         if type(batch) is dict:
             return items
+        rebuild: Any = type(batch)
         try:
-            return type(batch)(items)
+            return rebuild(items)
         except Exception:  # e.g. defaultdict, custom mappings
             return items
     if isinstance(batch, tuple):
@@ -38,6 +39,7 @@ def first_tensor(batch: Any) -> torch.Tensor | None:
     """The first tensor found depth-first in nested tuples / lists / dicts, or ``None``."""
     if isinstance(batch, torch.Tensor):
         return batch
+    values: Iterable[Any]
     if isinstance(batch, Mapping):
         values = batch.values()
     elif isinstance(batch, (tuple, list)):

@@ -104,7 +104,7 @@ class Context:
         local_rank: int | None = None,
         backend: str = "auto",
         timeout_s: float = 120.0,
-    ) -> "Context":
+    ) -> Context:
         """A context on ``device`` for this process.
 
         With neither ``rank`` nor ``world_size`` given, the place comes from the environment:

@@ -62,6 +62,8 @@ def load_class(spec: str, field: str) -> type:
             module = sys.modules.get(name)
             if module is None:
                 module_spec = importlib.util.spec_from_file_location(name, path)
+                if module_spec is None or module_spec.loader is None:
+                    raise ConfigError(f"{field}: cannot load {path} as a Python module")
                 module = importlib.util.module_from_spec(module_spec)
                 sys.modules[name] = module
                 sys.path.insert(0, str(path.resolve().parent))  # let the file import its siblings
@@ -164,12 +166,12 @@ class ModelExporter:
         assert cfg.export is not None
         self.formats = list(cfg.export.formats)
         self.model = model
-        self.model_dir = cfg.model_dir
+        self.model_dir = cfg.require_model_dir()
         self.name = name
         self.task = task
         self.example_inputs = _example_inputs(task, self.formats, "export.formats", model)
         self.files = ExportFileManager(
-            layout.export_dir(cfg.model_dir, name), max_to_keep=cfg.export.max_to_keep, separator="/"
+            layout.export_dir(self.model_dir, name), max_to_keep=cfg.export.max_to_keep, separator="/"
         )
         self.chief = chief  # one process writes exports
 
@@ -226,7 +228,7 @@ def build_actions(cfg: ExperimentConfig, task: Task, model: Any, *, train: bool,
     if t.best_checkpoint is not None:
         b = t.best_checkpoint
         export_fn = ModelExporter(cfg, task, model, "best", chief=chief) if export_on == "best" else None
-        eval_actions.append(BestCheckpointExporter(layout.best_dir(cfg.model_dir), b.metric, b.higher_is_better,
+        eval_actions.append(BestCheckpointExporter(layout.best_dir(cfg.require_model_dir()), b.metric, b.higher_is_better,
                                                    export_fn=export_fn))
     if export_on == "every_eval":
         eval_actions.append(ExportEveryEval(ModelExporter(cfg, task, model, "every_eval", chief=chief)))
@@ -266,7 +268,7 @@ class Run:
 
     @property
     def model_dir(self) -> str:
-        return self.config.model_dir
+        return self.config.require_model_dir()
 
 
 def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = True,
@@ -278,8 +280,7 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     model directory (``restore_step``: that checkpoint; ``None``: the latest); it runs no actions,
     and its callbacks hear of the restore, the evaluation and the close only.
     """
-    if not cfg.model_dir:
-        raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
+    model_dir = cfg.require_model_dir()
     t = cfg.trainer
     task, ctx, trainer, evaluator = _build_runners_for(cfg, train=train, evaluate=evaluate)
     model = (trainer or evaluator).model
@@ -288,7 +289,7 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     )
     callbacks = build_callbacks(cfg, task)
     manager = CheckpointManager(  # one writer: the chief; the other ranks only read
-        layout.checkpoints_dir(cfg.model_dir), max_to_keep=t.max_to_keep,
+        layout.checkpoints_dir(model_dir), max_to_keep=t.max_to_keep,
         keep_every_n_steps=t.keep_every_n_steps, writer=train and ctx.is_chief,
         async_save=t.async_checkpoint and train,
     )
@@ -299,8 +300,8 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
         steps_per_loop=t.steps_per_loop if train else None,
         checkpoint_interval=t.checkpoint_interval,
         summary_interval=t.summary_interval,
-        summary_dir=layout.train_dir(cfg.model_dir) if train else None,
-        eval_summary_dir=layout.eval_dir(cfg.model_dir) if train else None,
+        summary_dir=layout.train_dir(model_dir) if train else None,
+        eval_summary_dir=layout.eval_dir(model_dir) if train else None,
         train_actions=train_actions,
         eval_actions=eval_actions,
         callbacks=callbacks,
@@ -329,7 +330,7 @@ def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
         ModelExporter(cfg, run.task, run.model, "final", chief=run.ctx.is_chief)
         if cfg.export is not None and cfg.export.on == "final" else None
     )
-    save_config(cfg, layout.config_path(cfg.model_dir))
+    save_config(cfg, layout.config_path(cfg.require_model_dir()))
     t = cfg.trainer
     with run.controller as controller:
         metrics = controller.train_and_evaluate(
@@ -346,7 +347,7 @@ def _train_only(cfg: ExperimentConfig, progress: bool | None) -> dict[str, Any]:
     if cfg.trainer.checkpoint_interval is None:
         logger.warning("trainer.checkpoint_interval is null: a sidecar will only see the final checkpoint")
     run = build_run(cfg, evaluate=False, progress=progress)
-    save_config(cfg, layout.config_path(cfg.model_dir))
+    save_config(cfg, layout.config_path(cfg.require_model_dir()))
     with run.controller as controller:
         controller.train(cfg.trainer.train_steps)
     return {}
@@ -357,8 +358,7 @@ def build_sidecar(cfg: ExperimentConfig) -> SidecarEvaluator:
     evaluator, the ``sidecar:`` settings, the configured eval actions (best checkpoint and its
     export, export on every evaluation) and callbacks (:func:`build_callbacks`). Early stopping
     needs the trainer's loop and is ignored here, with a warning."""
-    if not cfg.model_dir:
-        raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
+    model_dir = cfg.require_model_dir()
     t = cfg.trainer
     task, ctx, _, evaluator = _build_runners_for(cfg, train=False)
     _, eval_actions = build_actions(cfg, task, evaluator.model, train=False, chief=ctx.is_chief)
@@ -367,7 +367,7 @@ def build_sidecar(cfg: ExperimentConfig) -> SidecarEvaluator:
         logger.warning("trainer.early_stopping is ignored by the sidecar: only an in-process evaluation can stop training")
     best = t.best_checkpoint
     return SidecarEvaluator(
-        evaluator, cfg.model_dir, steps=t.validation_steps, eval_actions=eval_actions, train_steps=t.train_steps,
+        evaluator, model_dir, steps=t.validation_steps, eval_actions=eval_actions, train_steps=t.train_steps,
         best_metric=best.metric if best else None, higher_is_better=best.higher_is_better if best else True,
         callbacks=callbacks, **cfg.sidecar.model_dump(),
     )
@@ -389,7 +389,7 @@ def run_evaluation(cfg: ExperimentConfig, step: int | None = None) -> tuple[int,
     with run.controller as controller:
         if controller.restored_step is None:
             raise CheckpointError(
-                f"no committed checkpoint in {layout.checkpoints_dir(cfg.model_dir)}: nothing to evaluate"
+                f"no committed checkpoint in {layout.checkpoints_dir(cfg.require_model_dir())}: nothing to evaluate"
             )
         metrics = controller.evaluate(cfg.trainer.validation_steps)
         return controller.global_step, metrics

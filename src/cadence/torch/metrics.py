@@ -50,13 +50,14 @@ class TorchMetricsReducer(MetricReducer):
     def __init__(self, metric: Any) -> None:
         if isinstance(metric, TorchMetricsReducer):
             metric = metric.metric
+        self.metric: Any
         if not all(callable(getattr(metric, n, None)) for n in ("update", "compute", "reset")):
             raise TypeError(
                 f"TorchMetricsReducer needs a torchmetrics.Metric (update, compute, reset), got {type(metric).__name__}"
             )
         self.metric = metric
 
-    def to(self, device: torch.device | str) -> "TorchMetricsReducer":
+    def to(self, device: torch.device | str) -> TorchMetricsReducer:
         """Move the metric's state to ``device`` (where the values fed to it live)."""
         if isinstance(self.metric, nn.Module):
             self.metric.to(device)

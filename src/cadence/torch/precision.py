@@ -34,7 +34,7 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
-    def make_grad_scaler(self) -> "torch.amp.GradScaler | None":
+    def make_grad_scaler(self) -> torch.amp.GradScaler | None:
         if self.name != "fp16":
             return None
         return torch.amp.GradScaler(self.device_type)

@@ -109,10 +109,10 @@ def _as_config(config: Any, task_spec: str | None) -> ExperimentConfig:
     if isinstance(config, Mapping):
         data = dict(config)
         if task_spec is not None:
-            task = data.get("task") or {}
-            if not isinstance(task, Mapping):
-                raise ConfigError(f"task: expected a mapping, got {task!r}")
-            data["task"] = {**task, "class": task_spec}
+            given = data.get("task") or {}
+            if not isinstance(given, Mapping):
+                raise ConfigError(f"task: expected a mapping, got {given!r}")
+            data["task"] = {**given, "class": task_spec}
         return config_from_dict(data)
     if isinstance(config, (str, os.PathLike)):
         cfg = load_config(Path(config) if isinstance(config, os.PathLike) else config)

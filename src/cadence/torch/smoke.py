@@ -38,7 +38,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -187,11 +187,12 @@ class _Smoke:
         self.source = cfg
         self.model_dir = model_dir
         self.steps = steps
-        self.cfg: ExperimentConfig | None = None  # the forced small config
-        self.restore_cfg: ExperimentConfig | None = None  # the same with another seed
+        # Set by the stages, in order (a stage runs only after those before it succeeded):
+        self.cfg: ExperimentConfig  # the forced small config (stage_config)
+        self.restore_cfg: ExperimentConfig  # the same with another seed (stage_config)
+        self.step: int  # the checkpointed step (stage_checkpoint)
         self.run: Any = None
         self.restored: Any = None
-        self.step: int | None = None  # the checkpointed step
 
     def close(self) -> None:
         for run in (self.restored, self.run):
@@ -217,10 +218,10 @@ class _Smoke:
         if data.get("export") is not None:
             data["export"]["on"] = "final"  # no exporter action: the export stage exports, once
             data["export"]["max_to_keep"] = None
-        where = {"source": "smoke config", "config_dir": self.source.config_dir}  # relative paths resolve as before
-        self.cfg = config_from_dict(data, **where)
+        config_dir = self.source.config_dir  # relative paths resolve as before
+        self.cfg = config_from_dict(data, source="smoke config", config_dir=config_dir)
         t["seed"] = (int(t["seed"]) + 1) % 2**32  # a missed restore shows as different weights
-        self.restore_cfg = config_from_dict(data, **where)
+        self.restore_cfg = config_from_dict(data, source="smoke config", config_dir=config_dir)
         path = layout.config_path(self.model_dir)
         save_config(self.cfg, path)
         if load_config(path) != self.cfg:
@@ -360,7 +361,7 @@ def _check_export(label: str, directory: str, live: Any, inputs: Any, weights: n
     return done
 
 
-def _export_targets(task: Any, model: nn.Module, directory: str) -> Iterator[tuple[str, str, Any, Any, nn.Module]]:
+def _export_targets(task: Any, model: nn.Module, directory: str) -> Generator[tuple[str, str, Any, Any, nn.Module]]:
     """What to check in the export at ``directory``: ``(label, export dir, live callable, its example
     inputs or None, the module whose state dict the safetensors artefact holds)``; one per signature
     (``Task.export_signatures``, rebuilt here on a CPU copy of the model as the export did), else one."""
@@ -545,7 +546,7 @@ def user_traceback(exc: BaseException) -> str:
     user's task, torch, ...) left out; the whole traceback when every frame is cadence's."""
     te = traceback.TracebackException.from_exception(exc)
     seen: set[int] = set()
-    todo = [te]
+    todo: list[traceback.TracebackException | None] = [te]
     while todo:
         t = todo.pop()
         if t is None or id(t) in seen:

@@ -129,8 +129,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+        elif isinstance(inner := getattr(model, "_orig_mod", None), nn.Module):
+            model = inner
         else:
             return model
 
@@ -153,7 +153,8 @@ class SafetensorsPayload:
     other name to the stored one. Built by :meth:`from_state_dict`.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], aliases: dict[str, str], metadata: Mapping[str, str] | None = None) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
+                 metadata: Mapping[str, str] | None = None) -> None:
         self.tensors = tensors
         self.aliases = aliases
         self.metadata = {"format": "pt", **(metadata or {})}
@@ -167,8 +168,8 @@ class SafetensorsPayload:
         metadata: Mapping[str, str] | None = None,
         *,
         copy: bool = False,
-        reuse: "SafetensorsPayload | None" = None,
-    ) -> "SafetensorsPayload":
+        reuse: SafetensorsPayload | None = None,
+    ) -> SafetensorsPayload:
         """``copy=False`` keeps CPU tensors as they are (written before they change: a synchronous
         save); ``copy=True`` snapshots every tensor (an asynchronous save), into ``reuse``'s
         tensors where names, shapes and dtypes match (a previous snapshot no longer needed:
@@ -222,7 +223,8 @@ class SafetensorsPayload:
         for name in order:
             t = self.tensors[name]
             size = t.numel() * t.element_size()
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                            "data_offsets": [offset, offset + size]}
             offset += size
         header["__metadata__"] = self.metadata
         encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -232,7 +234,7 @@ class SafetensorsPayload:
         for name in order:
             t = self.tensors[name]
             if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def state_dict_to_safetensors(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
@@ -357,8 +359,8 @@ def clone_tree(obj: Any, reuse: Any = None) -> Any:
         old = reuse if isinstance(reuse, dict) else {}
         return kind((k, clone_tree(v, old.get(k))) for k, v in obj.items())
     if kind in (list, tuple):
-        old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
-        return kind(clone_tree(v, r) for v, r in zip(obj, old))
+        previous = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
+        return kind(clone_tree(v, r) for v, r in zip(obj, previous))
     if kind in _PLAIN_LEAVES:
         return obj
     return copy.deepcopy(obj)

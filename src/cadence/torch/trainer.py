@@ -321,7 +321,7 @@ class TorchTrainer:
         """
         return self._capture(copy=False).save_checkpoint(writer)
 
-    def snapshot_checkpoint(self) -> "TrainerSnapshot":
+    def snapshot_checkpoint(self) -> TrainerSnapshot:
         """What :meth:`save_checkpoint` would write, copied now (tensors copied to CPU memory), for
         an asynchronous save to write later while training goes on.
 
@@ -332,7 +332,7 @@ class TorchTrainer:
         self._staging = self._capture(copy=True, reuse=previous)
         return self._staging
 
-    def _capture(self, *, copy: bool, reuse: "TrainerSnapshot | None" = None) -> "TrainerSnapshot":
+    def _capture(self, *, copy: bool, reuse: TrainerSnapshot | None = None) -> TrainerSnapshot:
         torch_state = {
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
