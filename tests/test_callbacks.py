@@ -460,7 +460,7 @@ def test_config_builds_the_task_callbacks_then_the_configured_ones(tmp_path, mon
         {"class": "my_callbacks.py:Marker", "params": {"label": "mine"}},
         {"class": "cadence.callbacks:Callback"},
     ]))
-    assert cfg.callbacks[0].callback_class == f"{tmp_path / 'conf' / 'my_callbacks.py'}:Marker"
+    assert cfg.callbacks[0].class_path == f"{tmp_path / 'conf' / 'my_callbacks.py'}:Marker"
     assert cfg.to_dict()["callbacks"][0] == {"class": f"{tmp_path / 'conf' / 'my_callbacks.py'}:Marker",
                                              "params": {"label": "mine"}}
     task = build_task(cfg)

@@ -279,9 +279,9 @@ def test_task_and_config(calls, cfg) -> None:
     train_and_evaluate(SomeTask(), cfg, environ={})
     train_and_evaluate("pkg.mod:Other", cfg, environ={})
     got = [c[1] for c in calls]
-    assert [g.task.task_class for g in got] == [expected, expected, "pkg.mod:Other"]
+    assert [g.task.class_path for g in got] == [expected, expected, "pkg.mod:Other"]
     assert all(g.task.params == {"n": 40} and g.model_dir == cfg.model_dir for g in got)
-    assert cfg.task.task_class == "tasks:TinyTask"  # the caller's config is not changed
+    assert cfg.task.class_path == "tasks:TinyTask"  # the caller's config is not changed
 
 
 def test_config_as_mapping_or_path(calls, tmp_path: Path) -> None:
@@ -291,7 +291,7 @@ def test_config_as_mapping_or_path(calls, tmp_path: Path) -> None:
     path.write_text("model_dir: m\ntask:\n  class: a:B\n")
     train_and_evaluate(str(path), environ={})
     train_and_evaluate(SomeTask, path, environ={})
-    assert [c[1].task.task_class for c in calls] == ["a:B", f"{SomeTask.__module__}:SomeTask", "a:B",
+    assert [c[1].task.class_path for c in calls] == ["a:B", f"{SomeTask.__module__}:SomeTask", "a:B",
                                                      f"{SomeTask.__module__}:SomeTask"]
 
 

@@ -64,7 +64,7 @@ def cfg_path(tmp_path: Path) -> Path:
 def test_valid_file_loads_with_defaults(cfg_path: Path) -> None:
     cfg = load_config(cfg_path)
     assert cfg.model_dir == "runs/digits"
-    assert cfg.task.task_class == "examples.digits.task:DigitsTask"
+    assert cfg.task.class_path == "examples.digits.task:DigitsTask"
     assert cfg.task.params == {"hidden": 64}
     t = cfg.trainer
     assert (t.train_steps, t.steps_per_loop) == (600, 50)
@@ -138,20 +138,20 @@ def test_overrides(cfg_path: Path) -> None:
     assert cfg.trainer.grad_clip_norm == 1e-3
     assert cfg.trainer.checkpoint_interval is None
     assert cfg.trainer.device == "cuda:1"
-    assert cfg.task.task_class == "other.module:Other"
+    assert cfg.task.class_path == "other.module:Other"
     assert cfg.task.params == {"hidden": [64, 32], "optim": {"lr": 0.1}, "name": "a=b"}
 
 
 def test_override_whole_sections(cfg_path: Path) -> None:
     cfg = load_config(
-        cfg_path, ["task.params={a: 1}", "trainer={train_steps: 7}", "task.task_class=x:Y"]
+        cfg_path, ["task.params={a: 1}", "trainer={train_steps: 7}", "task.class_path=x:Y"]
     )
     assert cfg.task.params == {"a": 1}
     assert (
         cfg.trainer.train_steps == 7
         and cfg.trainer.steps_per_loop == TrainerConfig().steps_per_loop
     )
-    assert cfg.task.task_class == "x:Y"
+    assert cfg.task.class_path == "x:Y"
 
 
 def test_parse_override() -> None:
@@ -332,23 +332,23 @@ def test_relative_py_class_resolution(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.chdir(tmp_path)
     cfg = load_config(Path("exp") / "config.yaml")
     expected = f"{sub.resolve() / 'models' / 'task.py'}:MyTask"
-    assert cfg.task.task_class == expected  # resolved against the config file's directory
+    assert cfg.task.class_path == expected  # resolved against the config file's directory
     assert resolve_task_class(cfg) == expected
     # a config built in code: relative to config_dir if given, else the working directory
     raw = config_from_dict({"task": {"class": "models/task.py:MyTask"}})
-    assert raw.task.task_class == "models/task.py:MyTask"
+    assert raw.task.class_path == "models/task.py:MyTask"
     assert resolve_task_class(raw) == f"{tmp_path.resolve() / 'models' / 'task.py'}:MyTask"
     assert resolve_task_class(raw, "/elsewhere") == (
         f"{os.path.abspath('/elsewhere/models/task.py')}:MyTask"
     )
     via_dir = config_from_dict({"task": {"class": "models/task.py:MyTask"}}, config_dir=sub)
-    assert via_dir.task.task_class == expected and via_dir.config_dir == sub.resolve()
+    assert via_dir.task.class_path == expected and via_dir.config_dir == sub.resolve()
     # the saved config works from anywhere
     out = tmp_path / "model_dir" / "config.yaml"
     save_config(cfg, out)
     monkeypatch.chdir("/")
     again = load_config(out)
-    assert again.task.task_class == expected
+    assert again.task.class_path == expected
     assert resolve_task_class(again) == expected
     assert path.exists()
 
@@ -439,13 +439,13 @@ def test_round_trip_property(
 
 
 def test_descriptions_for_every_field() -> None:
-    from cadence.config import TaskConfig
+    from cadence.docgen import config_sections
 
-    for model in (ExperimentConfig, TaskConfig, TrainerConfig):
-        for name, info in model.model_fields.items():
-            assert info.description, f"{model.__name__}.{name} has no description"
+    for section in config_sections():
+        for name, info in section.model.model_fields.items():
+            assert info.description, f"{section.model.__name__}.{name} has no description"
     schema = ExperimentConfig.model_json_schema(by_alias=True)
-    assert "class" in schema["$defs"]["TaskConfig"]["properties"]
+    assert "class" in schema["$defs"]["ClassSpec"]["properties"]
 
 
 def test_yaml_1_2_booleans_so_export_on_is_a_key(tmp_path: Path) -> None:
@@ -486,7 +486,7 @@ def test_override_a_field_inside_one_list_item(tmp_path: Path) -> None:
     path = write(tmp_path, VALID + CALLBACKS)
     cfg = load_config(path, ["callbacks[1].params.path=b.json", "callbacks[0].class=pkg.mod:Other",
                              "export.formats[1]=onnx", "task.params.sizes=[1, 2]", "task.params.sizes[1]=7"])
-    assert [(c.callback_class, c.params) for c in cfg.callbacks] == [
+    assert [(c.class_path, c.params) for c in cfg.callbacks] == [
         ("pkg.mod:Other", {"path": "a.json"}), ("pkg.mod:Second", {"path": "b.json"})]
     assert cfg.export.formats == ["safetensors", "onnx"]
     assert cfg.task.params["sizes"] == [1, 7]
@@ -505,3 +505,86 @@ def test_list_item_override_errors_name_the_item(tmp_path: Path) -> None:
     assert error_of(path, ("callbacks[0].class=nope",)).startswith("--set callbacks[0].class=nope: callbacks[0].class:")
     assert error_of(write(tmp_path, VALID, "none.yaml"), ("callbacks[0].class=a:B",)) == (
         "--set callbacks[0].class=a:B: cannot set 'callbacks[0].class': 'callbacks' has 0 items (indexes from 0)")
+
+
+# ------------------------------------------------------------------ messages derived from the schema
+
+
+def _leaf_fields() -> list[tuple[str, object]]:
+    """``(yaml path, model)`` of every field that holds a value (not a section, not free-form)."""
+    from cadence.config.errors import submodel
+    from cadence.docgen import config_sections, yaml_key
+
+    leaves = []
+    for section in config_sections():
+        if "[]" in section.path or "*" in section.path:  # list items: set through their list
+            continue
+        for name, info in section.model.model_fields.items():
+            annotation = info.annotation
+            if submodel(annotation) is not None or "dict" in str(annotation) or "list[" in str(annotation):
+                continue
+            key = yaml_key(name, info)
+            leaves.append((f"{section.path}.{key}" if section.path else key, info))
+    return leaves
+
+
+@pytest.mark.parametrize(("path", "info"), _leaf_fields(), ids=[p for p, _ in _leaf_fields()])
+def test_every_field_says_what_it_expects_in_one_shape(path, info) -> None:
+    """A wrong value in any field reads `path: expected <words from the schema>, got <value>`."""
+    from cadence.config.errors import expected
+
+    data = {"model_dir": "m", "task": {"class": "a:B"}}
+    with pytest.raises(ConfigError) as caught:
+        config_from_dict(data, [f"{path}={{bad: 1}}"])
+    line = f"--set {path}={{bad: 1}}: {path}: expected {expected(info)}, got {{'bad': 1}}"
+    assert line in str(caught.value).splitlines()  # beside it: a section's required fields, missing
+
+
+def test_sibling_fields_get_messages_of_the_same_shape() -> None:
+    data = {"model_dir": "m", "task": {"class": "a:B"}}
+    messages = []
+    for override in ("trainer.seed=abc", "eval_spec.throttle_secs=abc", "sidecar.lease_ttl=abc"):
+        with pytest.raises(ConfigError) as caught:
+            config_from_dict(data, [override])
+        messages.append(str(caught.value))
+    assert messages == [
+        "--set trainer.seed=abc: trainer.seed: expected an integer from 0 to 2**32 - 1, got 'abc'",
+        "--set eval_spec.throttle_secs=abc: eval_spec.throttle_secs: expected a number >= 0, got 'abc'",
+        "--set sidecar.lease_ttl=abc: sidecar.lease_ttl: expected a number > 0, got 'abc'",
+    ]
+
+
+def test_sections_and_list_items_say_what_they_hold() -> None:
+    data = {"model_dir": "m", "task": {"class": "a:B"}}
+    cases = {
+        "trainer.early_stopping=5": "trainer.early_stopping: expected a mapping with 'metric', 'patience' and "
+                                    "optional 'min_delta', 'higher_is_better', or null, got 5",
+        "task=5": "task: expected a mapping with 'class' and optional 'params', got 5",
+        "trainer=5": "trainer: expected a mapping, got 5",
+        "export={formats: [x]}": "export.formats[0]: expected one of 'safetensors', 'torch_export', "
+                                 "'torchscript', 'onnx', got 'x'",
+        "callbacks=[{class: 5}]": "callbacks[0].class: expected a string 'module:ClassName' or "
+                                  "'path/to/file.py:ClassName', got 5",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError) as caught:
+            config_from_dict(data, [override])
+        assert str(caught.value) == f"--set {override}: {message}"
+
+
+@pytest.mark.parametrize(("old", "new"), [("trainer.async_checkpoint", "checkpoint.async_save"),
+                                          ("trainer.throttle_secs", "eval_spec.throttle_secs"),
+                                          ("trainer.start_delay_secs", "eval_spec.start_delay_secs")])
+def test_a_moved_key_names_its_new_place(tmp_path: Path, old: str, new: str) -> None:
+    key = old.split(".")[1]
+    path = tmp_path / "config.yaml"
+    path.write_text(f"model_dir: m\ntask:\n  class: a:B\ntrainer:\n  train_steps: 5\n  {key}: 1\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert str(caught.value) == f"{path}: {old}: moved to {new} (line 6)"
+    path.write_text("model_dir: m\ntask:\n  class: a:B\n")
+    with pytest.raises(ConfigError, match=rf"^--set {old}=1: {old}: moved to {new}$"):
+        load_config(path, [f"{old}=1"])
+    cfg = load_config(path, [f"{new}=true" if "async" in new else f"{new}=1"])
+    section, field = new.split(".")
+    assert getattr(getattr(cfg, section), field) == 1  # true == 1 for async_save

@@ -29,6 +29,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from cadence import __version__, layout
+from cadence.config.schema import EXPORT_FORMATS
 from cadence.errors import CadenceError, ConfigError
 from cadence.progress import format_size, format_value
 from cadence.summary import json_value
@@ -102,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint", default="best", metavar="best|latest|STEP",
                         help="which checkpoint (default: best)")
     export.add_argument("--format", dest="formats", action="append", required=True,
-                        choices=["safetensors", "torch_export", "torchscript", "onnx"],
+                        choices=list(EXPORT_FORMATS),
                         help="artefact format (repeatable)")
     export.add_argument("--out", default=None, metavar="DIR",
                         help="output directory (default: MODEL_DIR/export/best/<step> or export/checkpoint/<step>)")

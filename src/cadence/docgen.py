@@ -209,7 +209,7 @@ def config_reference(root: type[BaseModel] | None = None) -> str:
     constraints, description), generated from the models only."""
     sections = config_sections(root)
     out = [
-        HEADER.format(source="the pydantic models in src/cadence/config.py"),
+        HEADER.format(source="the pydantic models in src/cadence/config/schema.py"),
         "# Config reference\n",
         (
             "An experiment is one YAML file, validated against these tables: an unknown or mistyped "

@@ -29,7 +29,7 @@ from cadence.actions.metric_path import is_better
 from cadence.checkpoint import CheckpointManager
 from cadence.checkpoint.leases import LeaseKeeper, Leases
 from cadence.checkpoint.watcher import CheckpointWatcher, Mode
-from cadence.config import SidecarConfig
+from cadence.config.schema import SidecarConfig
 from cadence.errors import CheckpointError
 from cadence.signals import install_handlers
 from cadence.storage import Storage

@@ -96,7 +96,7 @@ class CheckpointManager:
         self,
         directory: str,
         *,
-        max_to_keep: int | None = 5,
+        max_to_keep: int | None = retention.DEFAULT_MAX_TO_KEEP,
         keep_every_n_steps: int | None = None,
         storage_options: dict[str, Any] | None = None,
         protected_steps: Callable[[], Iterable[int]] | None = None,

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
+DEFAULT_MAX_TO_KEEP = 5
+"""How many of the newest checkpoints retention keeps unless told (``trainer.max_to_keep``'s
+default too)."""
+
 
 def kept_every_n(steps: Iterable[int], n: int) -> set[int]:
     """Steps kept by ``keep_every_n_steps=n``.

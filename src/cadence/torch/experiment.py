@@ -110,7 +110,7 @@ def _instantiate(cls: type, params: Mapping[str, Any], field: str) -> Any:
 
 def build_task(cfg: ExperimentConfig) -> Task:
     """Instantiate the configured Task with ``task.params`` as keyword arguments."""
-    return _instantiate(load_task_class(cfg.task.task_class), cfg.task.params, "task.params")
+    return _instantiate(load_task_class(cfg.task.class_path), cfg.task.params, "task.params")
 
 
 def build_callbacks(cfg: ExperimentConfig, task: Task) -> list[Any]:
@@ -123,7 +123,7 @@ def build_callbacks(cfg: ExperimentConfig, task: Task) -> list[Any]:
     """
     callbacks = list(task.build_callbacks())
     for i, entry in enumerate(cfg.callbacks):
-        cls = load_class(entry.callback_class, f"callbacks[{i}].class")
+        cls = load_class(entry.class_path, f"callbacks[{i}].class")
         callbacks.append(_instantiate(cls, entry.params, f"callbacks[{i}].params"))
     return callbacks
 
@@ -291,7 +291,7 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     manager = CheckpointManager(  # one writer: the chief; the other ranks only read
         layout.checkpoints_dir(model_dir), max_to_keep=t.max_to_keep,
         keep_every_n_steps=t.keep_every_n_steps, writer=train and ctx.is_chief,
-        async_save=t.async_checkpoint and train,
+        async_save=cfg.checkpoint.async_save and train,
     )
     controller = Controller(
         trainer=trainer,
@@ -335,7 +335,7 @@ def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
     with run.controller as controller:
         metrics = controller.train_and_evaluate(
             train_steps=t.train_steps, eval_steps=t.validation_steps, eval_interval=t.validation_interval,
-            throttle_secs=t.throttle_secs, start_delay_secs=t.start_delay_secs,
+            throttle_secs=cfg.eval_spec.throttle_secs, start_delay_secs=cfg.eval_spec.start_delay_secs,
         )
         if export_final is not None:
             export_final(controller.global_step, {"metrics": metrics})

@@ -33,13 +33,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from cadence.config.schema import EXPORT_FORMATS
 from cadence.errors import CadenceError
 from cadence.torch.state import MODEL_FILE, model_to_safetensors
 
 log = logging.getLogger(__name__)
 
-FORMATS: tuple[str, ...] = ("safetensors", "torch_export", "torchscript", "onnx")
-"""The export formats, in the order of the module docstring."""
+FORMATS: tuple[str, ...] = EXPORT_FORMATS
+"""The export formats (the config schema's list), in the order of the module docstring."""
 TRACED_FORMATS = frozenset({"torch_export", "torchscript", "onnx"})
 """Formats that run the model on example inputs."""
 FILES: dict[str, str] = {

@@ -211,10 +211,11 @@ class _Smoke:
         t.update(
             train_steps=self.steps, steps_per_loop=1, checkpoint_interval=None, validation_interval=None,
             validation_steps=EVAL_BATCHES if t["validation_steps"] == -1 else min(t["validation_steps"], EVAL_BATCHES),
-            summary_interval=None, max_to_keep=None, keep_every_n_steps=None, async_checkpoint=False,
-            recovery=None, save_on_preemption=False, in_process_validation=True, throttle_secs=0.0,
-            start_delay_secs=0.0,
+            summary_interval=None, max_to_keep=None, keep_every_n_steps=None, recovery=None,
+            save_on_preemption=False, in_process_validation=True,
         )
+        data["checkpoint"] = {"async_save": False}
+        data["eval_spec"] = {"throttle_secs": 0.0, "start_delay_secs": 0.0}
         if data.get("export") is not None:
             data["export"]["on"] = "final"  # no exporter action: the export stage exports, once
             data["export"]["max_to_keep"] = None
@@ -227,7 +228,7 @@ class _Smoke:
         if load_config(path) != self.cfg:
             raise SmokeCheckError(f"{path}: the resolved config does not read back equal to itself")
         task = build_task(self.cfg)
-        return f"{type(task).__name__} from {self.cfg.task.task_class}"
+        return f"{type(task).__name__} from {self.cfg.task.class_path}"
 
     def stage_build(self) -> str:
         from cadence.torch.experiment import build_run

@@ -1,0 +1,115 @@
+"""Loading experiment configs: :func:`config_from_dict` (overrides, then validation),
+:func:`load_config` (a YAML file) and :func:`save_config`. Every problem raises
+:class:`~cadence.errors.ConfigError` with one line per problem, naming the source and the field::
+
+    config.yaml: trainer.train_stpes: unknown field (did you mean 'train_steps'?) (line 7)
+    --set trainer.steps=5: unknown field 'trainer.steps' (did you mean 'trainer.train_steps'?)
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from cadence.config.class_paths import resolve_class_path
+from cadence.config.errors import Loc, moved_key_errors, validation_message
+from cadence.config.overrides import apply_overrides
+from cadence.config.schema import ExperimentConfig
+from cadence.config.yaml_io import parse_yaml, read_text
+from cadence.errors import ConfigError
+from cadence.storage import Storage
+
+__all__ = ["config_from_dict", "load_config", "save_config"]
+
+
+def _describe_type(value: Any) -> str:
+    return {
+        list: "a list",
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "a boolean",
+    }.get(type(value), type(value).__name__)
+
+
+def config_from_dict(
+    data: Mapping[str, Any],
+    overrides: Sequence[str] = (),
+    *,
+    model_dir: str | None = None,
+    source: str = "config",
+    config_dir: str | Path | None = None,
+    _lines: Mapping[Loc, int] | None = None,
+) -> ExperimentConfig:
+    """Validate plain data (as read from YAML) into an :class:`ExperimentConfig`.
+
+    ``overrides`` are ``dotted.key=value`` strings applied first, then ``model_dir`` (when not
+    ``None``). ``source`` names the data in error messages; ``config_dir`` is recorded for
+    :func:`resolve_task_class`. Raises ConfigError.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{source}: expected a mapping at the top level, got {_describe_type(data)}"
+        )
+    work: dict[str, Any] = _deep_copy(data)
+    overridden = apply_overrides(work, overrides)
+    if model_dir is not None:
+        work["model_dir"] = model_dir
+        overridden[("model_dir",)] = f"--model-dir {model_dir}"
+    moved = moved_key_errors(work, source, _lines or {}, overridden)
+    if moved:
+        raise ConfigError(moved)
+    try:
+        cfg = ExperimentConfig.model_validate(work)
+    except ValidationError as exc:
+        raise ConfigError(validation_message(exc, source, _lines or {}, overridden)) from None
+    if config_dir is not None:
+        cfg._config_dir = Path(config_dir).resolve()
+        for spec in (cfg.task, *cfg.callbacks):  # importable from any working directory
+            spec.class_path = resolve_class_path(spec.class_path, cfg.config_dir)
+    return cfg
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def load_config(
+    path: str | Path, overrides: Sequence[str] = (), model_dir: str | None = None
+) -> ExperimentConfig:
+    """Read, override and validate a YAML config file; raise ConfigError on any problem.
+
+    ``overrides`` are ``dotted.key=value`` strings (value parsed as YAML), applied in order; a
+    key outside the schema is an error, except below ``task.params``. ``model_dir``, when given,
+    replaces the file's ``model_dir``. The file's directory is recorded (``cfg.config_dir``) so
+    that a relative ``file.py:Class`` can be resolved by :func:`resolve_task_class`.
+    """
+    source = os.fspath(path)
+    text = read_text(source)
+    data, lines = parse_yaml(text, source)
+    if data is None:
+        raise ConfigError(f"{source}: the file is empty (expected a mapping with at least 'task')")
+    config_dir = (
+        None
+        if "://" in source and not source.startswith("file://")
+        else Path(source.removeprefix("file://")).parent
+    )
+    return config_from_dict(
+        data, overrides, model_dir=model_dir, source=source, config_dir=config_dir, _lines=lines
+    )
+
+
+def save_config(cfg: ExperimentConfig, path_or_url: str | Path) -> None:
+    """Write ``cfg.to_yaml()`` to a local path or an fsspec URL, creating parents; atomic on local disks."""
+    storage = Storage(os.fspath(path_or_url))
+    storage.makedirs(posixpath.dirname(storage.root))
+    storage.write_atomic(storage.root, cfg.to_yaml().encode("utf-8"))

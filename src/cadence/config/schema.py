@@ -1,0 +1,484 @@
+"""The experiment config's schema: one pydantic model per section, each field with its default,
+bounds and meaning -- the one place they are written. ``docs/config.md`` is generated from it, and
+every "expected ..." in an error message is derived from it (:mod:`cadence.config.errors`): a
+field whose accepted values need other words than its type says declares them as
+``json_schema_extra={"expected": ...}``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from cadence.checkpoint.retention import DEFAULT_MAX_TO_KEEP
+from cadence.config.class_paths import CLASS_SPEC_FORM, check_class_spec, resolve_class_path
+from cadence.errors import ConfigError
+
+__all__ = [
+    "EXPORT_FORMATS",
+    "MOVED_KEYS",
+    "BestCheckpointConfig",
+    "CallbackConfig",
+    "CheckpointConfig",
+    "ClassSpec",
+    "EarlyStoppingConfig",
+    "EvalSpecConfig",
+    "ExperimentConfig",
+    "ExportConfig",
+    "ExportFormat",
+    "Precision",
+    "RecoveryConfig",
+    "SidecarConfig",
+    "TaskConfig",
+    "TrainerConfig",
+    "resolve_task_class",
+]
+
+Precision = Literal["32", "bf16", "fp16"]
+ExportFormat = Literal["safetensors", "torch_export", "torchscript", "onnx"]
+EXPORT_FORMATS: tuple[str, ...] = get_args(ExportFormat)
+"""Every inference format, in the order the docs list them (the CLI's choices, the exporters')."""
+
+VALIDATION_STEPS_FORM = "-1 (the whole validation data) or an integer >= 1"
+DEVICE_FORM = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+MOVED_KEYS: dict[tuple[str, ...], str] = {
+    ("trainer", "async_checkpoint"): "checkpoint.async_save",
+    ("trainer", "throttle_secs"): "eval_spec.throttle_secs",
+    ("trainer", "start_delay_secs"): "eval_spec.start_delay_secs",
+}
+"""Keys of earlier versions and where they live now: an error names the new key."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
+
+
+def _none_to_empty(data: Any, keys: tuple[str, ...]) -> Any:
+    """A section with every entry commented out is YAML ``null``: read it as ``{}``."""
+    if isinstance(data, dict):
+        data = {k: ({} if k in keys and v is None else v) for k, v in data.items()}
+    return data
+
+
+class ClassSpec(_Model):
+    """A class to build and its keyword arguments (the task, each callback)."""
+
+    class_path: str = Field(
+        alias="class",
+        description=(
+            "The class, as `module:ClassName` (imported from `sys.path`) or `path/to/file.py:ClassName` "
+            "(a relative path is resolved against the config file's directory)."
+        ),
+        json_schema_extra={"expected": f"a string {CLASS_SPEC_FORM}"},
+    )
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments passed to the class. Free-form: not validated here.",
+        json_schema_extra={"expected": "a mapping of keyword arguments"},
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_params(cls, data: Any) -> Any:
+        return _none_to_empty(data, ("params",))
+
+    @field_validator("class_path")
+    @classmethod
+    def _check_class_path(cls, value: str) -> str:
+        return check_class_spec(value)
+
+
+TaskConfig = ClassSpec
+"""``task:``: the Task class (a ``cadence.torch.Task``) and its keyword arguments."""
+CallbackConfig = ClassSpec
+"""``callbacks[i]``: a ``cadence.Callback`` class and its keyword arguments."""
+
+
+class BestCheckpointConfig(_Model):
+    """Keep the best checkpoint so far in `MODEL_DIR/best/` (with `best.json`)."""
+
+    metric: str = Field(description="The eval metric to compare (a key, or `a/b` for a nested one).")
+    higher_is_better: bool = Field(default=True, description="`true`: larger is better (accuracy); `false`: smaller (loss).")
+
+
+class EarlyStoppingConfig(_Model):
+    """Stop training when an eval metric stops improving."""
+
+    metric: str = Field(description="The eval metric to watch.")
+    patience: int = Field(ge=1, strict=True, description="Evaluations without improvement before stopping.")
+    min_delta: float = Field(default=0.0, ge=0, description="An improvement must exceed this much.")
+    higher_is_better: bool = Field(default=True, description="`true`: larger is better; `false`: smaller.")
+
+
+class RecoveryConfig(_Model):
+    """Roll back to the latest checkpoint when the training loss diverges (NaN/inf, or above a bound)."""
+
+    loss_upper_bound: float | None = Field(
+        default=None, description="A loss above this counts as diverged too; `null`: only NaN/inf."
+    )
+    recovery_begin_steps: int = Field(
+        default=0, ge=0, strict=True, description="The upper bound applies from this global step on."
+    )
+    max_trials: int = Field(
+        default=3, ge=0, strict=True, description="Recoveries allowed over the run; the next divergence fails the run."
+    )
+
+
+
+
+class ExportConfig(_Model):
+    """Inference artefacts written under `MODEL_DIR/export/<on>/<step>/`."""
+
+    formats: list[ExportFormat] = Field(
+        default_factory=lambda: list[ExportFormat](["safetensors"]),
+        description=("Artefacts per export: `safetensors`, `torch_export` (.pt2), `torchscript`, `onnx` (needs "
+                     "`cadence[onnx]`)."),
+    )
+    on: Literal["best", "final", "every_eval"] = Field(
+        default="best",
+        description=("When to export: on a new best checkpoint (needs `trainer.best_checkpoint`), at the end of "
+                     "training, or after every evaluation."),
+    )
+    max_to_keep: int | None = Field(
+        default=5, ge=0, strict=True, description="Newest exports kept; `null` keeps all."
+    )
+
+
+class SidecarConfig(_Model):
+    """The sidecar evaluator (`cadence evaluate --continuous`, `cadence launch --sidecar`)."""
+
+    mode: Literal["every", "latest"] = Field(
+        default="every", description="`every`: each committed checkpoint in step order; `latest`: jump to the newest."
+    )
+    timeout: float | None = Field(
+        default=3600.0, ge=0,
+        description="Stop after this many seconds without a new checkpoint (a dead trainer); `null`: wait for `FINAL`.",
+    )
+    poll_interval: float = Field(default=0.5, gt=0, description="Seconds between looks for new checkpoints.")
+    max_pending: int | None = Field(
+        default=8, ge=1, strict=True,
+        description="Unevaluated checkpoints protected from the trainer's retention; the oldest beyond it are skipped.",
+    )
+    max_evaluations: int | None = Field(
+        default=None, ge=1, strict=True, description="Stop after this many evaluations in total; `null`: no limit."
+    )
+    lease_ttl: float = Field(
+        default=60.0, gt=0, description="Seconds a lease lives without renewal (a killed sidecar's lease ends then)."
+    )
+    name: str | None = Field(
+        default=None, description="Write to `eval_<name>/` instead of `eval/` (several sidecars on one model dir)."
+    )
+    max_retries: int = Field(
+        default=3, ge=0, strict=True,
+        description="A committed checkpoint that fails to load is retried this many times, then recorded as failed.",
+    )
+    retry_backoff: float = Field(
+        default=0.5, gt=0, description="Seconds before the first retry; each further retry waits twice as long.",
+    )
+
+
+class TrainerConfig(_Model):
+    """How long to train, and when to checkpoint, validate and write summaries."""
+
+    train_steps: int | None = Field(
+        default=None,
+        ge=1,
+        strict=True,
+        description=(
+            "Total optimizer steps to train for; `null` "
+            "trains until the training data is exhausted."
+        ),
+    )
+    steps_per_loop: int = Field(
+        default=100,
+        ge=1,
+        strict=True,
+        description=(
+            "Steps per inner loop. Checkpoints, validation, summaries and actions happen at loop "
+            "boundaries, so every interval below is effectively rounded up to a multiple of it."
+        ),
+    )
+    checkpoint_interval: int | None = Field(
+        default=1000,
+        ge=1,
+        strict=True,
+        description=(
+            "Save a checkpoint every this many steps; `null` saves only when training completes."
+        ),
+    )
+    validation_interval: int | None = Field(
+        default=None,
+        ge=1,
+        strict=True,
+        description=(
+            "Validate every this many steps; `null` validates once, at the end of training."
+        ),
+    )
+    validation_steps: int = Field(
+        default=-1,
+        strict=True,
+        json_schema_extra={"expected": VALIDATION_STEPS_FORM},
+        description="Batches per validation; `-1` uses the whole validation data.",
+    )
+    max_to_keep: int | None = Field(
+        default=DEFAULT_MAX_TO_KEEP,
+        ge=0,
+        strict=True,
+        description=(
+            "Keep the newest this many checkpoints (`0`: none "
+            "besides the kept ones below); `null` keeps all."
+        ),
+    )
+    keep_every_n_steps: int | None = Field(
+        default=None,
+        ge=1,
+        strict=True,
+        description=(
+            "Also keep, forever, the checkpoints whose step "
+            "is a multiple of this; `null`: no such rule."
+        ),
+    )
+    summary_interval: int | None = Field(
+        default=None,
+        ge=1,
+        strict=True,
+        description=(
+            "Write training summaries every this many steps (a "
+            "multiple of `steps_per_loop`); `null`: every loop."
+        ),
+    )
+    seed: int = Field(
+        default=0,
+        ge=0,
+        le=2**32 - 1,
+        strict=True,
+        json_schema_extra={"expected": "an integer from 0 to 2**32 - 1"},
+        description="Seed for the Python, NumPy and torch random number generators.",
+    )
+    precision: Precision = Field(
+        default="32",
+        description=(
+            'Numeric precision: `"32"` (full), `"bf16"` '
+            'or `"fp16"` (mixed precision with autocast).'
+        ),
+    )
+    grad_accum_steps: int = Field(
+        default=1,
+        ge=1,
+        strict=True,
+        description="Micro-batches whose gradients are accumulated into each optimizer step.",
+    )
+    grad_clip_norm: float | None = Field(
+        default=None,
+        gt=0,
+        strict=True,
+        allow_inf_nan=False,
+        description="Clip the global gradient norm to this value; `null`: no clipping.",
+    )
+    device: str = Field(
+        default="auto",
+        json_schema_extra={"expected": DEVICE_FORM},
+        description="`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`.",
+    )
+    best_checkpoint: BestCheckpointConfig | None = Field(
+        default=None, description="Keep the best checkpoint in `best/`; `null`: off."
+    )
+    early_stopping: EarlyStoppingConfig | None = Field(
+        default=None, description="Stop when an eval metric plateaus; `null`: off."
+    )
+    recovery: RecoveryConfig | None = Field(
+        default=None, description="Roll back on a diverged loss; `null`: off (a NaN loss is only logged)."
+    )
+    in_process_validation: bool = Field(
+        default=True,
+        description="Evaluate inside `cadence train`; `false`: only train (a sidecar evaluates the checkpoints).",
+    )
+    save_on_preemption: bool = Field(
+        default=True,
+        description="On SIGTERM, SIGUSR1 or SIGINT, commit a checkpoint at the end of the current loop and exit 0.",
+    )
+
+    @field_validator("validation_steps")
+    @classmethod
+    def _check_validation_steps(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError(f"expected {VALIDATION_STEPS_FORM}")
+        return value
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _normalise_precision(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and value == 32:
+            return "32"
+        if isinstance(value, str):
+            return value.strip().lower()
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        value = value.strip()
+        if not _DEVICE_RE.match(value):
+            raise ValueError(f"expected {DEVICE_FORM}")
+        return value
+
+    @field_validator("summary_interval")
+    @classmethod
+    def _check_summary_interval(cls, value: int | None, info: Any) -> int | None:
+        steps_per_loop = info.data.get("steps_per_loop")
+        if value is not None and steps_per_loop and value % steps_per_loop:
+            raise ValueError(f"must be a multiple of trainer.steps_per_loop ({steps_per_loop})")
+        return value
+
+
+class CheckpointConfig(_Model):
+    """How checkpoints are written (the CheckpointManager's own settings; what is kept is `trainer:`'s)."""
+
+    async_save: bool = Field(
+        default=False,
+        description=(
+            "Copy the state to CPU memory at a save and commit it from a background thread (one save in "
+            "flight); the copy is reused by the next save, so one extra CPU copy of the state stays resident."
+        ),
+    )
+
+
+class EvalSpecConfig(_Model):
+    """tf.estimator's `EvalSpec` throttling of the in-process evaluations of `cadence train`."""
+
+    throttle_secs: float = Field(
+        default=0.0, ge=0,
+        description=("Skip an in-process evaluation due sooner than this after the previous one started "
+                     "(never the final)."),
+    )
+    start_delay_secs: float = Field(
+        default=0.0, ge=0,
+        description="Skip in-process evaluations due in the first this many seconds (never the final).",
+    )
+
+
+class ExperimentConfig(_Model):
+    """A whole experiment: where it writes, what it trains, and how."""
+
+    model_dir: str | None = Field(
+        default=None,
+        json_schema_extra={"expected": "a path or URL (a string)"},
+        description=(
+            "The model directory (checkpoints, summaries, exports): a local path or an fsspec "
+            "URL. The CLI's `--model-dir` overrides it."
+        ),
+    )
+    task: TaskConfig = Field(
+        description="The Task (a subclass of `cadence.torch.Task`): what model, data and loss to train."
+    )
+    trainer: TrainerConfig = Field(
+        default_factory=TrainerConfig, description="The training loop's schedule and numerics."
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="How checkpoints are written."
+    )
+    eval_spec: EvalSpecConfig = Field(
+        default_factory=EvalSpecConfig, description="tf.estimator's throttling of in-process evaluations."
+    )
+    sidecar: SidecarConfig = Field(
+        default_factory=SidecarConfig, description="The sidecar evaluator's settings."
+    )
+    export: ExportConfig | None = Field(
+        default=None, description="Export inference artefacts; `null`: no exports during training."
+    )
+    callbacks: list[CallbackConfig] = Field(
+        default_factory=list,
+        description=(
+            "Callbacks (`cadence.Callback`) called at the run's events: training start and end, "
+            "checkpoint saved or loaded, evaluation done, close. Built after the Task's own "
+            "(`Task.build_callbacks()`), which come first."
+        ),
+    )
+
+    _config_dir: Path | None = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_sections(cls, data: Any) -> Any:
+        data = _none_to_empty(data, ("task", "trainer", "checkpoint", "eval_spec", "sidecar"))
+        if isinstance(data, dict) and "callbacks" in data and data["callbacks"] is None:
+            data = {**data, "callbacks": []}  # `callbacks:` with every entry commented out
+        return data
+
+    @model_validator(mode="after")
+    def _export_on_best_needs_best_checkpoint(self) -> ExperimentConfig:
+        if self.export is not None and self.export.on == "best" and self.trainer.best_checkpoint is None:
+            raise ValueError(
+                "export.on is 'best' but trainer.best_checkpoint is not set (set it, or export.on: final)"
+            )
+        return self
+
+    def require_model_dir(self) -> str:
+        """``model_dir``; ConfigError when it is not set (neither in the file nor ``--model-dir``)."""
+        if not self.model_dir:
+            raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
+        return self.model_dir
+
+    @property
+    def config_dir(self) -> Path | None:
+        """Directory of the file this config was loaded from (``None`` if built in code)."""
+        return self._config_dir
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data: by alias (``task.class``), task class absolute.
+
+        Raises ConfigError when ``task.params`` holds something YAML cannot represent.
+        """
+        data = self.model_dump(by_alias=True)
+        data["task"]["class"] = resolve_class_path(self.task.class_path, self.config_dir)
+        data["task"]["params"] = _plain(data["task"]["params"], "task.params")
+        for i, entry in enumerate(data["callbacks"]):
+            entry["class"] = resolve_class_path(entry["class"], self.config_dir)
+            entry["params"] = _plain(entry["params"], f"callbacks[{i}].params")
+        return data
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML (see :meth:`to_dict`); :func:`~cadence.config.load_config`
+        reads it back."""
+        from cadence.config.yaml_io import dump_yaml
+
+        return dump_yaml(self.to_dict())
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when they describe the same experiment, wherever they were loaded from."""
+        if not isinstance(other, ExperimentConfig):
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def _identity(self) -> dict[str, Any]:
+        data = self.model_dump(by_alias=True)
+        data["task"]["class"] = resolve_class_path(self.task.class_path, self.config_dir)
+        for entry in data["callbacks"]:
+            entry["class"] = resolve_class_path(entry["class"], self.config_dir)
+        return data
+
+
+def _plain(value: Any, path: str) -> Any:
+    """``value`` as plain YAML data (tuples become lists); ConfigError on anything else."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, datetime.date)):
+        return value
+    if isinstance(value, Mapping):
+        return {k: _plain(v, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    raise ConfigError(f"{path}: {type(value).__name__} values cannot be written to a YAML config")
+
+
+
+
+def resolve_task_class(cfg: ExperimentConfig, config_dir: str | Path | None = None) -> str:
+    """``task.class`` with a relative ``file.py`` made absolute, against ``config_dir``, else the
+    directory the config was loaded from, else the current directory."""
+    return resolve_class_path(cfg.task.class_path, config_dir if config_dir is not None else cfg.config_dir)

@@ -1,0 +1,126 @@
+"""The YAML of experiment configs: a YAML 1.2-style safe dialect (``1e-3`` is a number, only
+``true`` / ``false`` are booleans), parsing with the line of every key and duplicate-key
+detection, dumping that reads back equal, and reading a config file's text (local or fsspec)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from cadence.config.errors import Loc
+from cadence.errors import ConfigError
+from cadence.storage import Storage
+
+__all__ = ["YamlDumper", "YamlLoader", "dump_yaml", "parse_yaml", "read_text"]
+
+_YAML_LINE_BREAKS = "\x85\u2028\u2029"
+
+
+class YamlLoader(yaml.SafeLoader):
+    """Safe YAML loader (no custom tags) with YAML 1.2's scalars: ``1e-3`` is a float, and only
+    ``true``/``false`` are booleans (``on``, ``off``, ``yes``, ``no`` are strings)."""
+
+
+class YamlDumper(yaml.SafeDumper):
+    """Safe YAML dumper: quotes strings like ``"1e-3"``, which :class:`YamlLoader` reads as floats."""
+
+
+# YAML 1.2 booleans: only true/false. YAML 1.1 also reads on/off/yes/no/y/n as booleans, which
+# turns the key `on:` (export.on) into True and `country: no` into False.
+YamlLoader.yaml_implicit_resolvers = {
+    first: [r for r in resolvers if r[0] != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+for _cls in (YamlLoader, YamlDumper):
+    _cls.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"),
+    )
+
+
+def parse_yaml(text: str, source: str) -> tuple[Any, dict[Loc, int]]:
+    """The document and the line of each mapping key (by key path). Raises ConfigError."""
+    loader = YamlLoader(text)
+    try:
+        node = loader.get_single_node()
+        lines: dict[Loc, int] = {}
+        if node is not None:
+            _index_keys(node, (), lines, source)
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(_format_yaml_error(exc, source)) from None
+    finally:
+        loader.dispose()
+    return data, lines
+
+
+def _index_keys(
+    node: yaml.Node, loc: Loc, lines: dict[Loc, int], source: str, seen: set[int] | None = None
+) -> None:
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # aliases can make the graph cyclic
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if (
+                not isinstance(key_node, yaml.ScalarNode)
+                or key_node.tag == "tag:yaml.org,2002:merge"
+            ):
+                continue
+            key, line = key_node.value, key_node.start_mark.line + 1
+            if key in first_line:
+                path = ".".join((*loc, key))
+                raise ConfigError(
+                    f"{source}: line {line}: duplicate key {path!r} "
+                    f"(first set on line {first_line[key]})"
+                )
+            first_line[key] = line
+            lines[loc + (key,)] = line
+            _index_keys(value_node, loc + (key,), lines, source, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _index_keys(item, (*loc, str(i)), lines, source, seen)
+
+
+def _format_yaml_error(exc: yaml.YAMLError, source: str) -> str:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    detail = f"{problem} ({context})" if context else problem
+    return f"{source}: {where}invalid YAML: {detail}"
+
+
+def dump_yaml(data: Mapping[str, Any]) -> str:
+    """``data`` as YAML that :class:`YamlLoader` reads back equal."""
+    text = yaml.dump(data, Dumper=YamlDumper, sort_keys=False, allow_unicode=True)
+    if any(c in text for c in _YAML_LINE_BREAKS):  # PyYAML writes them raw, then reads them as breaks
+        text = yaml.dump(data, Dumper=YamlDumper, sort_keys=False, allow_unicode=False)
+    return text
+
+
+def read_text(path: str) -> str:
+    """The UTF-8 text of a config file (local path or fsspec URL); ConfigError naming the file."""
+    try:
+        storage = Storage(path)
+        data = storage.read_bytes(storage.root)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except Exception as exc:  # permissions, network, unknown protocol...
+        raise ConfigError(f"{path}: cannot read the config file: {exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
