@@ -150,10 +150,11 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     if spec.source != "default" and rank == 0:
         console.print(f"role: {spec.role} (from {spec.source})")
     import signal
-    import threading
 
-    previous_sigterm = None
-    if spec.is_trainer and not cfg.trainer.save_on_preemption and threading.current_thread() is threading.main_thread():
+    from cadence.signals import SignalHandlers, install_handlers
+
+    handlers = SignalHandlers({})
+    if spec.is_trainer and not cfg.trainer.save_on_preemption:
         # Without the preemption action SIGTERM would kill the process where it stands; raise in the
         # main thread instead, so that `with controller:` closes the run (callbacks' on_close).
         def terminate(signum: int, _frame: Any) -> None:
@@ -161,15 +162,14 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
             logger.warning("received SIGTERM: stopping without saving (trainer.save_on_preemption is false)")
             raise SystemExit(128 + signum)
 
-        previous_sigterm = signal.signal(signal.SIGTERM, terminate)
+        handlers = install_handlers([signal.SIGTERM], terminate, owner="cadence train")
     try:
         metrics = train_and_evaluate(cfg, role=spec, progress=False if args.no_progress else None)
     except BaseException:
         end_distributed(ok=False)
         raise
     finally:
-        if previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, previous_sigterm)
+        handlers.restore()
     end_distributed(ok=True)
     if isinstance(metrics, SidecarResult):  # the evaluator role ran the sidecar
         return _sidecar_done(metrics, console)

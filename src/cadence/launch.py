@@ -23,9 +23,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO
 
 from cadence.layout import require_model_dir
+from cadence.signals import install_handlers, signal_name
 
 __all__ = ["launch", "launch_exit_code", "sidecar_commands"]
 
@@ -159,7 +160,7 @@ def launch(
     output = _Output(out)
     children = [_Child(name, [os.fspath(a) for a in commands[name]]) for name in names]
     signals: list[int] = []
-    restore = _install_handlers(signals.append)
+    handlers = install_handlers(_STOP_SIGNALS, lambda signum, _frame: signals.append(signum), owner="cadence launch")
     try:
         # All processes first, then the reader threads: no thread of ours runs while forking.
         for child in children:
@@ -183,7 +184,7 @@ def launch(
         try:
             _cleanup(children, grace_s, output)
         finally:
-            restore()
+            handlers.restore()
     # A command not started because a stop signal came first counts as stopped by that signal.
     not_started = -(signals[0] if signals else signal.SIGTERM)
     return {c.name: (c.returncode if c.returncode is not None else not_started) for c in children}
@@ -246,7 +247,7 @@ def _supervise(children: list[_Child], stoppers: set[str], grace_s: float,
         if len(signals) > handled_signals:
             first = handled_signals == 0
             handled_signals = len(signals)
-            name = _signal_name(signals[-1])
+            name = signal_name(signals[-1])
             running = [c for c in children if c.running]
             if first:
                 output.line(_LAUNCHER, f"received {name}; stopping {', '.join(c.name for c in running)}")
@@ -334,28 +335,6 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def _install_handlers(on_signal: Callable[[int], None]) -> Callable[[], None]:
-    """Route the stop signals to ``on_signal`` while launching (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous: dict[int, Any] = {}
-
-    def handler(signum: int, frame: Any) -> None:
-        on_signal(signum)
-
-    for signum in _STOP_SIGNALS:
-        try:
-            previous[signum] = signal.signal(signum, handler)
-        except (OSError, ValueError):  # pragma: no cover - not allowed here
-            pass
-
-    def restore() -> None:
-        for signum, old in previous.items():
-            signal.signal(signum, old)
-
-    return restore
-
-
 def _die_with_parent() -> Callable[[], None] | None:
     """On Linux: a preexec function that makes the child get SIGTERM when the launcher dies
     without stopping it (SIGKILL, a crash). SIGTERM, not SIGKILL: a trainer can still save."""
@@ -377,12 +356,5 @@ def _die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:  # pragma: no cover
-        return f"signal {signum}"
-
-
 def _describe(code: int) -> str:
-    return f"signal {_signal_name(-code)}" if code < 0 else f"code {code}"
+    return f"signal {signal_name(-code)}" if code < 0 else f"code {code}"

@@ -118,6 +118,8 @@ def train_with_torchrun(args: argparse.Namespace, cfg: ExperimentConfig, console
     import signal
     import subprocess
 
+    from cadence.signals import install_handlers
+
     cmd = torchrun_command(args)
     env = dict(os.environ)
     env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", LOG_LINE_PREFIX)
@@ -125,17 +127,10 @@ def train_with_torchrun(args: argparse.Namespace, cfg: ExperimentConfig, console
     env.setdefault("COLUMNS", str(max(80, shutil.get_terminal_size((130, 24)).columns - 10)))
     logger.info("starting %d processes: %s", args.nproc, " ".join(cmd))
     proc = subprocess.Popen(cmd, env=env)
-    forwarded = {}
-
     def forward(signum: int, _frame: Any) -> None:  # stopping cadence stops the launcher, which stops the ranks
         proc.send_signal(signum)
 
-    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if sig is not None:
-            try:
-                forwarded[sig] = signal.signal(sig, forward)
-            except ValueError:  # not the main thread
-                pass
+    forwarded = install_handlers((signal.SIGTERM, getattr(signal, "SIGHUP", None)), forward, owner="cadence train")
     try:
         code = proc.wait()
     except KeyboardInterrupt:  # the terminal's SIGINT reached the launcher too; let it stop the ranks
@@ -146,8 +141,7 @@ def train_with_torchrun(args: argparse.Namespace, cfg: ExperimentConfig, console
             proc.wait()
         raise
     finally:
-        for sig, handler in forwarded.items():
-            signal.signal(sig, handler)
+        forwarded.restore()
     if code != 0:
         console.print(f"[red]cadence: failed:[/red] the distributed job exited with status {code}; "
                       "torchrun's report above names the failed rank", highlight=False, soft_wrap=True)
