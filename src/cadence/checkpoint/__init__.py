@@ -9,7 +9,15 @@ from cadence.checkpoint.leases import Lease, LeaseKeeper, Leases
 from cadence.checkpoint.manager import FINAL_NAME, CheckpointManager
 from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.checkpoint.files import STATE_NAME
-from cadence.checkpoint.protocol import Checkpointable, CheckpointReader, CheckpointWriter, Stateful
+from cadence.checkpoint.protocol import (
+    Checkpointable,
+    CheckpointReader,
+    CheckpointWriter,
+    Restorable,
+    Savable,
+    Snapshottable,
+    Stateful,
+)
 from cadence.storage import Storage
 
 __all__ = [
@@ -23,6 +31,9 @@ __all__ = [
     "LeaseKeeper",
     "Leases",
     "MANIFEST_NAME",
+    "Restorable",
+    "Savable",
+    "Snapshottable",
     "STATE_NAME",
     "Stateful",
     "Storage",

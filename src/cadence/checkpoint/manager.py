@@ -10,7 +10,6 @@ Layout of the managed directory (the model dir's ``checkpoints/``)::
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import re
@@ -22,8 +21,9 @@ from typing import Any, Callable, Iterable, Mapping
 from cadence.checkpoint import manifest as manifest_lib
 from cadence.checkpoint import retention
 from cadence.checkpoint.leases import Leases
-from cadence.checkpoint.files import STATE_NAME, DirectoryWriter, MemoryWriter, Snapshot, VerifiedReader
+from cadence.checkpoint.files import STATE_NAME, DirectoryWriter, VerifiedReader
 from cadence.checkpoint.manifest import MANIFEST_NAME
+from cadence.checkpoint.objects import load_object, save_object, snapshot_objects
 from cadence.storage import Storage
 from cadence.errors import CheckpointError, CorruptCheckpointError
 
@@ -195,7 +195,7 @@ class CheckpointManager:
         self._require_writer("save")
         if self._has_manifest(f"ckpt-{step}"):
             return self.path(step)
-        snapshot = _snapshot(step, objects)
+        snapshot = snapshot_objects(step, objects)
 
         def commit() -> None:
             try:
@@ -283,8 +283,7 @@ class CheckpointManager:
         writer = DirectoryWriter(self.storage, directory, step)
         state: dict[str, Any] = {}
         for name, obj in objects.items():
-            save = getattr(obj, "save_checkpoint", None)
-            state[name] = save(writer) if save is not None else obj.state_dict()  # type: ignore[attr-defined]
+            state[name] = save_object(name, obj, writer)
         document = {"step": step, "time": time.time(), "cadence_version": _cadence_version(), "state": state}
         writer.write_state(self._encode_state(document))
         return writer.files()
@@ -429,15 +428,8 @@ class CheckpointManager:
 
     @staticmethod
     def _apply(objects: Mapping[str, object], reader: VerifiedReader, state: dict[str, Any]) -> None:
-        saved = state["state"]
         for name, obj in objects.items():
-            load = getattr(obj, "load_checkpoint", None)
-            if load is not None:
-                load(reader, saved.get(name))
-            elif name in saved:
-                obj.load_state_dict(saved[name])  # type: ignore[attr-defined]
-            else:
-                logger.debug("checkpoint %s holds no state for %r; left as is", reader.path, name)
+            load_object(name, obj, reader, state["state"])
 
     def _parse_state(self, data: bytes, step: int) -> dict[str, Any]:
         try:
@@ -524,22 +516,3 @@ class CheckpointManager:
                 continue
             logger.info("removed leftover of an interrupted save: %s", self.storage.url(path))
 
-
-def _snapshot(step: int, objects: Mapping[str, object]) -> dict[str, object]:
-    """Each object's checkpoint as of now, to commit later: its ``snapshot_checkpoint()`` when it
-    has one (e.g. tensors copied, not serialised), else its files in memory and its state deep-copied."""
-    snapshot: dict[str, object] = {}
-    for name, obj in objects.items():
-        save = getattr(obj, "save_checkpoint", None)
-        take_snapshot = getattr(obj, "snapshot_checkpoint", None)
-        if callable(take_snapshot):
-            snapshot[name] = take_snapshot()
-        elif save is not None:
-            memory = MemoryWriter(step)
-            state = save(memory)
-            snapshot[name] = Snapshot(memory.files, copy.deepcopy(state))
-        elif hasattr(obj, "state_dict"):
-            snapshot[name] = Snapshot({}, copy.deepcopy(obj.state_dict()))
-        else:
-            raise TypeError(f"cannot checkpoint {name!r}: {type(obj).__name__} has neither save_checkpoint nor state_dict")
-    return snapshot

@@ -55,6 +55,13 @@ class CheckpointReader(Protocol):
 
 
 @runtime_checkable
+class Savable(Protocol):
+    """Writes its own files into a checkpoint and returns its JSON state (a snapshot is one)."""
+
+    def save_checkpoint(self, writer: CheckpointWriter) -> JSON | None: ...
+
+
+@runtime_checkable
 class Restorable(Protocol):
     """Restores itself from a checkpoint (an evaluator that only reads checkpoints is one)."""
 
@@ -62,10 +69,17 @@ class Restorable(Protocol):
 
 
 @runtime_checkable
-class Checkpointable(Restorable, Protocol):
+class Checkpointable(Savable, Restorable, Protocol):
     """Writes its own files into a checkpoint and restores itself from them."""
 
-    def save_checkpoint(self, writer: CheckpointWriter) -> JSON | None: ...
+
+@runtime_checkable
+class Snapshottable(Protocol):
+    """A Checkpointable that captures its checkpoint for an asynchronous save: the returned
+    object's ``save_checkpoint(writer)`` writes, later, what ``save_checkpoint`` would have
+    written at the time of the snapshot (e.g. tensors copied rather than serialised)."""
+
+    def snapshot_checkpoint(self) -> Savable: ...
 
 
 @runtime_checkable

@@ -30,6 +30,7 @@ from cadence.torch.state import (
     set_rng_state,
     unwrap_model,
 )
+from cadence.torch.step_logs import FOLD, ScalarSum, add_extras, split_output
 from cadence.torch.task import Task
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class TorchTrainer:
         train_step, forward_backward, step_optimizer = task.train_step, self._forward_backward, optimizer.step
         # Detached per-micro-batch losses stay on the device until the end (no per-step sync).
         losses: list[torch.Tensor] = []
-        extras_acc: dict[str, _Scalars] = {}
+        extras_acc: dict[str, ScalarSum] = {}
         steps = consumed = 0
         exhausted = False
         model.train()
@@ -163,12 +164,12 @@ class TorchTrainer:
                         break
                     consumed += 1
                     out = train_step(model, batch)
-                    loss, extras = (out, None) if isinstance(out, torch.Tensor) else _split_output(task, out)
+                    loss, extras = (out, None) if isinstance(out, torch.Tensor) else split_output(task, out)
                     loss.backward()
                     loss = loss.detach()
                     losses.append(loss.reshape(()) if loss.dim() else loss)
                     if extras is not None:
-                        _add_extras(extras_acc, extras)
+                        add_extras(extras_acc, extras)
                 else:
                     step_start = len(losses)
                     step_extras: list[Mapping[str, Any]] = []
@@ -194,7 +195,7 @@ class TorchTrainer:
                         optimizer.zero_grad(set_to_none=True)
                         break
                     for extras in step_extras:
-                        _add_extras(extras_acc, extras)
+                        add_extras(extras_acc, extras)
                 if scaler is not None:
                     if clip is not None:
                         scaler.unscale_(optimizer)
@@ -213,7 +214,7 @@ class TorchTrainer:
                     else:
                         scheduler.step()
                 steps += 1
-                if len(losses) >= _FOLD:  # bound memory on very long loops: one on-device sum
+                if len(losses) >= FOLD:  # bound memory on very long loops: one on-device sum
                     losses[:] = [torch.stack(losses).float().sum()]
         finally:
             self._batches_consumed += consumed
@@ -241,7 +242,7 @@ class TorchTrainer:
         else:
             with autocast():
                 out = task.train_step(model, batch)
-        loss, extras = (out, None) if isinstance(out, torch.Tensor) else _split_output(task, out)
+        loss, extras = (out, None) if isinstance(out, torch.Tensor) else split_output(task, out)
         backward_loss = loss / k if k > 1 else loss
         if scaler is not None:
             backward_loss = scaler.scale(backward_loss)
@@ -450,53 +451,6 @@ def _rank_seed(seed: int, rank: int, global_step: int) -> int:
     """A seed for a rank that has no saved RNG state: the same for the same (seed, rank, step)."""
     digest = hashlib.sha256(f"cadence-rng:{seed}:{rank}:{global_step}".encode()).digest()
     return int.from_bytes(digest[:8], "little") % 2**63
-
-
-_FOLD = 4096
-
-
-def _split_output(task: Task, out: Any) -> tuple[torch.Tensor, Mapping[str, Any] | None]:
-    """``(loss, extras)`` of a ``train_step`` that returned a dict (extras: None when only the loss)."""
-    try:
-        loss = out["loss"]
-    except (KeyError, TypeError, IndexError) as e:
-        raise TypeError(
-            f"{type(task).__name__}.train_step must return a loss tensor or a dict with "
-            f"'loss', got {type(out).__name__}"
-        ) from e
-    return loss, (out if len(out) > 1 else None)
-
-
-class _Scalars:
-    """Sum of one extra log's values: tensors kept (on device) for one sum at the end, numbers summed."""
-
-    __slots__ = ("tensors", "number", "count")
-
-    def __init__(self) -> None:
-        self.tensors: list[torch.Tensor] = []
-        self.number = 0.0
-        self.count = 0
-
-
-def _add_extras(acc: dict[str, _Scalars], out: Mapping[str, Any]) -> None:
-    """Add ``out``'s extra scalar logs (all but ``loss``) into ``acc``."""
-    for key, v in out.items():
-        if key == "loss":
-            continue
-        s = acc.get(key)
-        if s is None:
-            s = acc[key] = _Scalars()
-        if isinstance(v, torch.Tensor):
-            if v.numel() != 1:
-                raise ValueError(f"train_step log {key!r} must be a scalar, got shape {tuple(v.shape)}")
-            s.tensors.append(v.detach().reshape(()).float())
-            if len(s.tensors) >= _FOLD:
-                s.tensors[:] = [torch.stack(s.tensors).sum()]
-        elif isinstance(v, (int, float)):
-            s.number += float(v)
-        else:
-            raise TypeError(f"train_step log {key!r} must be a number or a 1-element tensor, got {type(v).__name__}")
-        s.count += 1
 
 
 def build_runners(
