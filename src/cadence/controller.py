@@ -1,15 +1,8 @@
-"""The training loop: :class:`Controller` (Orbit's design, with cadence's fixes).
+"""The training loop: :class:`Controller` (Orbit's, with the differences the README lists).
 
-One explicit loop drives a :class:`~cadence.runner.Trainer` and/or an
-:class:`~cadence.runner.Evaluator` in *inner loops* of ``steps_per_loop`` steps; after each it
-writes summaries, runs the train actions on the loop's output and saves a checkpoint, when due.
-It leans on parts with one job each: :class:`~cadence.checkpoint.session.CheckpointSession`
-(restore, save, FINAL, rollback), :class:`~cadence.hooks.CallbackHooks` (callbacks),
-:mod:`cadence.schedule` (intervals, segments, throttling), :mod:`cadence.lifecycle` (what actions
-may use and be). Unlike Orbit: ``train(None)`` trains until the data runs out; a checkpoint is
-always saved at completion and ``checkpoints/FINAL`` written; an action may end training cleanly
-(:class:`~cadence.errors.StopTraining`); segments are cut at absolute multiples of
-``eval_interval``, so a resumed run evaluates at the same steps. Nothing here imports a framework.
+The loop alone; its parts have one job each: :mod:`cadence.checkpoint.session` (restore, save,
+FINAL, rollback), :mod:`cadence.hooks` (callbacks), :mod:`cadence.schedule` (intervals, segments,
+throttling), :mod:`cadence.lifecycle` (what actions may use and be). No framework is imported.
 """
 
 from __future__ import annotations
@@ -143,7 +136,6 @@ class Controller:
             self._close(propagating=True)  # e.g. signal handlers installed by attach()
             raise
 
-    # ------------------------------------------------------------------ state
 
     @property
     def global_step(self) -> int:
@@ -169,12 +161,9 @@ class Controller:
         return objects
 
     def restore(self, step: int | None = None) -> int | None:
-        """Restore checkpoint ``step`` (``None``: the latest); return the restored step or None.
-
-        Without a checkpoint manager, or when the manager has no checkpoint, nothing is restored,
-        the runner's ``initialize()`` runs (if it is Initializable) and None is returned. After a
-        restore, the callbacks' ``on_checkpoint_load`` is called.
-        """
+        """Restore checkpoint ``step`` (``None``: the latest); the restored step, then
+        ``on_checkpoint_load``. With nothing to restore the runner's ``initialize()`` runs (if it
+        is Initializable) and None is returned."""
         restored = self._session.restore(self.checkpoint_objects(), step)
         if restored is None:
             runner = self.trainer if self.trainer is not None else self.evaluator
@@ -210,25 +199,15 @@ class Controller:
         self.stop_reason = reason
         logger.info("stop requested at step %d: %s", self.global_step, reason)
 
-    # ------------------------------------------------------------------ train
 
     def train(self, steps: int | None = None, *, checkpoint_at_completion: bool = True) -> None:
-        """Train until the global step reaches ``steps``.
+        """Train until the global step reaches ``steps`` (absolute; a no-op when reached), in inner
+        loops of ``steps_per_loop``. ``None``: until the data runs out (the trainer advancing fewer
+        steps than asked). ``checkpoint_at_completion``: save and mark the run ``FINAL`` at the end
+        (also after a stop). ``on_train_start`` runs first, ``on_train_end`` last.
 
-        Args:
-          steps: the absolute global-step target; a no-op when already reached. ``None``: until
-            the training data is exhausted (the trainer returns having advanced fewer steps than
-            asked).
-          checkpoint_at_completion: save a checkpoint and mark the run ``FINAL`` when done (also
-            when an action stopped training).
-
-        The callbacks' ``on_train_start`` runs first and ``on_train_end`` last (also when the
-        target was already reached; see :class:`~cadence.callbacks.Callback`).
-
-        Raises:
-          ValueError: no trainer.
-          RuntimeError: the trainer advanced a different number of steps than requested (with
-            ``steps=None``, advancing fewer is how exhaustion is signalled and is not an error).
+        Raises ValueError without a trainer; RuntimeError when the trainer advanced another number
+        of steps than asked (but for running out of data with ``steps=None``).
         """
         self._require(self.trainer, "trainer", "train")
         self.stop_reason = None
@@ -291,21 +270,13 @@ class Controller:
             raise ValueError(f"steps_per_loop({step}) returned {size!r}; expected an int >= 1")
         return size if target is None else min(size, target - step)
 
-    # ------------------------------------------------------------------ evaluate
 
     def evaluate(self, steps: int = -1) -> dict[str, Any]:
-        """Evaluate the current model state and return its metrics.
+        """Evaluate ``steps`` batches (``-1``: all) of the current model state; return the metrics.
 
-        Args:
-          steps: batches to evaluate; ``-1`` until the eval data is exhausted.
-
-        Writes eval summaries at the current global step, runs the eval actions, then the
-        callbacks' ``on_eval_end(metrics, step)``. An eval action that stops training sets
-        :attr:`stop_reason`: a running ``train_and_evaluate`` then ends cleanly; ``evaluate``
-        itself returns normally.
-
-        Raises:
-          ValueError: no evaluator, or ``steps`` neither -1 nor >= 1.
+        Writes eval summaries at the global step, runs the eval actions, then ``on_eval_end``. An
+        eval action's stop sets :attr:`stop_reason` (a running ``train_and_evaluate`` ends
+        cleanly). Raises ValueError without an evaluator or for ``steps`` not -1 or >= 1.
         """
         evaluator = self._require(self.evaluator, "evaluator", "evaluate")
         if not isinstance(steps, int) or isinstance(steps, bool) or (steps != -1 and steps < 1):
@@ -332,18 +303,14 @@ class Controller:
         mode: str | None = None,
         poll_interval: float | None = None,
     ) -> dict[str, Any] | None:
-        """Evaluate checkpoints as they are committed; return the last evaluation's metrics.
+        """Evaluate checkpoints as they are committed; the last evaluation's metrics (None: none).
 
         Orbit's contract, run by the sidecar's loop (:class:`~cadence.sidecar.ContinuousEvaluation`)
-        with the sidecar's defaults (``None``): ``mode="every"`` evaluates each checkpoint in step
-        order (``"latest"`` jumps to the newest, as Orbit), a new one is noticed within
-        ``poll_interval`` s, one that fails to load is retried, then skipped. After ``timeout``
-        seconds without a new checkpoint, ``timeout_fn()`` decides: True (or none) stops, False
-        waits on; ``timeout=None`` waits for ever. Unlike Orbit it also stops once the final
-        checkpoint (``FINAL``) was evaluated. None when nothing was evaluated.
-
-        Raises:
-          ValueError: no evaluator or no checkpoint manager.
+        with its defaults (``None``): ``mode="every"`` evaluates each checkpoint in step order
+        (``"latest"``: the newest, as Orbit), one that fails to load is retried, then skipped. After
+        ``timeout`` s without a new checkpoint ``timeout_fn()`` decides: True (or none) stops, False
+        waits on; ``None`` waits for ever. It also stops after the final checkpoint (``FINAL``).
+        Raises ValueError without an evaluator or a checkpoint manager.
         """
         from cadence.sidecar import ContinuousEvaluation
 
@@ -353,7 +320,6 @@ class Controller:
                                       poll_interval=poll_interval).run()
         return result.last_metrics
 
-    # ------------------------------------------------------------------ both
 
     def train_and_evaluate(
         self,
@@ -416,7 +382,6 @@ class Controller:
             self._complete()
             return output
 
-    # ------------------------------------------------------------------ helpers
 
     def _require(self, value: _T | None, role: str, method: str) -> _T:
         if value is None:
