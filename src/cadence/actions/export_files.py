@@ -12,6 +12,9 @@ logger = logging.getLogger("cadence")
 
 __all__ = ["ExportFileManager"]
 
+DEFAULT_MAX_EXPORTS = 5
+"""How many exports clean-up keeps unless told (Orbit's default; ``export.max_to_keep``'s too)."""
+
 _ID = re.compile(r"0|[1-9][0-9]*")  # the canonical decimal form next_name writes
 
 
@@ -54,7 +57,7 @@ class ExportFileManager:
     def __init__(
         self,
         base_name: str,
-        max_to_keep: int | None = 5,
+        max_to_keep: int | None = DEFAULT_MAX_EXPORTS,
         next_id_fn: Callable[[], int] | None = None,
         separator: str = "-",
         *,

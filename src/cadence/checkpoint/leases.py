@@ -58,6 +58,9 @@ from cadence.storage import Storage
 
 logger = logging.getLogger("cadence.checkpoint")
 
+DEFAULT_LEASE_TTL = 60.0
+"""Seconds a lease lives without renewal unless told (``sidecar.lease_ttl``'s default too)."""
+
 LEASES_DIR = ".leases"
 """The directory (inside the checkpoints directory) holding the lease files; not a checkpoint."""
 
@@ -362,7 +365,7 @@ class LeaseKeeper:
         leases: Leases,
         holder: str,
         *,
-        ttl: float = 60.0,
+        ttl: float = DEFAULT_LEASE_TTL,
         renew_every: float | None = None,
         after: int | None = None,
         reading: int | None = None,

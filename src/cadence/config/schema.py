@@ -15,6 +15,8 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from cadence.actions.export_files import DEFAULT_MAX_EXPORTS
+from cadence.checkpoint.leases import DEFAULT_LEASE_TTL
 from cadence.checkpoint.retention import DEFAULT_MAX_TO_KEEP
 from cadence.config.class_paths import CLASS_SPEC_FORM, check_class_spec, resolve_class_path
 from cadence.errors import ConfigError
@@ -147,7 +149,7 @@ class ExportConfig(_Model):
                      "training, or after every evaluation."),
     )
     max_to_keep: int | None = Field(
-        default=5, ge=0, strict=True, description="Newest exports kept; `null` keeps all."
+        default=DEFAULT_MAX_EXPORTS, ge=0, strict=True, description="Newest exports kept; `null` keeps all."
     )
 
 
@@ -170,7 +172,7 @@ class SidecarConfig(_Model):
         default=None, ge=1, strict=True, description="Stop after this many evaluations in total; `null`: no limit."
     )
     lease_ttl: float = Field(
-        default=60.0, gt=0, description="Seconds a lease lives without renewal (a killed sidecar's lease ends then)."
+        default=DEFAULT_LEASE_TTL, gt=0, description="Seconds a lease lives without renewal (a killed sidecar's lease ends then)."
     )
     name: str | None = Field(
         default=None, description="Write to `eval_<name>/` instead of `eval/` (several sidecars on one model dir)."
