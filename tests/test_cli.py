@@ -195,3 +195,16 @@ def test_export_command_errors(digits_run, tmp_path):
     assert proc.returncode == 2 and "--checkpoint" in proc.stderr
     proc = cadence("export", str(model_dir), "--checkpoint", "123", "--format", "safetensors")
     assert proc.returncode == 1 and "123" in proc.stderr
+
+
+def test_a_config_bomb_exits_2_in_one_line_and_creates_nothing(tmp_path: Path) -> None:
+    """Issue 12: an alias bomb is refused before anything runs or is created."""
+    from test_config import BOMB
+
+    model_dir = tmp_path / "run"
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BOMB.format(model_dir=model_dir))
+    proc = cadence("train", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "an alias bomb?" in proc.stderr
+    assert not model_dir.exists()

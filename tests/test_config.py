@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import tempfile
 import textwrap
 from pathlib import Path
@@ -258,7 +259,7 @@ def test_override_without_equals(cfg_path: Path) -> None:
 
 def test_override_bad_yaml_and_bad_key(cfg_path: Path) -> None:
     assert error_of(cfg_path, ("task.params.x=[1",)).startswith(
-        "--set task.params.x=[1: invalid YAML value"
+        "--set task.params.x=[1: line 1, column 3: invalid YAML: expected ',' or ']'"
     )
     assert "malformed key" in error_of(cfg_path, ("trainer..seed=1",))
     assert "'trainer.seed' is a value, not a section" in error_of(cfg_path, ("trainer.seed.x=1",))
@@ -588,3 +589,69 @@ def test_a_moved_key_names_its_new_place(tmp_path: Path, old: str, new: str) -> 
     cfg = load_config(path, [f"{new}=true" if "async" in new else f"{new}=1"])
     section, field = new.split(".")
     assert getattr(getattr(cfg, section), field) == 1  # true == 1 for async_save
+
+
+# ------------------------------------------------------------------ bombs and deep values (issue 12)
+
+BOMB = """\
+model_dir: {model_dir}
+task:
+  class: a:B
+  params:
+    a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+    b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+    c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+    d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+    e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+    f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+    g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+    h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+"""
+
+
+def test_an_alias_bomb_is_refused_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BOMB.format(model_dir=tmp_path / "run"))
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"bomb.yaml: line \d+: the values expand to more than 100,000 \(an alias bomb\?\)"):
+        load_config(path)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_shared_alias_within_bounds_still_loads(tmp_path: Path) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text("task:\n  class: a:B\n  params:\n    base: &base {lr: 0.1, sizes: [1, 2]}\n    copy: *base\n")
+    assert load_config(path).task.params == {"base": {"lr": 0.1, "sizes": [1, 2]}, "copy": {"lr": 0.1, "sizes": [1, 2]}}
+
+
+def test_a_recursive_alias_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "self.yaml"
+    path.write_text("task:\n  class: a:B\n  params: &p\n    self: *p\n")
+    with pytest.raises(ConfigError, match=r"self.yaml: line \d+: an alias refers to a value that contains it"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("value", ["[" * 5000, "[" * 3000 + "]" * 3000, "{a: " * 60 + "1" + "}" * 60])
+def test_deep_values_are_refused_in_one_short_line(value: str) -> None:
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as caught:
+        config_from_dict({"task": {"class": "a:B"}}, [f"task.params.x={value}"])
+    message = str(caught.value)
+    assert message.endswith(": values nested too deeply (at most 50 levels)") and "\n" not in message
+    assert message.startswith("--set task.params.x=") and len(message) < 200
+    assert time.perf_counter() - start < 1.0
+    deep_file = config_from_dict({"task": {"class": "a:B", "params": {"s": "[" * 80}}})  # in a string: fine
+    assert deep_file.task.params["s"] == "[" * 80
+
+
+@pytest.mark.parametrize("name", ["../../escape", "a/b", "has space", ".hidden", "x" * 65])
+def test_a_sidecar_name_must_be_a_plain_name(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"sidecar.name: expected a name of letters, digits"):
+        config_from_dict({"task": {"class": "a:B"}, "sidecar": {"name": name}})
+    assert config_from_dict({"task": {"class": "a:B"}, "sidecar": {"name": "holdout-2.v1"}}).sidecar.name == "holdout-2.v1"
+
+
+def test_a_huge_integer_is_an_error_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"^--set trainer.seed=777777777777777777777777777: trainer.seed: expected "
+                                          r"an integer from 0 to 2\*\*32 - 1, got 777777777777777777777777777$"):
+        config_from_dict({"task": {"class": "a:B"}}, ["trainer.seed=777777777777777777777777777"])

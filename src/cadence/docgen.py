@@ -162,8 +162,8 @@ def render_default(field: FieldInfo) -> str:
         return "required"
     if field.default_factory is not None:
         try:
-            value = field.default_factory()  # type: ignore[call-arg]
-        except TypeError:  # a factory taking the validated data: no static default
+            value = field.get_default(call_default_factory=True)
+        except (TypeError, ValueError):  # a factory taking the validated data: no static default
             return "computed"
     else:
         value = field.default
@@ -250,7 +250,9 @@ def config_reference(root: type[BaseModel] | None = None) -> str:
 def _fixed_width(parser: argparse.ArgumentParser) -> None:
     """Format ``parser``'s help at :data:`CLI_WIDTH` columns, uncoloured, whatever the terminal."""
     formatter_class = parser.formatter_class
-    parser.formatter_class = functools.partial(formatter_class, width=CLI_WIDTH)  # type: ignore[call-arg]
+    if not (isinstance(formatter_class, type) and issubclass(formatter_class, argparse.HelpFormatter)):
+        raise TypeError(f"{parser.prog}: formatter_class {formatter_class!r} takes no width (not a HelpFormatter)")
+    parser.formatter_class = functools.partial(formatter_class, width=CLI_WIDTH)
     if hasattr(parser, "color"):  # Python >= 3.14 colours help on a terminal
         parser.color = False
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import posixpath
-from typing import IO, Iterator, Mapping
+from typing import IO, Iterator, Mapping, cast
 
 from cadence.checkpoint.background import Pending, Worker
 from cadence.checkpoint.manifest import HashingStream, name_problem
+from cadence.checkpoint.protocol import CheckpointWriter
 from cadence.storage import Storage
 from cadence.errors import CheckpointError
 
@@ -85,7 +86,8 @@ class DirectoryWriter:
         path = posixpath.join(self._directory, name)
         with self._storage.open_write(path, fsync=False) as raw:
             stream = HashingStream(raw)
-            yield stream  # type: ignore[misc]
+            # A RawIOBase used as the binary file it is (typeshed's io classes are not typing.IO's).
+            yield cast(IO[bytes], stream)
             stream.flush()
             stream.close()
         self._syncs.append(_SYNCER.submit(self._storage.fsync_file, path))
@@ -142,7 +144,7 @@ class Snapshot:
         self.files = dict(files)
         self.state = state
 
-    def save_checkpoint(self, writer: object) -> object:
+    def save_checkpoint(self, writer: CheckpointWriter) -> object:
         for name, data in self.files.items():
-            writer.write(name, data)  # type: ignore[attr-defined]
+            writer.write(name, data)
         return self.state

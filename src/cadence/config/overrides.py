@@ -8,18 +8,22 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import yaml
 from pydantic import BaseModel
 
 from cadence.config.errors import Loc, display_path, field_info, field_names, short_repr, submodel, suggest
 from cadence.config.schema import MOVED_KEYS, ExperimentConfig
-from cadence.config.yaml_io import YamlLoader
+from cadence.config.yaml_io import load_value
 from cadence.errors import ConfigError
 
 __all__ = ["apply_override", "apply_overrides", "check_override_path", "parse_override"]
 
 
 _KEY_PART = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
+
+
+def _origin(text: str, limit: int = 80) -> str:
+    """How messages name an override: ``--set key=value``, shortened past ``limit`` characters."""
+    return "--set " + (text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 def parse_override(text: str) -> tuple[list[str | int], Any]:
@@ -34,20 +38,16 @@ def parse_override(text: str) -> tuple[list[str | int], Any]:
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep:
-        raise ConfigError(f"--set {text}: expected key=value")
+        raise ConfigError(f"{_origin(text)}: expected key=value")
     parts: list[str | int] = []
     for segment in key.split("."):
         match = _KEY_PART.fullmatch(segment.strip())
         if match is None or not match.group(1).strip():
-            raise ConfigError(f"--set {text}: malformed key {key!r} (expected dotted.key=value, "
+            raise ConfigError(f"{_origin(text)}: malformed key {key!r} (expected dotted.key=value, "
                               "or name[N] for a list item)")
         parts.append(match.group(1).strip())
         parts.extend(int(i) for i in re.findall(r"\[(\d+)\]", match.group(2)))
-    try:
-        value = yaml.load(raw, Loader=YamlLoader)
-    except yaml.YAMLError as exc:
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"--set {text}: invalid YAML value: {problem}") from None
+    value = load_value(raw, f"{_origin(text)}")
     return parts, value
 
 
@@ -59,7 +59,7 @@ def check_override_path(parts: Sequence[str | int], text: str) -> list[str | int
     """
     moved = MOVED_KEYS.get(tuple(str(p) for p in parts[:2]))
     if moved is not None:
-        raise ConfigError(f"--set {text}: {display_path(parts[:2])}: moved to {moved}")
+        raise ConfigError(f"{_origin(text)}: {display_path(parts[:2])}: moved to {moved}")
     model: type[BaseModel] | None = ExperimentConfig
     canonical: list[str | int] = []
     items: Any = None  # the annotation of a list's items, right after its field
@@ -70,12 +70,12 @@ def check_override_path(parts: Sequence[str | int], text: str) -> list[str | int
             break
         if isinstance(part, int):
             if items is None:
-                raise ConfigError(f"--set {text}: {display_path(canonical)!r} is not a list (cannot index it)")
+                raise ConfigError(f"{_origin(text)}: {display_path(canonical)!r} is not a list (cannot index it)")
             canonical.append(part)
             model, items = _enter(items, canonical, parts, last, text)
             continue
         if model is None:  # a name right after a list field: list fields take indexes only
-            raise ConfigError(f"--set {text}: {display_path(canonical)!r} is a list: "
+            raise ConfigError(f"{_origin(text)}: {display_path(canonical)!r} is a list: "
                               f"write {display_path(canonical)}[N].{part} for its item N")
         field = field_info(model, part)
         if field is None:
@@ -86,7 +86,7 @@ def check_override_path(parts: Sequence[str | int], text: str) -> list[str | int
             else:
                 problem = "(expected one of " + ", ".join(repr(display_path((*canonical, n))) for n in names) + ")"
             unknown = display_path(parts[: i + 1])
-            raise ConfigError(f"--set {text}: unknown field {unknown!r} {problem}")
+            raise ConfigError(f"{_origin(text)}: unknown field {unknown!r} {problem}")
         name = next(n for n, f in model.model_fields.items() if f is field)
         canonical.append(field.alias or name)
         sub = field.annotation
@@ -107,7 +107,7 @@ def _enter(annotation: Any, canonical: Sequence[str | int], parts: Sequence[str 
     if _is_mapping_type(annotation) or last:
         return None, None
     raise ConfigError(
-        f"--set {text}: {display_path(canonical)!r} is a value, not a section "
+        f"{_origin(text)}: {display_path(canonical)!r} is a value, not a section "
         f"(cannot set {display_path(parts)!r})"
     )
 
@@ -131,13 +131,13 @@ def apply_override(data: dict[str, Any], path: Sequence[str | int], value: Any, 
         where = display_path(path[:i])
         if isinstance(part, int):
             if not isinstance(node, list):
-                raise ConfigError(f"--set {text}: cannot set {display_path(path)!r}: "
+                raise ConfigError(f"{_origin(text)}: cannot set {display_path(path)!r}: "
                                   f"{where!r} is {short_repr(node)}, not a list")
             if part >= len(node):
-                raise ConfigError(f"--set {text}: cannot set {display_path(path)!r}: {where!r} has "
+                raise ConfigError(f"{_origin(text)}: cannot set {display_path(path)!r}: {where!r} has "
                                   f"{len(node)} item{'s' * (len(node) != 1)} (indexes from 0)")
         elif not isinstance(node, dict):
-            raise ConfigError(f"--set {text}: cannot set {display_path(path)!r}: "
+            raise ConfigError(f"{_origin(text)}: cannot set {display_path(path)!r}: "
                               f"{where!r} is {short_repr(node)}, not a mapping")
         if i == len(path) - 1:
             node[part] = value
@@ -162,5 +162,5 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[Loc,
         parts, value = parse_override(text)
         path = check_override_path(parts, text)
         apply_override(data, path, value, text)
-        overridden[tuple(str(p) for p in path)] = f"--set {text}"
+        overridden[tuple(str(p) for p in path)] = f"{_origin(text)}"
     return overridden

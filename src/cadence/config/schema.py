@@ -175,7 +175,9 @@ class SidecarConfig(_Model):
         default=DEFAULT_LEASE_TTL, gt=0, description="Seconds a lease lives without renewal (a killed sidecar's lease ends then)."
     )
     name: str | None = Field(
-        default=None, description="Write to `eval_<name>/` instead of `eval/` (several sidecars on one model dir)."
+        default=None, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$", max_length=64,
+        json_schema_extra={"expected": "a name of letters, digits, '_', '-' and '.' (not first), up to 64"},
+        description="Write to `eval_<name>/` instead of `eval/` (several sidecars on one model dir).",
     )
     max_retries: int = Field(
         default=3, ge=0, strict=True,

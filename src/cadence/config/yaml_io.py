@@ -46,20 +46,106 @@ for _cls in (YamlLoader, YamlDumper):
     )
 
 
+MAX_DEPTH = 50
+"""How deeply a config's values may nest (a deeper one is refused, not a RecursionError)."""
+MAX_VALUES = 100_000
+"""How many values a config may hold once its aliases are expanded (a YAML alias bomb is refused)."""
+
+
 def parse_yaml(text: str, source: str) -> tuple[Any, dict[Loc, int]]:
-    """The document and the line of each mapping key (by key path). Raises ConfigError."""
+    """The document and the line of each mapping key (by key path).
+
+    Raises:
+      ConfigError: invalid YAML; values nested deeper than :data:`MAX_DEPTH`; aliases that refer
+        to themselves or expand to more than :data:`MAX_VALUES` values.
+    """
+    if _flow_depth(text) > MAX_DEPTH:  # PyYAML's scanner is slow on deep flow collections: refuse first
+        raise ConfigError(f"{source}: values nested too deeply (at most {MAX_DEPTH} levels)")
     loader = YamlLoader(text)
     try:
         node = loader.get_single_node()
         lines: dict[Loc, int] = {}
         if node is not None:
+            check_expansion(node, source)
             _index_keys(node, (), lines, source)
         data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         raise ConfigError(_format_yaml_error(exc, source)) from None
+    except RecursionError:  # the parser itself recurses once per level
+        raise ConfigError(f"{source}: values nested too deeply (at most {MAX_DEPTH} levels)") from None
     finally:
         loader.dispose()
     return data, lines
+
+
+def check_expansion(root: yaml.Node, source: str) -> None:
+    """Refuse a node graph that is cyclic (a self-referencing alias), nested deeper than
+    :data:`MAX_DEPTH`, or that expands to more than :data:`MAX_VALUES` values: the checks run on
+    the graph, in time linear in its size, before anything is expanded."""
+    size: dict[int, int] = {}  # id(node) -> values once expanded
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
+    while stack:
+        node, depth, done = stack.pop()
+        children = _children(node)
+        if done:
+            on_path.discard(id(node))
+            size[id(node)] = 1 + sum(size[id(c)] for c in children)
+            if size[id(node)] > MAX_VALUES:
+                raise ConfigError(f"{source}: line {node.start_mark.line + 1}: the values expand to more than "
+                                  f"{MAX_VALUES:,} (an alias bomb?)")
+            continue
+        if id(node) in on_path:
+            raise ConfigError(f"{source}: line {node.start_mark.line + 1}: an alias refers to a value that "
+                              "contains it (recursive aliases are not allowed)")
+        if id(node) in size:
+            continue
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"{source}: line {node.start_mark.line + 1}: values nested too deeply "
+                              f"(at most {MAX_DEPTH} levels)")
+        on_path.add(id(node))
+        stack.append((node, depth, True))
+        stack.extend((child, depth + 1, False) for child in children)
+
+
+def _flow_depth(text: str) -> int:
+    """The deepest nesting of ``[`` / ``{`` in ``text``, outside quoted strings and comments."""
+    depth = deepest = 0
+    quote = ""
+    escaped = comment = False
+    for c in text:
+        if comment:
+            comment = c != "\n"
+        elif quote:
+            if escaped:
+                escaped = False
+            elif c == "\\" and quote == '"':
+                escaped = True
+            elif c == quote:
+                quote = ""
+        elif c in "'\"":
+            quote = c
+        elif c == "#":
+            comment = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def load_value(text: str, source: str) -> Any:
+    """One YAML value (a ``--set`` value), with :func:`parse_yaml`'s limits."""
+    return parse_yaml(text, source)[0]
 
 
 def _index_keys(

@@ -6,12 +6,12 @@ import copy as copy_module
 import hashlib
 import logging
 import warnings
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, TypeGuard
 
 import torch
 from torch import nn
 
-from cadence.checkpoint.protocol import CheckpointReader, CheckpointWriter
+from cadence.checkpoint.protocol import CheckpointReader, CheckpointWriter, Stateful
 from cadence.errors import CheckpointError
 from cadence.torch.batch import move_to_device
 from cadence.torch.context import Context
@@ -35,7 +35,7 @@ from cadence.torch.task import Task
 
 log = logging.getLogger(__name__)
 
-def _is_stateful(data: Any) -> bool:
+def _is_stateful(data: object) -> TypeGuard[Stateful]:
     return callable(getattr(data, "state_dict", None)) and callable(getattr(data, "load_state_dict", None))
 
 
@@ -263,7 +263,7 @@ class TorchTrainer:
                         "the checkpoint's data position was saved through the train data's state_dict, "
                         f"but the train data ({type(data).__name__}) has no load_state_dict"
                     )
-                data.load_state_dict(pending["state"])  # type: ignore[attr-defined]
+                data.load_state_dict(pending["state"])
             else:
                 skip = int(pending.get("batches", 0))
         self._iterator = iter(data)
@@ -288,7 +288,7 @@ class TorchTrainer:
             return self._pending_data_state
         data = self._train_data
         if _is_stateful(data):
-            return {"kind": "stateful", "state": data.state_dict()}  # type: ignore[union-attr]
+            return {"kind": "stateful", "state": data.state_dict()}
         return {"kind": "replay", "batches": self._batches_consumed}
 
     # -- checkpoints ---------------------------------------------------------------------------
