@@ -47,8 +47,8 @@ def machine() -> dict:
 
 def markdown(results: dict) -> str:
     m = results["machine"]
-    lines = ["# cadence benchmarks\n", f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, "
-             f"{m['date']}. Reproduce: `make bench`.\n"]
+    lines = ["# cadence benchmarks\n", (f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, "
+                                        f"{m['date']}. Reproduce: `make bench`.\n")]
     if "loop" in results:
         r = results["loop"]
         lines += [f"## Loop overhead ({r['steps']} steps, batch {r['batch']}, {r['repeats']} interleaved repeats)\n",
@@ -83,8 +83,8 @@ def markdown(results: dict) -> str:
                   f"\nAsync stall / sync stall: {r['ratio']:.3f}. Target: {r['target']}.\n"]
     if "sidecar" in results:
         r = results["sidecar"]
-        lines += [f"## Sidecar latency (commit → evaluation starts, {r['checkpoints']} checkpoints, "
-                  f"poll {r['poll_interval_s']} s)\n",
+        lines += [(f"## Sidecar latency (commit → evaluation starts, {r['checkpoints']} checkpoints, "
+                   f"poll {r['poll_interval_s']} s)\n"),
                   "| median s | p95 s | max s |", "|---|---|---|",
                   f"| {r['median_s']:.3f} | {r['p95_s']:.3f} | {r['max_s']:.3f} |", f"\nTarget: {r['target']}.\n"]
     if "resume" in results:

@@ -88,7 +88,8 @@ def test_ls_lists_checkpoints_with_eval_metrics(digits_run):
     for step in ("200", "400", "600"):
         assert step in proc.stdout
     assert "accuracy" in proc.stdout and "final" in proc.stdout
-    assert cadence("ls", str(model_dir / "nope")).returncode == 1
+    missing = cadence("ls", str(model_dir / "nope"))  # bad input: exit 2, one line
+    assert missing.returncode == 2 and missing.stderr == f"cadence: error: model dir not found: {model_dir / 'nope'}\n"
 
 
 def test_train_on_completed_run_does_not_retrain(digits_run):
@@ -208,3 +209,17 @@ def test_a_config_bomb_exits_2_in_one_line_and_creates_nothing(tmp_path: Path) -
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "an alias bomb?" in proc.stderr
     assert not model_dir.exists()
+
+
+def test_a_model_dir_that_is_a_file_is_bad_input_for_every_command(tmp_path: Path) -> None:
+    """Issue 12: exit 2 and one line naming it, from train, ls and report (no traceback)."""
+    afile = tmp_path / "model_dir_file"
+    afile.write_text("not a directory")
+    config = tmp_path / "c.yaml"
+    config.write_text("task:\n  class: tasks:TinyTask\n")
+    for args in (("train", str(config), "--model-dir", str(afile), "--no-progress"), ("ls", str(afile)),
+                 ("report", str(afile))):
+        proc = cadence(*args, cwd=Path(__file__).parent)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert proc.stderr.strip() == f"cadence: error: model dir is a file, not a directory: {afile}", args
+    assert afile.read_text() == "not a directory"

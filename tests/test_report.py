@@ -152,8 +152,8 @@ def test_a_dir_that_is_not_a_model_dir_is_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
     missing = tmp_path / "nowhere"
-    proc = cadence("report", str(missing))
-    assert proc.returncode == 1 and proc.stderr.strip() == f"cadence: failed: model dir not found: {missing}"
+    proc = cadence("report", str(missing))  # bad input: exit 2, as for every command
+    assert proc.returncode == 2 and proc.stderr.strip() == f"cadence: error: model dir not found: {missing}"
     with pytest.raises(CadenceError, match="not a cadence model dir"):
         build_report(str(tmp_path))
 

@@ -215,6 +215,28 @@ def test_bad_train_step_output():
         trainer.train(1)
 
 
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+@pytest.mark.parametrize(("loss_of", "message"), [
+    (lambda pred, y: (pred - y) ** 2, r"Unreduced.train_step returned a loss of shape \(16, 1\); expected a scalar "
+                                     r"tensor \(reduce it, e\.g\. loss\.mean\(\)\)"),
+    (lambda pred, y: float(((pred - y) ** 2).mean().detach()), r"Unreduced.train_step must return a loss tensor or a "
+                                                      r"dict with 'loss', got float"),
+    (lambda pred, y: {"loss": 0.5}, r"Unreduced.train_step returned a loss of type float; expected a scalar tensor"),
+    (lambda pred, y: ((pred - y) ** 2).mean().detach(), r"Unreduced.train_step returned a loss that does not "
+                                                        r"require grad"),
+])
+def test_a_bad_loss_names_train_step_and_what_is_expected(loss_of, message, grad_accum_steps):
+    """Issue 12: not torch's 'grad can be implicitly created only for scalar outputs'."""
+    class Unreduced(Regression):
+        def train_step(self, model, batch):
+            x, y = batch
+            return loss_of(model(x), y)
+
+    trainer, _ = make(Unreduced(), grad_accum_steps=grad_accum_steps)
+    with pytest.raises(TypeError, match=f"^{message}"):
+        trainer.train(1)
+
+
 # -- exact resume ------------------------------------------------------------------------------
 
 

@@ -260,9 +260,7 @@ def _cmd_ls(args: argparse.Namespace, console: Console) -> int:
     from cadence.storage import Storage
     from cadence.summary import read_metrics
 
-    model_dir = args.model_dir
-    if not Storage(model_dir).exists(model_dir.rstrip("/")):
-        raise CadenceError(f"model dir not found: {model_dir}")
+    model_dir = layout.check_model_dir(args.model_dir, must_exist=True)
     manager = CheckpointManager(layout.checkpoints_dir(model_dir), writer=False)
     steps = manager.steps()
     if not steps:

@@ -17,6 +17,20 @@ def require_model_dir(model_dir: str | None) -> str:
     return model_dir
 
 
+def check_model_dir(model_dir: str, *, must_exist: bool = False) -> str:
+    """``model_dir``; ConfigError (bad input) when it is a file, or, with ``must_exist``, missing."""
+    from cadence.storage import Storage
+
+    storage = Storage(model_dir)
+    if storage.isdir(storage.root):
+        return model_dir
+    if storage.exists(storage.root):
+        raise ConfigError(f"model dir is a file, not a directory: {model_dir}")
+    if must_exist:
+        raise ConfigError(f"model dir not found: {model_dir}")
+    return model_dir
+
+
 def join(model_dir: str, *parts: str) -> str:
     """``model_dir/part/...`` without doubling slashes (works for ``memory://x`` and ``s3://b/k``)."""
     return "/".join([model_dir.rstrip("/"), *parts])

@@ -126,10 +126,8 @@ def _read_text(storage: Storage, path: str) -> str | None:
 
 
 def _check_model_dir(model_dir: str) -> Storage:
+    layout.check_model_dir(model_dir, must_exist=True)
     storage = Storage(model_dir)
-    if not storage.isdir(storage.root):
-        what = "is not a directory" if storage.exists(storage.root) else "not found"
-        raise CadenceError(f"model dir {what}: {model_dir}")
     names = set(storage.listdir(storage.root))
     if not names & {layout.CONFIG, layout.CHECKPOINTS, layout.TRAIN}:
         raise CadenceError(

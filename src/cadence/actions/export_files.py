@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 from typing import Any, Callable
 
@@ -38,7 +39,8 @@ class ExportFileManager:
     :class:`~cadence.storage.Storage`; returned names have ``base_name``'s form (a URL stays a URL).
 
     Args:
-      base_name: the members' common prefix (a path or URL). A trailing ``/`` is dropped.
+      base_name: the members' common prefix (a path or URL). A trailing ``/`` is dropped; a local
+        path is normalised (``os.path.normpath``, as Orbit does).
       max_to_keep: how many members :meth:`clean_up` keeps (the highest ids). ``None``: all are
         kept. ``0``: none are kept (Orbit's ``max_to_keep=0`` deleted nothing).
       next_id_fn: a callable returning the next id (an int >= 0), e.g. the global step, so that
@@ -70,6 +72,8 @@ class ExportFileManager:
         if not isinstance(separator, str) or not separator:
             raise ValueError(f"ExportFileManager: separator must be a non-empty string, got {separator!r}")
         stripped = base_name.rstrip("/") if isinstance(base_name, str) else ""
+        if stripped and "://" not in stripped:
+            stripped = os.path.normpath(stripped)  # as Orbit: "foo//bar/base" names "foo/bar/base-<id>"
         if not stripped:
             raise ValueError(f"ExportFileManager: base_name must be a non-empty path, got {base_name!r}")
         if max_to_keep is not None and (

@@ -505,7 +505,7 @@ class CheckpointManager:
         for name in self.storage.listdir(self.storage.root):
             path = self.storage.join(name)
             try:
-                if _TEMP.fullmatch(name) or _COMMITTED.fullmatch(name) and not self._has_manifest(name):
+                if _TEMP.fullmatch(name) or (_COMMITTED.fullmatch(name) and not self._has_manifest(name)):
                     self.storage.rmtree(path)
                 elif _FINAL_TEMP.fullmatch(name):
                     self.storage.remove(path)

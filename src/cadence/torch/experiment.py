@@ -280,7 +280,7 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     model directory (``restore_step``: that checkpoint; ``None``: the latest); it runs no actions,
     and its callbacks hear of the restore, the evaluation and the close only.
     """
-    model_dir = cfg.require_model_dir()
+    model_dir = layout.check_model_dir(cfg.require_model_dir())
     t = cfg.trainer
     task, ctx, trainer, evaluator = _build_runners_for(cfg, train=train, evaluate=evaluate)
     model = (trainer or evaluator).model
@@ -358,7 +358,7 @@ def build_sidecar(cfg: ExperimentConfig) -> SidecarEvaluator:
     evaluator, the ``sidecar:`` settings, the configured eval actions (best checkpoint and its
     export, export on every evaluation) and callbacks (:func:`build_callbacks`). Early stopping
     needs the trainer's loop and is ignored here, with a warning."""
-    model_dir = cfg.require_model_dir()
+    model_dir = layout.check_model_dir(cfg.require_model_dir())
     t = cfg.trainer
     task, ctx, _, evaluator = _build_runners_for(cfg, train=False)
     _, eval_actions = build_actions(cfg, task, evaluator.model, train=False, chief=ctx.is_chief)

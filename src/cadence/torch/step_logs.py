@@ -16,15 +16,32 @@ FOLD = 4096
 
 
 def split_output(task: Task, out: Any) -> tuple[torch.Tensor, Mapping[str, Any] | None]:
-    """``(loss, extras)`` of a ``train_step`` that returned a dict (extras: None when only the loss)."""
-    try:
-        loss = out["loss"]
-    except (KeyError, TypeError, IndexError) as e:
-        raise TypeError(
-            f"{type(task).__name__}.train_step must return a loss tensor or a dict with "
-            f"'loss', got {type(out).__name__}"
-        ) from e
-    return loss, (out if len(out) > 1 else None)
+    """``(loss, extras)`` of what ``train_step`` returned: a loss tensor, or a dict with ``"loss"``
+    (extras: the dict, None when it holds only the loss).
+
+    Raises:
+      TypeError: no loss, or a loss that is not a scalar tensor with a gradient (checked from its
+        metadata: no host sync), naming the task's ``train_step``, what it returned and what is
+        expected.
+    """
+    name = f"{type(task).__name__}.train_step"
+    if isinstance(out, torch.Tensor):
+        loss, extras = out, None
+    else:
+        try:
+            loss = out["loss"]
+        except (KeyError, TypeError, IndexError) as e:
+            raise TypeError(f"{name} must return a loss tensor or a dict with 'loss', got {type(out).__name__}") from e
+        extras = out if len(out) > 1 else None
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"{name} returned a loss of type {type(loss).__name__}; expected a scalar tensor")
+    if loss.numel() != 1:
+        raise TypeError(f"{name} returned a loss of shape {tuple(loss.shape)}; expected a scalar tensor "
+                        "(reduce it, e.g. loss.mean())")
+    if not loss.requires_grad:
+        raise TypeError(f"{name} returned a loss that does not require grad (computed under torch.no_grad(), "
+                        "detached, or from no trainable parameter)")
+    return loss, extras
 
 
 class ScalarSum:

@@ -164,7 +164,7 @@ class TorchTrainer:
                         break
                     consumed += 1
                     out = train_step(model, batch)
-                    loss, extras = (out, None) if isinstance(out, torch.Tensor) else split_output(task, out)
+                    loss, extras = split_output(task, out)
                     loss.backward()
                     loss = loss.detach()
                     losses.append(loss.reshape(()) if loss.dim() else loss)
@@ -242,7 +242,7 @@ class TorchTrainer:
         else:
             with autocast():
                 out = task.train_step(model, batch)
-        loss, extras = (out, None) if isinstance(out, torch.Tensor) else split_output(task, out)
+        loss, extras = split_output(task, out)
         backward_loss = loss / k if k > 1 else loss
         if scaler is not None:
             backward_loss = scaler.scale(backward_loss)
