@@ -431,10 +431,11 @@ CORRUPTIONS = {
 @pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
 def test_corrupt_latest_falls_back_to_previous(ckdir: str, kind: str, caplog: pytest.LogCaptureFixture) -> None:
     corrupt, reason = CORRUPTIONS[kind]
-    manager = CheckpointManager(ckdir, max_to_keep=None)
-    save_n(manager, 1)
-    save_n(manager, 2)
+    writer = CheckpointManager(ckdir, max_to_keep=None)
+    save_n(writer, 1)
+    save_n(writer, 2)
     corrupt(Path(ckdir, "ckpt-2"))
+    manager = CheckpointManager(ckdir, writer=False)  # a reader falls back and moves nothing
     assert manager.steps() == [1, 2]  # listing is cheap: no hashing
 
     blob, counter = Blob(), Counter(-1)
@@ -454,6 +455,43 @@ def test_corrupt_latest_falls_back_to_previous(ckdir: str, kind: str, caplog: py
     assert untouched.loads == [] and counter.loads == 0 and counter.value == -1
 
 
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_a_writer_moves_a_corrupt_latest_aside_and_saves_the_step_anew(ckdir: str, kind: str) -> None:
+    """Issue 12: the corrupt ckpt-2 is never silently kept (later resumes would fall back again)
+    nor deleted: it is moved to ckpt-2.corrupt-<time>-<hex>/, and step 2 is saved anew."""
+    corrupt, _ = CORRUPTIONS[kind]
+    first = CheckpointManager(ckdir, max_to_keep=None)
+    save_n(first, 1)
+    save_n(first, 2)
+    corrupt(Path(ckdir, "ckpt-2"))
+    damaged = sorted(p.name for p in Path(ckdir, "ckpt-2").iterdir())
+    writer = CheckpointManager(ckdir, max_to_keep=None)  # a resumed trainer
+    assert writer.restore({"blob": Blob(), "counter": Counter()}) == 1
+    assert writer.steps() == [1]
+    [aside] = writer.quarantined()
+    assert aside.startswith("ckpt-2.corrupt-") and sorted(p.name for p in Path(ckdir, aside).iterdir()) == damaged
+    save_n(writer, 2)  # retrained to step 2: saved anew, not skipped as "already committed"
+    blob = Blob()
+    assert CheckpointManager(ckdir, writer=False).restore({"blob": blob}) == 2 and blob.meta == {"step": 2}
+    assert writer.quarantined() == [aside]  # kept, listed apart, never retained or cleaned up
+    CheckpointManager(ckdir, max_to_keep=1)  # a writer's start-up clean-up leaves it too
+    assert Path(ckdir, aside).is_dir()
+
+
+def test_saving_over_a_corrupt_checkpoint_of_another_run_replaces_it(ckdir: str) -> None:
+    """A step committed by an earlier process is verified before a save at that step is skipped."""
+    save_n(CheckpointManager(ckdir), 3)
+    _flip(Path(ckdir, "ckpt-3", "data.bin"))
+    writer = CheckpointManager(ckdir)
+    save_n(writer, 3)
+    assert len(writer.quarantined()) == 1
+    blob = Blob()
+    assert writer.restore({"blob": blob}, step=3) == 3 and blob.files["data.bin"] == b"payload-3" * 10
+    again = Blob({"data.bin": b"other"})
+    writer.save(3, {"blob": again})  # committed by this manager and good: written once
+    assert again.saves == 0
+
+
 def test_all_checkpoints_corrupt_raises(ckdir: str) -> None:
     manager = CheckpointManager(ckdir)
     save_n(manager, 1)
@@ -462,6 +500,7 @@ def test_all_checkpoints_corrupt_raises(ckdir: str) -> None:
     with pytest.raises(CheckpointError, match="corrupt"):
         manager.restore({"counter": counter})
     assert counter.loads == 0
+    assert manager.quarantined() == [] and manager.steps() == [1]  # kept: the refusal holds on every run
 
 
 def test_read_state_checks_state_json(ckdir: str) -> None:

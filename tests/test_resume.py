@@ -165,3 +165,29 @@ def test_sigterm_commits_the_current_step_exits_0_and_resumes_exactly(tmp_path, 
 
     cadence("train", str(config), "--model-dir", str(run))
     assert final_weights(run) == uninterrupted
+
+
+def test_a_corrupt_final_checkpoint_is_moved_aside_retrained_and_saved_anew(tmp_path, uninterrupted):
+    """Issue 12: `cadence train` over a corrupt latest checkpoint resumes from the one before,
+    retrains, and commits the step anew (bit-identical to an uninterrupted run); the damaged one
+    is kept aside; `cadence ls --verify` shows it and exits 1 while it is the latest."""
+    config = write_config(tmp_path)
+    run = tmp_path / "run"
+    cadence("train", str(config), "--model-dir", str(run))
+    weights = run / "checkpoints" / f"ckpt-{STEPS}" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+
+    listed = cadence("ls", str(run), "--verify", check=False)
+    assert listed.returncode == 1 and "CORRUPT" in listed.stdout and "sha256" in listed.stdout
+
+    retrained = " ".join(cadence("train", str(config), "--model-dir", str(run)).stderr.split())  # unwrapped
+    assert "skipping checkpoint" in retrained and "moved aside to" in retrained
+    assert final_weights(run) == uninterrupted  # saved anew, not the damaged file
+    [aside] = [p for p in (run / "checkpoints").iterdir() if p.name.startswith(f"ckpt-{STEPS}.corrupt-")]
+    assert (aside / "model.safetensors").read_bytes() == bytes(data)  # kept for inspection
+
+    listed = cadence("ls", str(run), "--verify")
+    assert "CORRUPT" not in listed.stdout and listed.stdout.count("verified") == 3
+    assert f"moved aside (did not verify): {aside}\n" in listed.stdout

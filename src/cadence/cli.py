@@ -120,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("ls", help="list a model dir's committed checkpoints")
     ls.add_argument("model_dir", help="model directory (local path or fsspec URL)")
+    ls.add_argument("--verify", action="store_true",
+                    help="read every checkpoint's files against its manifest and mark those that do not match "
+                         "(exit 1 if any)")
 
     report = sub.add_parser("report", help="write a self-contained HTML run report (and a PNG of the plots)")
     report.add_argument("model_dir", help="model directory (local path or fsspec URL)")
@@ -257,6 +260,7 @@ def _cmd_export(args: argparse.Namespace, console: Console) -> int:
 def _cmd_ls(args: argparse.Namespace, console: Console) -> int:
     from cadence import layout
     from cadence.checkpoint import CheckpointManager
+    from cadence.errors import CorruptCheckpointError
     from cadence.storage import Storage
     from cadence.summary import read_metrics
 
@@ -281,14 +285,25 @@ def _cmd_ls(args: argparse.Namespace, console: Console) -> int:
     for name in metric_names:
         table.add_column(name, justify="right")
     table.add_column("")
+    corrupt = 0
     for step in steps:
         info = manager.info(step)
         when = datetime.datetime.fromtimestamp(info["time"]).strftime("%Y-%m-%d %H:%M:%S")
         row = evals.get(step, {})
-        notes = ", ".join(n for n, on in (("final", step == final), ("latest", step == steps[-1])) if on)
-        table.add_row(str(step), when, format_size(info["size"]), *(format_value(row.get(m, "")) for m in metric_names), notes)
+        notes = [n for n, on in (("final", step == final), ("latest", step == steps[-1])) if on]
+        if args.verify:
+            try:
+                manager.read(step)
+                notes.append("verified")
+            except CorruptCheckpointError as e:
+                corrupt += 1
+                notes.append(f"CORRUPT: {e.reason}")
+        table.add_row(str(step), when, format_size(info["size"]), *(format_value(row.get(m, "")) for m in metric_names),
+                      ", ".join(notes))
     Console().print(table)
-    return 0
+    for name in manager.quarantined():
+        print(f"moved aside (did not verify): {layout.join(layout.checkpoints_dir(model_dir), name)}")
+    return 1 if corrupt else 0
 
 
 def _cmd_report(args: argparse.Namespace, console: Console) -> int:

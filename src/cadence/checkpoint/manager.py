@@ -32,6 +32,9 @@ logger = logging.getLogger("cadence.checkpoint")
 FINAL_NAME = "FINAL"
 _COMMITTED = re.compile(r"ckpt-(0|[1-9][0-9]*)")
 _TEMP = re.compile(r"ckpt-(0|[1-9][0-9]*)\.tmp-[0-9a-f]+")
+CORRUPT_INFIX = ".corrupt-"
+"""Between ``ckpt-<step>`` and the time in the name of a checkpoint moved aside as corrupt."""
+_CORRUPT = re.compile(r"ckpt-(0|[1-9][0-9]*)" + re.escape(CORRUPT_INFIX) + r"[0-9TZ]+-[0-9a-f]+")
 _FINAL_TEMP = re.compile(re.escape(FINAL_NAME) + r"\.tmp-[0-9a-f]+")
 STALE_LEASE_GRACE = 3600.0
 """Seconds a lease must have been expired before the writer's start-up clean-up removes its file."""
@@ -116,6 +119,7 @@ class CheckpointManager:
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
         self._just_committed: list[tuple[int, str]] = []  # appended by the saving thread, taken by take_committed()
+        self._committed_here: set[int] = set()  # steps this manager committed: known good
         self.storage = Storage(directory, storage_options)
         self.leases = Leases(directory, storage_options=storage_options)
         if writer:
@@ -193,7 +197,7 @@ class CheckpointManager:
         self.wait()  # one save in flight at most; raises a previous failure
         step = _check_step(step)
         self._require_writer("save")
-        if self._has_manifest(f"ckpt-{step}"):
+        if self._already_saved(step):
             return self.path(step)
         snapshot = snapshot_objects(step, objects)
 
@@ -250,13 +254,15 @@ class CheckpointManager:
         atomic rename files go straight into ``ckpt-N/``, the manifest still last. Until the
         manifest exists the checkpoint is invisible to :meth:`steps` and :meth:`restore`.
 
-        If ``ckpt-N`` is already committed, nothing is written and its path is returned. If saving
-        raises, what was written is removed and the exception propagates: no checkpoint appears.
+        If ``ckpt-N`` is already committed and verifies, nothing is written and its path is
+        returned; one that does not verify is moved aside (:meth:`quarantine`) and saved anew. If
+        saving raises, what was written is removed and the exception propagates: no checkpoint
+        appears.
         """
         step = _check_step(step)
         self._require_writer("save")
         final = self._dir(step)
-        if self._has_manifest(f"ckpt-{step}"):
+        if self._already_saved(step):
             logger.debug("checkpoint %s is already committed; not saving again", self.path(step))
             return self.path(step)
         for name, obj in objects.items():
@@ -276,6 +282,7 @@ class CheckpointManager:
             raise
         logger.info("saved checkpoint %s", self.path(step))
         self._just_committed.append((step, self.path(step)))
+        self._committed_here.add(step)
         self._apply_retention(step)
         return self.path(step)
 
@@ -404,11 +411,18 @@ class CheckpointManager:
 
     def _load_latest(self) -> tuple[VerifiedReader, dict[str, Any]] | None:
         steps = self.steps()
+        corrupt: list[tuple[int, str]] = []  # newer than the one restored: moved aside by a writer
         for step in reversed(steps):
             try:
-                return self._load(step)
+                loaded = self._load(step)
             except CorruptCheckpointError as e:
                 logger.warning("skipping checkpoint %s: %s", e.path, e.reason)
+                corrupt.append((step, e.reason))
+                continue
+            if self.writer:  # saved anew when training reaches them again, not skipped for ever
+                for bad, reason in corrupt:
+                    self.quarantine(bad, reason)
+            return loaded
         if steps:
             raise CheckpointError(
                 f"every committed checkpoint in {self.storage.url(self.storage.root)} is corrupt "
@@ -480,6 +494,38 @@ class CheckpointManager:
 
     def _dir(self, step: int) -> str:
         return self.storage.join(f"ckpt-{step}")
+
+    def _already_saved(self, step: int) -> bool:
+        """Whether ``ckpt-<step>`` is committed and good: committed by this manager, or verified
+        now (a corrupt one is moved aside, and False returned)."""
+        if not self._has_manifest(f"ckpt-{step}"):
+            return False
+        if step in self._committed_here:
+            return True
+        try:
+            self._load(step)
+        except CorruptCheckpointError as e:
+            self.quarantine(step, e.reason)
+            return False
+        self._committed_here.add(step)
+        return True
+
+    def quarantine(self, step: int, reason: str) -> str:
+        """Move checkpoint ``step``, which does not verify, aside to ``ckpt-<step>.corrupt-<UTC
+        time>-<hex>/`` -- kept for inspection, never deleted, no longer listed -- so that the step
+        can be saved anew. Returns where it went (a path or URL). Writers only."""
+        self._require_writer("move aside")
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target = self.storage.join(f"ckpt-{step}{CORRUPT_INFIX}{stamp}-{secrets.token_hex(2)}")
+        self.storage.rename(self._dir(step), target)
+        self._committed_here.discard(step)
+        logger.warning("checkpoint %s does not verify (%s): moved aside to %s; the step is saved anew when reached",
+                       self.path(step), reason, self.storage.url(target))
+        return self.storage.url(target)
+
+    def quarantined(self) -> list[str]:
+        """The checkpoints moved aside because they did not verify (:meth:`quarantine`), by name."""
+        return sorted(n for n in self.storage.listdir(self.storage.root) if _CORRUPT.fullmatch(n))
 
     def _has_manifest(self, dirname: str) -> bool:
         return self.storage.exists(self.storage.join(dirname, MANIFEST_NAME))
