@@ -24,6 +24,7 @@ from cadence.checkpoint.leases import Leases
 from cadence.checkpoint.files import STATE_NAME, DirectoryWriter, VerifiedReader
 from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.checkpoint.objects import load_object, save_object, snapshot_objects
+from cadence.checkpoint.protocol import Restorable, Savable, Stateful
 from cadence.storage import Storage
 from cadence.errors import CheckpointError, CorruptCheckpointError
 
@@ -266,7 +267,7 @@ class CheckpointManager:
             logger.debug("checkpoint %s is already committed; not saving again", self.path(step))
             return self.path(step)
         for name, obj in objects.items():
-            if not (hasattr(obj, "save_checkpoint") or hasattr(obj, "state_dict")):
+            if not isinstance(obj, (Savable, Stateful)):
                 raise TypeError(f"cannot checkpoint {name!r}: {type(obj).__name__} has neither save_checkpoint nor state_dict")
         work = self.storage.join(f"ckpt-{step}.tmp-{secrets.token_hex(6)}") if self.storage.atomic_rename else final
         try:
@@ -384,7 +385,7 @@ class CheckpointManager:
         """
         self.wait()
         for name, obj in objects.items():
-            if not (hasattr(obj, "load_checkpoint") or hasattr(obj, "load_state_dict")):
+            if not isinstance(obj, (Restorable, Stateful)):
                 raise TypeError(f"cannot restore {name!r}: {type(obj).__name__} has neither load_checkpoint nor load_state_dict")
         if step is None:
             loaded = self._load_latest()
