@@ -59,7 +59,34 @@ def test_subdirectory_with_a_step_id_and_slash_separator_on_an_fsspec_store() ->
     fs.rm(root, recursive=True)
 
 
-@pytest.mark.parametrize("bad", ["", "/", "/abs", 3])
-def test_a_subdirectory_must_be_a_relative_path(tmp_path: Path, bad) -> None:
+def test_a_restarted_manager_resumes_numbering_and_keeps_all_with_max_to_keep_none(tmp_path: Path) -> None:
+    base = str(tmp_path / "export")
+    first = ExportFileManager(base, max_to_keep=None, subdirectory="saved_model")
+    for _ in range(3):
+        Path(first.next_name()).mkdir(parents=True)
+    assert first.clean_up() == []  # None: everything is kept
+    restarted = ExportFileManager(base, max_to_keep=None, subdirectory="saved_model")  # a new process
+    assert restarted.managed_ids == [0, 1, 2]
+    assert restarted.next_name() == f"{base}-3/saved_model"
+    assert restarted.next_name() == f"{base}-4/saved_model"  # not repeated before it is written
+    assert restarted.clean_up() == []
+    assert len(restarted.managed_files) == 3
+
+
+def test_a_nested_subdirectory_is_deleted_alone(tmp_path: Path) -> None:
+    base = str(tmp_path / "export")
+    manager = ExportFileManager(base, max_to_keep=1, subdirectory="./models//onnx/")
+    assert manager.subdirectory == "models/onnx"  # normalised
+    for _ in range(2):
+        name = Path(manager.next_name())
+        name.mkdir(parents=True)
+        (name.parent / "notes.txt").write_text("kept")
+    assert manager.clean_up() == [f"{base}-0/models/onnx"]
+    assert sorted(p.name for p in (tmp_path / "export-0").rglob("*")) == ["models", "notes.txt"]
+
+
+@pytest.mark.parametrize("bad", ["", "/", ".", "/abs", "..", "../outside", "a/../../b", 3])
+def test_a_subdirectory_must_be_a_relative_path_inside_the_member(tmp_path: Path, bad) -> None:
+    """Nothing outside base-<id>/ can become a member, so clean_up never deletes there."""
     with pytest.raises(ValueError, match="subdirectory must be a relative path"):
         ExportFileManager(str(tmp_path / "e"), subdirectory=bad)

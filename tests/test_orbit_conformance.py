@@ -607,3 +607,9 @@ def test_export_file_manager_subdirectory(tmp_path: Path) -> None:
     assert (tmp_path / "basename-0" / "other.txt").read_text() == "kept"
     assert m.managed_files == names[1:]
     assert ExportFileManager(base_name, subdirectory="saved_model").next_name() == f"{base_name}-3/saved_model"
+
+
+def test_without_a_checkpoint_manager_save_and_restore_return_none() -> None:
+    """Differs from Orbit (which raises ValueError): without a manager both are no-ops."""
+    c = Controller(trainer=FakeTrainer(), steps_per_loop=2, progress=False)
+    assert c.save_checkpoint() is None and c.restore() is None

@@ -1,4 +1,5 @@
-"""SummaryWriter: TensorBoard events + metrics.jsonl, read back with tensorboard's own reader."""
+"""SummaryWriter and SummaryManager: TensorBoard events + metrics.jsonl, read back with tensorboard's
+own reader."""
 
 from __future__ import annotations
 
@@ -250,3 +251,52 @@ def test_summary_manager_writes_again_after_close(tmp_path: Path) -> None:
     manager.write_summaries(2, {"loss": 0.5})
     manager.close()
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_summary_manager_flushed_writes_are_readable_before_close(tmp_path: Path) -> None:
+    """The controller's use: write_summaries then flush after each evaluation, close at the end."""
+    manager = summary.SummaryManager(tmp_path / "eval")
+    manager.write_summaries(100, {"ds1": {"accuracy": 0.5}, "ds2": {"accuracy": 0.25}})  # nested only
+    manager.flush()
+    assert scalars(tmp_path / "eval" / "ds1") == {"accuracy": [(100, 0.5)]}
+    assert scalars(tmp_path / "eval" / "ds2") == {"accuracy": [(100, 0.25)]}
+    assert not list((tmp_path / "eval").glob("events.out.tfevents.*"))  # no flat entry: no root events
+    assert [(r["step"], r["ds1/accuracy"]) for r in read_metrics(tmp_path / "eval")] == [(100, 0.5)]
+    manager.close()
+    manager.close()  # idempotent
+    manager.flush()  # nothing left to flush: harmless
+
+
+def test_summary_manager_skips_non_scalars_and_empty_mappings(tmp_path: Path) -> None:
+    manager = summary.SummaryManager(tmp_path)
+    manager.write_summaries(3, {"loss": np.float32(0.5), "name": "run", "ds": {}, "per_class": {"a": np.ones(2)}})
+    manager.close()
+    assert scalars(tmp_path) == {"loss": [(3, 0.5)]}
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == []  # no scalar inside: no subdirectory
+    assert [{k: v for k, v in r.items() if k != "time"} for r in read_metrics(tmp_path)] == [{"step": 3, "loss": 0.5}]
+
+
+def test_the_controller_writes_summaries_before_its_actions_run(tmp_path: Path) -> None:
+    """Differs from Orbit (which runs the actions first): an action that stops training, in the
+    train loop or after an evaluation, does not lose that output's summaries."""
+    from cadence import Controller, StopTraining
+    from fakes import FakeTrainer
+
+    class Evaluator:
+        def evaluate(self, num_steps: int) -> dict[str, float]:
+            return {"accuracy": 0.5, "ds1": {"accuracy": 0.25}}
+
+    def stop(output: object) -> None:
+        raise StopTraining("enough")
+
+    for kind in ("train", "eval"):
+        root = tmp_path / kind
+        with Controller(trainer=FakeTrainer(), evaluator=Evaluator(), steps_per_loop=2,
+                        summary_dir=str(root / "train"), eval_summary_dir=str(root / "eval"), progress=False,
+                        train_actions=[stop] if kind == "train" else [],
+                        eval_actions=[stop] if kind == "eval" else []) as controller:
+            controller.train_and_evaluate(10, eval_interval=4)
+        stopped_at = 2 if kind == "train" else 4
+        assert [r["step"] for r in read_metrics(root / "train")][-1] == stopped_at
+        assert [(r["step"], r["ds1/accuracy"]) for r in read_metrics(root / "eval")] == [(stopped_at, 0.25)]
+        assert scalars(root / "eval" / "ds1") == {"accuracy": [(stopped_at, 0.25)]}

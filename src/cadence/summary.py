@@ -8,6 +8,9 @@ Every :meth:`SummaryWriter.write` records the scalar metrics of one step twice:
 * as one JSON object per line in ``metrics.jsonl``: ``{"step": 200, "time": 1718000000.0,
   "loss": 0.12, ...}`` -- easy to read back with :func:`read_metrics`, ``jq`` or pandas.
 
+:class:`SummaryManager` writes a run's whole output as Orbit's does: a top-level key whose value
+is a mapping (one of several evaluation datasets, say) goes to a subdirectory of its own.
+
 NaN and infinities are kept (JSON gets Python's ``NaN`` / ``Infinity`` / ``-Infinity``, which
 :func:`read_metrics` reads back). A restarted run appends to the same ``metrics.jsonl``.
 
@@ -322,7 +325,8 @@ class SummaryManager:
         self._writers: dict[str, SummaryWriter] = {}
 
     def summary_writer(self, relative_path: str = "") -> SummaryWriter:
-        """The writer of ``summary_dir/relative_path`` (``""``: the directory itself)."""
+        """The writer of ``summary_dir/relative_path`` (``""``: the directory itself), created on
+        first use. Raises ValueError for ``SummaryManager(None)``."""
         if self.summary_dir is None:
             raise ValueError("SummaryManager(None) has no directory to write to")
         if relative_path not in self._writers:
@@ -343,10 +347,12 @@ class SummaryManager:
                 self.summary_writer(str(key)).write(step, value, jsonl=False)
 
     def flush(self) -> None:
+        """Push what every writer of this manager has written to disk (or the remote store)."""
         for writer in self._writers.values():
             writer.flush()
 
     def close(self) -> None:
+        """Flush and close every writer. Idempotent; a later write opens new ones."""
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()

@@ -19,6 +19,17 @@ DEFAULT_MAX_EXPORTS = 5
 _ID = re.compile(r"0|[1-9][0-9]*")  # the canonical decimal form next_name writes
 
 
+def _relative_path(subdirectory: object) -> str:
+    """``subdirectory`` normalised (``a//b/`` and ``./a/b`` are ``a/b``). ValueError unless it names
+    a path strictly inside its parent, so that clean-up never deletes outside ``base-<id>/``."""
+    if isinstance(subdirectory, str) and not subdirectory.startswith("/"):
+        parts = [part for part in subdirectory.split("/") if part not in ("", ".")]
+        if parts and ".." not in parts:
+            return "/".join(parts)
+    raise ValueError(
+        f"ExportFileManager: subdirectory must be a relative path inside base-<id>/, got {subdirectory!r}")
+
+
 class ExportFileManager:
     """Names the members of a group of exports ``{base_name}{separator}{id}`` and deletes old ones.
 
@@ -47,13 +58,14 @@ class ExportFileManager:
         exports are named by step. ``None``: a counter that starts after the highest existing id
         (0 when there is none) and so resumes its numbering after a restart, gaps included.
       separator: between ``base_name`` and the id; non-empty. ``"/"`` or ``"-"`` typically.
-      subdirectory: a relative path inside each ``base-<id>`` that is the member; ``None``: the
-        ``base-<id>`` file or directory itself.
+      subdirectory: a relative path inside each ``base-<id>`` that is the member (normalised:
+        ``saved_model/`` is ``saved_model``); ``None``: the ``base-<id>`` file or directory itself.
       storage_options: passed to fsspec.
 
     Raises:
       ValueError: empty ``base_name`` or ``separator``; ``max_to_keep`` not None or an int >= 0;
-        an empty or absolute ``subdirectory``.
+        a ``subdirectory`` that is not a relative path inside ``base-<id>`` (empty, absolute, or
+        with a ``..`` part).
     """
 
     def __init__(
@@ -66,9 +78,6 @@ class ExportFileManager:
         subdirectory: str | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
-        if subdirectory is not None and (not isinstance(subdirectory, str) or not subdirectory.strip("/")
-                                         or subdirectory.startswith("/")):
-            raise ValueError(f"ExportFileManager: subdirectory must be a relative path, got {subdirectory!r}")
         if not isinstance(separator, str) or not separator:
             raise ValueError(f"ExportFileManager: separator must be a non-empty string, got {separator!r}")
         stripped = base_name.rstrip("/") if isinstance(base_name, str) else ""
@@ -84,7 +93,7 @@ class ExportFileManager:
             )
         self.base_name = stripped
         self.separator = separator
-        self.subdirectory = None if subdirectory is None else subdirectory.strip("/")
+        self.subdirectory = None if subdirectory is None else _relative_path(subdirectory)
         self.max_to_keep = max_to_keep
         self._next_id_fn = next_id_fn
         self._storage = Storage(stripped, storage_options)

@@ -13,7 +13,7 @@ logger = logging.getLogger("cadence")
 MetricFn = Callable[[Mapping[str, Any]], Any]
 Metric = str | MetricFn
 
-__all__ = ["Metric", "MetricFn", "MetricNotFoundError", "get_metric", "metric_name", "same_metric"]
+__all__ = ["Metric", "MetricFn", "MetricNotFoundError", "get_metric", "is_better", "metric_name", "same_metric"]
 
 
 class MetricNotFoundError(CadenceError, KeyError):
@@ -94,9 +94,14 @@ def metric_name(metric: Metric) -> str:
 
 
 def is_better(value: float, reference: float | None, *, higher_is_better: bool, min_delta: float = 0.0) -> bool:
-    """Whether ``value`` improves on ``reference`` by more than ``min_delta``: strictly, in the
-    direction ``higher_is_better``. A non-finite value never does; any finite value improves on
-    a ``None`` reference (nothing to beat yet)."""
+    """Whether ``value`` improves on ``reference`` by more than ``min_delta`` (>= 0), strictly, in
+    the direction ``higher_is_better``: ``value > reference + min_delta`` or
+    ``value < reference - min_delta``; equal values never improve.
+
+    A non-finite ``value`` (NaN, +-inf) never improves, whatever the reference; any finite value
+    improves on a ``None`` reference (nothing to beat yet). The one comparison of the best-value
+    actions (``NewBestMetric``, ``EarlyStopping``, ``BestCheckpointExporter``) and the sidecar.
+    """
     if not math.isfinite(value):
         return False
     if reference is None:
