@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
-import time
+import subprocess
+import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -512,32 +514,50 @@ def test_list_item_override_errors_name_the_item(tmp_path: Path) -> None:
 
 
 def _leaf_fields() -> list[tuple[str, object]]:
-    """``(yaml path, model)`` of every field that holds a value (not a section, not free-form)."""
+    """``(--set path, field)`` of every field that holds a value rather than a section: plain
+    values, lists of values (``export.formats``), free-form mappings (``task.params``), and the
+    fields of list items (``callbacks[0].class``)."""
     from cadence.config.errors import submodel
     from cadence.docgen import config_sections, yaml_key
 
     leaves = []
     for section in config_sections():
-        if "[]" in section.path or "*" in section.path:  # list items: set through their list
+        if "*" in section.path:  # values of a mapping of sections: none in the schema today
             continue
         for name, info in section.model.model_fields.items():
-            annotation = info.annotation
-            if submodel(annotation) is not None or "dict" in str(annotation) or "list[" in str(annotation):
+            items = [a for a in getattr(info.annotation, "__args__", ()) if submodel(a) is not None]
+            if submodel(info.annotation) is not None or items:
                 continue
+            prefix = section.path.replace("[]", "[0]")
             key = yaml_key(name, info)
-            leaves.append((f"{section.path}.{key}" if section.path else key, info))
+            leaves.append((f"{prefix}.{key}" if prefix else key, info))
     return leaves
 
 
-@pytest.mark.parametrize(("path", "info"), _leaf_fields(), ids=[p for p, _ in _leaf_fields()])
+LEAVES = _leaf_fields()
+
+
+def test_the_leaves_cover_every_kind_of_field() -> None:
+    paths = [path for path, _ in LEAVES]
+    for path in ("model_dir", "task.class", "task.params", "trainer.seed", "trainer.best_checkpoint.metric",
+                 "checkpoint.async_save", "eval_spec.throttle_secs", "sidecar.max_retries", "export.formats",
+                 "callbacks[0].class", "callbacks[0].params"):
+        assert path in paths
+    assert len(paths) == len(set(paths)) > 40
+
+
+@pytest.mark.parametrize(("path", "info"), LEAVES, ids=[p for p, _ in LEAVES])
 def test_every_field_says_what_it_expects_in_one_shape(path, info) -> None:
     """A wrong value in any field reads `path: expected <words from the schema>, got <value>`."""
     from cadence.config.errors import expected
 
-    data = {"model_dir": "m", "task": {"class": "a:B"}}
+    words = expected(info)
+    assert words and "value of type" not in words  # described, not the fallback
+    bad, shown = ("5", "5") if "mapping" in words else ("{bad: 1}", "{'bad': 1}")
+    data = {"model_dir": "m", "task": {"class": "a:B"}, "callbacks": [{"class": "a:B"}]}
     with pytest.raises(ConfigError) as caught:
-        config_from_dict(data, [f"{path}={{bad: 1}}"])
-    line = f"--set {path}={{bad: 1}}: {path}: expected {expected(info)}, got {{'bad': 1}}"
+        config_from_dict(data, [f"{path}={bad}"])
+    line = f"--set {path}={bad}: {path}: expected {words}, got {shown}"
     assert line in str(caught.value).splitlines()  # beside it: a section's required fields, missing
 
 
@@ -655,3 +675,77 @@ def test_a_huge_integer_is_an_error_naming_the_field() -> None:
     with pytest.raises(ConfigError, match=r"^--set trainer.seed=777777777777777777777777777: trainer.seed: expected "
                                           r"an integer from 0 to 2\*\*32 - 1, got 777777777777777777777777777$"):
         config_from_dict({"task": {"class": "a:B"}}, ["trainer.seed=777777777777777777777777777"])
+
+
+def test_a_moved_key_inside_a_section_set_whole_names_its_new_place() -> None:
+    data = {"task": {"class": "a:B"}}
+    with pytest.raises(ConfigError) as caught:
+        config_from_dict(data, ["trainer={throttle_secs: 5, async_checkpoint: true}"])
+    assert str(caught.value).splitlines() == [
+        "--set trainer={throttle_secs: 5, async_checkpoint: true}: trainer.async_checkpoint: moved to checkpoint.async_save",
+        "--set trainer={throttle_secs: 5, async_checkpoint: true}: trainer.throttle_secs: moved to eval_spec.throttle_secs",
+    ]
+
+
+# ------------------------------------------------------------------ one place for each rule and default
+
+
+def test_the_schema_imports_no_yaml_and_no_overrides() -> None:
+    """Components import their section (``SidecarConfig``) without the loading machinery."""
+    code = ("import sys, cadence.config.schema as s; s.SidecarConfig(); "
+            "print(sorted(m for m in sys.modules if m.startswith(('cadence.config', 'yaml'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['cadence.config', 'cadence.config.class_paths', 'cadence.config.schema']"
+
+
+def test_the_package_still_exports_every_name() -> None:
+    import cadence.config as config
+
+    for name in config.__all__:
+        assert getattr(config, name) is not None, name
+    assert config.TaskConfig is config.CallbackConfig is config.ClassSpec
+
+
+def test_sidecar_defaults_live_in_its_section() -> None:
+    from cadence.config import SidecarConfig
+
+    s = SidecarConfig()
+    assert (s.mode, s.timeout, s.poll_interval, s.max_pending, s.max_evaluations, s.lease_ttl, s.name) == (
+        "every", 3600.0, 0.5, 8, None, 60.0, None)
+    assert (s.max_retries, s.retry_backoff) == (3, 0.5)
+    for bad in ({"max_retries": -1}, {"max_retries": 1.0}, {"retry_backoff": 0}):
+        with pytest.raises(ConfigError, match=r"^config: sidecar\.(max_retries|retry_backoff): expected "):
+            config_from_dict({"task": {"class": "a:B"}, "sidecar": bad})
+
+
+def test_require_model_dir() -> None:
+    cfg = config_from_dict({"task": {"class": "a:B"}})
+    with pytest.raises(ConfigError, match=r"^model_dir: not set; give it in the config or with --model-dir$"):
+        cfg.require_model_dir()
+    assert config_from_dict({"task": {"class": "a:B"}}, model_dir="runs/x").require_model_dir() == "runs/x"
+
+
+def test_export_formats_are_listed_once() -> None:
+    from typing import get_args
+
+    from cadence.config import EXPORT_FORMATS, ExportConfig, ExportFormat
+
+    assert EXPORT_FORMATS == get_args(ExportFormat) == ("safetensors", "torch_export", "torchscript", "onnx")
+    description = ExportConfig.model_fields["formats"].description or ""
+    assert all(f"`{name}`" in description for name in EXPORT_FORMATS)
+
+
+@pytest.mark.parametrize(("key", "empty"), [("trainer", {}), ("checkpoint", {}), ("eval_spec", {}), ("sidecar", {}),
+                                            ("callbacks", [])])
+def test_a_section_with_every_entry_commented_out_is_empty(tmp_path: Path, key: str, empty: object) -> None:
+    cfg = load_config(write(tmp_path, f"task:\n  class: a:B\n  params:\n{key}:\n"))
+    assert cfg.task.params == {}
+    value = getattr(cfg, key)
+    assert value == empty if isinstance(empty, list) else value == type(value)()
+
+
+def test_null_stays_null_where_it_is_a_value() -> None:
+    cfg = config_from_dict({"task": {"class": "a:B"}, "export": None, "trainer": {"best_checkpoint": None}})
+    assert cfg.export is None and cfg.trainer.best_checkpoint is None
+    with pytest.raises(ConfigError, match=r"export\.formats: expected a list of 'safetensors', .*, got null"):
+        config_from_dict({"task": {"class": "a:B"}, "export": {"formats": None, "on": "final"}})

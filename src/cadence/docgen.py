@@ -51,7 +51,7 @@ class Section(typing.NamedTuple):
 
 
 def yaml_key(name: str, field: FieldInfo) -> str:
-    """The key a field has in the YAML file: its alias (``class`` for ``task_class``) or its name."""
+    """The key a field has in the YAML file: its alias (``class`` for ``class_path``) or its name."""
     return field.alias or name
 
 

@@ -16,12 +16,32 @@ One job per module: :mod:`~cadence.config.schema` (the sections, their defaults 
 :mod:`~cadence.config.class_paths` (``module:Class`` / ``file.py:Class``) and
 :mod:`~cadence.config.loading` (:func:`load_config`, :func:`config_from_dict`, :func:`save_config`).
 Every problem raises :class:`~cadence.errors.ConfigError` naming the source and the field.
+
+The schema's names are imported here at once; loading and overrides (YAML, storage) on first use,
+so that a component importing its section (``from cadence.config.schema import SidecarConfig``)
+imports neither.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cadence._lazy import lazy_attributes
 from cadence.config import schema as _schema
 from cadence.config.class_paths import resolve_class_path
-from cadence.config.loading import config_from_dict, load_config, save_config
-from cadence.config.overrides import parse_override
 from cadence.config.schema import *  # noqa: F403 - the sections and their names, re-exported
 
-__all__ = [*_schema.__all__, "config_from_dict", "load_config", "parse_override", "resolve_class_path", "save_config"]
+_LAZY = {
+    "config_from_dict": "cadence.config.loading",
+    "load_config": "cadence.config.loading",
+    "save_config": "cadence.config.loading",
+    "parse_override": "cadence.config.overrides",
+}
+
+__all__ = [*_schema.__all__, *_LAZY, "resolve_class_path"]
+
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from cadence.config.loading import config_from_dict, load_config, save_config
+    from cadence.config.overrides import parse_override

@@ -19,9 +19,9 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from cadence.config.schema import MOVED_KEYS, ExperimentConfig
+from cadence.config.yaml_io import Loc
 
 __all__ = [
-    "Loc",
     "display_path",
     "expected",
     "field_info",
@@ -32,9 +32,6 @@ __all__ = [
     "suggest",
     "validation_message",
 ]
-
-Loc = tuple[str, ...]
-"""A key path in a config: ``("trainer", "train_steps")``; list items by their index as a string."""
 
 _LISTED_OPTIONAL = 4  # a section with more optional fields than this is "a mapping"
 

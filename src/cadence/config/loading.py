@@ -17,10 +17,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from cadence.config.class_paths import resolve_class_path
-from cadence.config.errors import Loc, moved_key_errors, validation_message
+from cadence.config.errors import moved_key_errors, validation_message
 from cadence.config.overrides import apply_overrides
 from cadence.config.schema import ExperimentConfig
-from cadence.config.yaml_io import parse_yaml, read_text
+from cadence.config.yaml_io import Loc, parse_yaml, read_text
 from cadence.errors import ConfigError
 from cadence.storage import Storage
 

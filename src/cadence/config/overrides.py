@@ -10,9 +10,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from cadence.config.errors import Loc, display_path, field_info, field_names, short_repr, submodel, suggest
+from cadence.config.errors import display_path, field_info, field_names, short_repr, submodel, suggest
 from cadence.config.schema import MOVED_KEYS, ExperimentConfig
-from cadence.config.yaml_io import load_value
+from cadence.config.yaml_io import Loc, load_value
 from cadence.errors import ConfigError
 
 __all__ = ["apply_override", "apply_overrides", "check_override_path", "parse_override"]

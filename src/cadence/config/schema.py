@@ -7,19 +7,19 @@ field whose accepted values need other words than its type says declares them as
 
 from __future__ import annotations
 
-import datetime
+import functools
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from cadence import layout
 from cadence.actions.export_files import DEFAULT_MAX_EXPORTS
 from cadence.checkpoint.leases import DEFAULT_LEASE_TTL
 from cadence.checkpoint.retention import DEFAULT_MAX_TO_KEEP
 from cadence.config.class_paths import CLASS_SPEC_FORM, check_class_spec, resolve_class_path
-from cadence.errors import ConfigError
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -45,6 +45,7 @@ Precision = Literal["32", "bf16", "fp16"]
 ExportFormat = Literal["safetensors", "torch_export", "torchscript", "onnx"]
 EXPORT_FORMATS: tuple[str, ...] = get_args(ExportFormat)
 """Every inference format, in the order the docs list them (the CLI's choices, the exporters')."""
+_FORMAT_NOTES = {"torch_export": " (.pt2)", "onnx": " (needs `cadence[onnx]`)"}
 
 VALIDATION_STEPS_FORM = "-1 (the whole validation data) or an integer >= 1"
 DEVICE_FORM = "'auto', 'cpu', 'cuda' or 'cuda:N'"
@@ -61,12 +62,33 @@ MOVED_KEYS: dict[tuple[str, ...], str] = {
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_empty(cls, data: Any) -> Any:
+        """A section, mapping or list of sections with every entry commented out is YAML ``null``:
+        read as empty. (Where null is a value of its own, ``X | None``, it stays null.)"""
+        if not isinstance(data, dict):
+            return data
+        empty = _empty_values(cls)
+        return {k: (empty[k]() if v is None and k in empty else v) for k, v in data.items()}
 
-def _none_to_empty(data: Any, keys: tuple[str, ...]) -> Any:
-    """A section with every entry commented out is YAML ``null``: read it as ``{}``."""
-    if isinstance(data, dict):
-        data = {k: ({} if k in keys and v is None else v) for k, v in data.items()}
-    return data
+
+@functools.cache
+def _empty_values(model: type[BaseModel]) -> dict[str, type[dict[str, Any]] | type[list[Any]]]:
+    """The keys (names and aliases) of ``model``'s fields that hold sections or mappings, each with
+    the type of its empty value (``dict`` or ``list``)."""
+    out: dict[str, type[dict[str, Any]] | type[list[Any]]] = {}
+    for name, info in model.model_fields.items():
+        annotation, origin = info.annotation, get_origin(info.annotation)
+        if _is_section(annotation) or (isinstance(origin, type) and issubclass(origin, Mapping)):
+            out[name] = out[info.alias or name] = dict
+        elif origin is list and _is_section(get_args(annotation)[0]):
+            out[name] = out[info.alias or name] = list
+    return out
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 class ClassSpec(_Model):
@@ -85,11 +107,6 @@ class ClassSpec(_Model):
         description="Keyword arguments passed to the class. Free-form: not validated here.",
         json_schema_extra={"expected": "a mapping of keyword arguments"},
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_params(cls, data: Any) -> Any:
-        return _none_to_empty(data, ("params",))
 
     @field_validator("class_path")
     @classmethod
@@ -133,15 +150,12 @@ class RecoveryConfig(_Model):
     )
 
 
-
-
 class ExportConfig(_Model):
     """Inference artefacts written under `MODEL_DIR/export/<on>/<step>/`."""
 
     formats: list[ExportFormat] = Field(
         default_factory=lambda: list[ExportFormat](["safetensors"]),
-        description=("Artefacts per export: `safetensors`, `torch_export` (.pt2), `torchscript`, `onnx` (needs "
-                     "`cadence[onnx]`)."),
+        description="Artefacts per export: " + ", ".join(f"`{f}`{_FORMAT_NOTES.get(f, '')}" for f in EXPORT_FORMATS) + ".",
     )
     on: Literal["best", "final", "every_eval"] = Field(
         default="best",
@@ -176,7 +190,7 @@ class SidecarConfig(_Model):
     )
     name: str | None = Field(
         default=None, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$", max_length=64,
-        json_schema_extra={"expected": "a name of letters, digits, '_', '-' and '.' (not first), up to 64"},
+        json_schema_extra={"expected": "a name of letters, digits, '_', '-' and '.' (not first; at most 64 characters)"},
         description="Write to `eval_<name>/` instead of `eval/` (several sidecars on one model dir).",
     )
     max_retries: int = Field(
@@ -192,103 +206,55 @@ class TrainerConfig(_Model):
     """How long to train, and when to checkpoint, validate and write summaries."""
 
     train_steps: int | None = Field(
-        default=None,
-        ge=1,
-        strict=True,
-        description=(
-            "Total optimizer steps to train for; `null` "
-            "trains until the training data is exhausted."
-        ),
+        default=None, ge=1, strict=True,
+        description="Total optimizer steps to train for; `null` trains until the training data is exhausted.",
     )
     steps_per_loop: int = Field(
-        default=100,
-        ge=1,
-        strict=True,
-        description=(
-            "Steps per inner loop. Checkpoints, validation, summaries and actions happen at loop "
-            "boundaries, so every interval below is effectively rounded up to a multiple of it."
-        ),
+        default=100, ge=1, strict=True,
+        description=("Steps per inner loop. Checkpoints, validation, summaries and actions happen at loop "
+                     "boundaries, so every interval below is effectively rounded up to a multiple of it."),
     )
     checkpoint_interval: int | None = Field(
-        default=1000,
-        ge=1,
-        strict=True,
-        description=(
-            "Save a checkpoint every this many steps; `null` saves only when training completes."
-        ),
+        default=1000, ge=1, strict=True,
+        description="Save a checkpoint every this many steps; `null` saves only when training completes.",
     )
     validation_interval: int | None = Field(
-        default=None,
-        ge=1,
-        strict=True,
-        description=(
-            "Validate every this many steps; `null` validates once, at the end of training."
-        ),
+        default=None, ge=1, strict=True,
+        description="Validate every this many steps; `null` validates once, at the end of training.",
     )
     validation_steps: int = Field(
-        default=-1,
-        strict=True,
-        json_schema_extra={"expected": VALIDATION_STEPS_FORM},
+        default=-1, strict=True, json_schema_extra={"expected": VALIDATION_STEPS_FORM},
         description="Batches per validation; `-1` uses the whole validation data.",
     )
     max_to_keep: int | None = Field(
-        default=DEFAULT_MAX_TO_KEEP,
-        ge=0,
-        strict=True,
-        description=(
-            "Keep the newest this many checkpoints (`0`: none "
-            "besides the kept ones below); `null` keeps all."
-        ),
+        default=DEFAULT_MAX_TO_KEEP, ge=0, strict=True,
+        description="Keep the newest this many checkpoints (`0`: none besides the kept ones below); `null` keeps all.",
     )
     keep_every_n_steps: int | None = Field(
-        default=None,
-        ge=1,
-        strict=True,
-        description=(
-            "Also keep, forever, the checkpoints whose step "
-            "is a multiple of this; `null`: no such rule."
-        ),
+        default=None, ge=1, strict=True,
+        description="Also keep, forever, the checkpoints whose step is a multiple of this; `null`: no such rule.",
     )
     summary_interval: int | None = Field(
-        default=None,
-        ge=1,
-        strict=True,
-        description=(
-            "Write training summaries every this many steps (a "
-            "multiple of `steps_per_loop`); `null`: every loop."
-        ),
+        default=None, ge=1, strict=True,
+        description="Write training summaries every this many steps (a multiple of `steps_per_loop`); `null`: every loop.",
     )
     seed: int = Field(
-        default=0,
-        ge=0,
-        le=2**32 - 1,
-        strict=True,
-        json_schema_extra={"expected": "an integer from 0 to 2**32 - 1"},
+        default=0, ge=0, le=2**32 - 1, strict=True, json_schema_extra={"expected": "an integer from 0 to 2**32 - 1"},
         description="Seed for the Python, NumPy and torch random number generators.",
     )
     precision: Precision = Field(
         default="32",
-        description=(
-            'Numeric precision: `"32"` (full), `"bf16"` '
-            'or `"fp16"` (mixed precision with autocast).'
-        ),
+        description='Numeric precision: `"32"` (full), `"bf16"` or `"fp16"` (mixed precision with autocast).',
     )
     grad_accum_steps: int = Field(
-        default=1,
-        ge=1,
-        strict=True,
-        description="Micro-batches whose gradients are accumulated into each optimizer step.",
+        default=1, ge=1, strict=True, description="Micro-batches whose gradients are accumulated into each optimizer step.",
     )
     grad_clip_norm: float | None = Field(
-        default=None,
-        gt=0,
-        strict=True,
-        allow_inf_nan=False,
+        default=None, gt=0, strict=True, allow_inf_nan=False,
         description="Clip the global gradient norm to this value; `null`: no clipping.",
     )
     device: str = Field(
-        default="auto",
-        json_schema_extra={"expected": DEVICE_FORM},
+        default="auto", json_schema_extra={"expected": DEVICE_FORM},
         description="`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`.",
     )
     best_checkpoint: BestCheckpointConfig | None = Field(
@@ -372,49 +338,28 @@ class ExperimentConfig(_Model):
     """A whole experiment: where it writes, what it trains, and how."""
 
     model_dir: str | None = Field(
-        default=None,
-        json_schema_extra={"expected": "a path or URL (a string)"},
-        description=(
-            "The model directory (checkpoints, summaries, exports): a local path or an fsspec "
-            "URL. The CLI's `--model-dir` overrides it."
-        ),
+        default=None, json_schema_extra={"expected": "a path or URL (a string)"},
+        description=("The model directory (checkpoints, summaries, exports): a local path or an fsspec URL. The "
+                     "CLI's `--model-dir` overrides it."),
     )
-    task: TaskConfig = Field(
-        description="The Task (a subclass of `cadence.torch.Task`): what model, data and loss to train."
-    )
-    trainer: TrainerConfig = Field(
-        default_factory=TrainerConfig, description="The training loop's schedule and numerics."
-    )
-    checkpoint: CheckpointConfig = Field(
-        default_factory=CheckpointConfig, description="How checkpoints are written."
-    )
+    task: TaskConfig = Field(description="The Task (a subclass of `cadence.torch.Task`): what model, data and loss to train.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The training loop's schedule and numerics.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="How checkpoints are written.")
     eval_spec: EvalSpecConfig = Field(
         default_factory=EvalSpecConfig, description="tf.estimator's throttling of in-process evaluations."
     )
-    sidecar: SidecarConfig = Field(
-        default_factory=SidecarConfig, description="The sidecar evaluator's settings."
-    )
+    sidecar: SidecarConfig = Field(default_factory=SidecarConfig, description="The sidecar evaluator's settings.")
     export: ExportConfig | None = Field(
         default=None, description="Export inference artefacts; `null`: no exports during training."
     )
     callbacks: list[CallbackConfig] = Field(
         default_factory=list,
-        description=(
-            "Callbacks (`cadence.Callback`) called at the run's events: training start and end, "
-            "checkpoint saved or loaded, evaluation done, close. Built after the Task's own "
-            "(`Task.build_callbacks()`), which come first."
-        ),
+        description=("Callbacks (`cadence.Callback`) called at the run's events: training start and end, checkpoint "
+                     "saved or loaded, evaluation done, close. Built after the Task's own (`Task.build_callbacks()`), "
+                     "which come first."),
     )
 
     _config_dir: Path | None = PrivateAttr(default=None)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_sections(cls, data: Any) -> Any:
-        data = _none_to_empty(data, ("task", "trainer", "checkpoint", "eval_spec", "sidecar"))
-        if isinstance(data, dict) and "callbacks" in data and data["callbacks"] is None:
-            data = {**data, "callbacks": []}  # `callbacks:` with every entry commented out
-        return data
 
     @model_validator(mode="after")
     def _export_on_best_needs_best_checkpoint(self) -> ExperimentConfig:
@@ -426,9 +371,7 @@ class ExperimentConfig(_Model):
 
     def require_model_dir(self) -> str:
         """``model_dir``; ConfigError when it is not set (neither in the file nor ``--model-dir``)."""
-        if not self.model_dir:
-            raise ConfigError("model_dir: not set; give it in the config or with --model-dir")
-        return self.model_dir
+        return layout.require_model_dir(self.model_dir)
 
     @property
     def config_dir(self) -> Path | None:
@@ -436,16 +379,16 @@ class ExperimentConfig(_Model):
         return self._config_dir
 
     def to_dict(self) -> dict[str, Any]:
-        """The resolved config as plain data: by alias (``task.class``), task class absolute.
+        """The resolved config as plain data: by alias (``task.class``), class paths absolute.
 
-        Raises ConfigError when ``task.params`` holds something YAML cannot represent.
+        Raises ConfigError when a ``params`` holds something YAML cannot represent.
         """
-        data = self.model_dump(by_alias=True)
-        data["task"]["class"] = resolve_class_path(self.task.class_path, self.config_dir)
-        data["task"]["params"] = _plain(data["task"]["params"], "task.params")
+        from cadence.config.yaml_io import plain_data
+
+        data = self._resolved()
+        data["task"]["params"] = plain_data(data["task"]["params"], "task.params")
         for i, entry in enumerate(data["callbacks"]):
-            entry["class"] = resolve_class_path(entry["class"], self.config_dir)
-            entry["params"] = _plain(entry["params"], f"callbacks[{i}].params")
+            entry["params"] = plain_data(entry["params"], f"callbacks[{i}].params")
         return data
 
     def to_yaml(self) -> str:
@@ -459,27 +402,14 @@ class ExperimentConfig(_Model):
         """Equal when they describe the same experiment, wherever they were loaded from."""
         if not isinstance(other, ExperimentConfig):
             return NotImplemented
-        return self._identity() == other._identity()
+        return self._resolved() == other._resolved()
 
-    def _identity(self) -> dict[str, Any]:
+    def _resolved(self) -> dict[str, Any]:
+        """``model_dump`` by alias, with every class path (task, callbacks) made absolute."""
         data = self.model_dump(by_alias=True)
-        data["task"]["class"] = resolve_class_path(self.task.class_path, self.config_dir)
-        for entry in data["callbacks"]:
+        for entry in (data["task"], *data["callbacks"]):
             entry["class"] = resolve_class_path(entry["class"], self.config_dir)
         return data
-
-
-def _plain(value: Any, path: str) -> Any:
-    """``value`` as plain YAML data (tuples become lists); ConfigError on anything else."""
-    if value is None or isinstance(value, (bool, int, float, str, bytes, datetime.date)):
-        return value
-    if isinstance(value, Mapping):
-        return {k: _plain(v, f"{path}.{k}") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, f"{path}[{i}]") for i, v in enumerate(value)]
-    raise ConfigError(f"{path}: {type(value).__name__} values cannot be written to a YAML config")
-
-
 
 
 def resolve_task_class(cfg: ExperimentConfig, config_dir: str | Path | None = None) -> str:

@@ -4,17 +4,20 @@ detection, dumping that reads back equal, and reading a config file's text (loca
 
 from __future__ import annotations
 
+import datetime
 import re
 from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
-from cadence.config.errors import Loc
 from cadence.errors import ConfigError
 from cadence.storage import Storage
 
-__all__ = ["YamlDumper", "YamlLoader", "dump_yaml", "parse_yaml", "read_text"]
+__all__ = ["Loc", "YamlDumper", "YamlLoader", "dump_yaml", "load_value", "parse_yaml", "plain_data", "read_text"]
+
+Loc = tuple[str, ...]
+"""A key path in a config: ``("trainer", "train_steps")``; list items by their index as a string."""
 
 _YAML_LINE_BREAKS = "\x85\u2028\u2029"
 
@@ -193,6 +196,18 @@ def dump_yaml(data: Mapping[str, Any]) -> str:
     if any(c in text for c in _YAML_LINE_BREAKS):  # PyYAML writes them raw, then reads them as breaks
         text = yaml.dump(data, Dumper=YamlDumper, sort_keys=False, allow_unicode=False)
     return text
+
+
+def plain_data(value: Any, path: str) -> Any:
+    """``value`` as plain YAML data (tuples become lists); ConfigError naming ``path`` (the value's
+    place in the config) when it holds something YAML cannot represent."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, datetime.date)):
+        return value
+    if isinstance(value, Mapping):
+        return {k: plain_data(v, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_data(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    raise ConfigError(f"{path}: {type(value).__name__} values cannot be written to a YAML config")
 
 
 def read_text(path: str) -> str:
