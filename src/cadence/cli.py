@@ -29,7 +29,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from cadence import __version__, layout
-from cadence.config.schema import EXPORT_FORMATS
+from cadence.config.schema import EXPORT_FORMATS, ExperimentConfig
 from cadence.errors import CadenceError, ConfigError
 from cadence.progress import format_size, format_value
 from cadence.summary import json_value
@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train and evaluate (resumes from the model dir); --nproc N: on N processes")
     add_config_args(train, model_dir_required=False)
     train.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    train.add_argument("--take-over", action="store_true",
+                       help="take the model dir's writer lease from the trainer holding it (that trainer can no "
+                            "longer commit); for a holder that is gone on another machine, or stuck")
     multi = train.add_argument_group(
         "multi-process training", "start the ranks through torch's launcher (python -m torch.distributed.run); "
         "under an external torchrun, leave these out: each rank picks up its place from the environment")
@@ -139,12 +142,12 @@ def _load(args: argparse.Namespace):
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     if wants_torchrun(args):
-        return train_with_torchrun(args, _load(args), console)
+        return train_with_torchrun(args, _claim_model_dir(args, _load(args), check=True), console)
     rank = env_rank()
     if rank != 0:  # one process reports: the other ranks log warnings and errors only
         root = logging.getLogger()
         root.setLevel(max(root.getEffectiveLevel(), logging.WARNING))
-    cfg = _load(args)
+    cfg = _claim_model_dir(args, _load(args), check=False) if rank == 0 else _load(args)
     from cadence.cluster import resolve_role
     from cadence.sidecar import SidecarResult
     from cadence.torch.roles import train_and_evaluate
@@ -182,6 +185,20 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     console.print(f"[bold]done[/bold]: {shown}")
     console.print(f"model dir: {cfg.model_dir}  (cadence ls {cfg.model_dir}; tensorboard --logdir {cfg.model_dir})")
     return 0
+
+
+def _claim_model_dir(args: argparse.Namespace, cfg: ExperimentConfig, *, check: bool) -> ExperimentConfig:
+    """Before any rank starts: with ``--take-over`` fence off the holder of the model dir's writer
+    lease; else, with ``check``, refuse now (exit 2) when another trainer holds it."""
+    from cadence.checkpoint import writer_lease
+
+    model_dir = layout.check_model_dir(cfg.require_model_dir())
+    if args.take_over:
+        if writer_lease.take_over(model_dir) is None:
+            logger.info("--take-over: nobody holds the writer lease of %s", model_dir)
+    elif check:
+        writer_lease.check_free(model_dir)
+    return cfg
 
 
 def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
@@ -355,7 +372,7 @@ def _cmd_smoke(args: argparse.Namespace, console: Console) -> int:
         return 0
     if failed.traceback:
         console.print(Text(failed.traceback.rstrip()), soft_wrap=True, highlight=False)
-    return 2 if isinstance(failed.exception, ConfigError) else 1
+    return failed.exception.exit_code if isinstance(failed.exception, CadenceError) else 1
 
 
 COMMANDS = {"train": _cmd_train, "evaluate": _cmd_evaluate, "launch": _cmd_launch, "export": _cmd_export,
@@ -371,12 +388,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return COMMANDS[args.command](args, err)
-    except ConfigError as exc:  # one line, never wrapped; escaped: "[x]" in a message is text, not markup
-        err.print(f"[red]cadence: error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        return 2
-    except CadenceError as exc:
-        err.print(f"[red]cadence: failed:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        return 1
+    except CadenceError as exc:  # one line, never wrapped; escaped: "[x]" in a message is text, not markup
+        label = "error" if exc.exit_code == 2 else "failed"  # bad input (nothing started) or a failure
+        err.print(f"[red]cadence: {label}:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return exc.exit_code
     except KeyboardInterrupt:
         err.print("cadence: interrupted")
         return 130

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 
 class CadenceError(Exception):
-    """Base class of cadence's own errors."""
+    """Base class of cadence's own errors.
+
+    ``exit_code`` is the CLI's exit status when one ends a command: 1 (a failure), 2 for bad
+    input (:class:`ConfigError`, :class:`WriterLeaseHeldError`): nothing was started.
+    """
+
+    exit_code: int = 1
 
 
 class StopTraining(Exception):
@@ -30,6 +36,8 @@ class PreemptedExit(SystemExit):
 class ConfigError(CadenceError):
     """A config file or override is invalid. The message names the offending field."""
 
+    exit_code = 2
+
 
 class CheckpointError(CadenceError):
     """A checkpoint could not be written or read."""
@@ -53,3 +61,16 @@ class UnsafeCheckpointError(CheckpointError):
 
 class TrainingDivergedError(CadenceError):
     """The loss stayed NaN/inf (or above its bound) after the allowed number of recoveries."""
+
+
+class WriterLeaseHeldError(CadenceError):
+    """Another live process holds the model dir's writer lease (see
+    :mod:`cadence.checkpoint.writer_lease`); nothing was written. The message names the holder
+    (host, pid, since) and how to take over."""
+
+    exit_code = 2
+
+
+class WriterLeaseLostError(CheckpointError):
+    """This process no longer holds the model dir's writer lease (another took it over, or it
+    could not renew it in time): the commit, deletion or FINAL it was about to make was not made."""

@@ -65,3 +65,11 @@ def best_dir(model_dir: str) -> str:
 def export_dir(model_dir: str, name: str, step: int | None = None) -> str:
     """``export/<name>/`` or, with a step, ``export/<name>/<step>/``."""
     return join(model_dir, EXPORT, name) if step is None else join(model_dir, EXPORT, name, str(step))
+
+
+WRITER = ".writer"
+
+
+def writer_lease_dir(model_dir: str) -> str:
+    """``.writer/``: the writer lease's files (:mod:`cadence.checkpoint.writer_lease`)."""
+    return join(model_dir, WRITER)

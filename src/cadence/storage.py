@@ -147,6 +147,40 @@ class Storage:
         with self.open_atomic(path) as f:
             f.write(data)
 
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data`` unless it exists; True when this call created it.
+
+        Of processes racing to create one path, exactly one gets True. Local disks: the data is
+        written and fsynced to a temp file that is then hard-linked to ``path`` (``link`` fails
+        when ``path`` exists), so the file is never seen partly written. Other stores: their
+        ``"xb"`` mode, a conditional create where the store has one (``memory://``; S3's
+        ``If-None-Match`` with an s3fs that supports it); a store without one (``ValueError`` /
+        ``NotImplementedError`` for ``"xb"``) falls back to check-then-write, which is not atomic.
+        """
+        if self._local:
+            temp = path + _temp_suffix()
+            self.write_bytes(temp, data, fsync=True)
+            try:
+                os.link(temp, path)
+            except FileExistsError:
+                return False
+            finally:
+                with contextlib.suppress(OSError):
+                    os.remove(temp)
+            self.fsync_dir(posixpath.dirname(path))
+            return True
+        try:
+            with self.fs.open(path, "xb") as f:
+                f.write(data)
+            return True
+        except FileExistsError:
+            return False
+        except (ValueError, NotImplementedError):
+            if self.exists(path):
+                return False
+            self.write_bytes(path, data)
+            return True
+
     def rename(self, src: str, dst: str) -> None:
         """Move a file or directory; atomic and durable (parent fsynced) on local disks only.
 

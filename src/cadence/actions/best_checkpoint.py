@@ -89,6 +89,8 @@ class BestCheckpointExporter:
     def attach(self, run: RunContext) -> None:
         self._run = run
         self._chief = run.coordinator.is_chief
+        if run.checkpoint_manager is not None:  # best/ is committed under the run's writer lease too
+            self.manager.fence = run.checkpoint_manager.fence
 
     def _read_record(self) -> dict[str, Any] | None:
         """The record of the best-valued committed checkpoint in ``best/`` (normally the only one;

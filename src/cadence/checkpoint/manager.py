@@ -16,7 +16,7 @@ import re
 import secrets
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from cadence.checkpoint import manifest as manifest_lib
 from cadence.checkpoint import retention
@@ -27,6 +27,9 @@ from cadence.checkpoint.objects import load_object, save_object, snapshot_object
 from cadence.checkpoint.protocol import Restorable, Savable, Stateful
 from cadence.storage import Storage
 from cadence.errors import CheckpointError, CorruptCheckpointError
+
+if TYPE_CHECKING:
+    from cadence.checkpoint.writer_lease import WriterLease
 
 logger = logging.getLogger("cadence.checkpoint")
 
@@ -74,7 +77,12 @@ class CheckpointManager:
         seconds (dead readers'; unexpired ones are never touched). False for readers (sidecar
         evaluators, tools): nothing on disk is changed, and :meth:`save`, :meth:`mark_final` and
         :meth:`clear_final` raise :class:`CheckpointError`.
-        There must be at most one writer per directory at a time.
+        There must be at most one writer per directory at a time: see ``fence``.
+      fence: the model dir's writer lease this writer holds
+        (:class:`~cadence.checkpoint.writer_lease.WriterLease`): checked right before each commit
+        (the manifest write), each deletion (retention, :meth:`delete`, clean-up), moving aside,
+        and FINAL; a lost lease raises :class:`~cadence.errors.WriterLeaseLostError` and nothing
+        more is changed. Not released by this manager. None: no fencing (one writer is assumed).
       async_save: :meth:`save` returns once the objects are snapshotted into memory (an object's
         ``snapshot_checkpoint()`` when it has one, see :mod:`cadence.checkpoint.protocol`); a
         background thread writes and commits (same protocol). At most one save is in flight: the
@@ -106,6 +114,7 @@ class CheckpointManager:
         protected_steps: Callable[[], Iterable[int]] | None = None,
         writer: bool = True,
         async_save: bool = False,
+        fence: WriterLease | None = None,
     ) -> None:
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 0):
             raise ValueError(f"max_to_keep must be None or an int >= 0, got {max_to_keep!r}")
@@ -117,6 +126,7 @@ class CheckpointManager:
         self.protected_steps = protected_steps
         self.writer = writer
         self.async_save = async_save
+        self.fence = fence
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
         self._just_committed: list[tuple[int, str]] = []  # appended by the saving thread, taken by take_committed()
@@ -277,6 +287,7 @@ class CheckpointManager:
             if work != final:
                 self.storage.rename(work, final)
             document = manifest_lib.build(step, files)
+            self._require_writer(f"commit checkpoint {self.path(step)}")  # the fence, right before the commit
             self.storage.write_atomic(self.storage.join(f"ckpt-{step}", MANIFEST_NAME), manifest_lib.encode(document))
         except BaseException:
             self._discard(work, final)
@@ -340,6 +351,8 @@ class CheckpointManager:
             keep_every_n_steps=self.keep_every_n_steps,
             protected=protected,
         )
+        if doomed:
+            self._require_writer("delete old checkpoints (retention)")
         for step in doomed:
             try:
                 self._delete(step)
@@ -532,8 +545,11 @@ class CheckpointManager:
         return self.storage.exists(self.storage.join(dirname, MANIFEST_NAME))
 
     def _require_writer(self, what: str) -> None:
+        """Raise unless this manager may change the directory now: a writer, holding ``fence``."""
         if not self.writer:
             raise CheckpointError(f"{what}: this manager of {self.directory} is a reader (writer=False)")
+        if self.fence is not None:
+            self.fence.check(what)
 
     def _require_committed(self, step: int) -> None:
         if not self._has_manifest(f"ckpt-{step}"):
@@ -545,6 +561,7 @@ class CheckpointManager:
     def _clean_up(self) -> None:
         """Remove what crashed saves left: temp dirs, ``ckpt-N/`` without manifest, FINAL temps;
         and the lease files of readers dead for more than :data:`STALE_LEASE_GRACE` seconds."""
+        self._require_writer("clean up after interrupted saves")
         try:
             self.leases.remove_expired(grace=STALE_LEASE_GRACE)
         except Exception:  # noqa: BLE001 - stale leases protect nothing anyway

@@ -19,6 +19,7 @@ from cadence import layout
 from cadence.actions.export_files import DEFAULT_MAX_EXPORTS
 from cadence.checkpoint.leases import DEFAULT_LEASE_TTL
 from cadence.checkpoint.retention import DEFAULT_MAX_TO_KEEP
+from cadence.checkpoint.writer_lease import DEFAULT_WRITER_LEASE_TTL
 from cadence.config.class_paths import CLASS_SPEC_FORM, check_class_spec, resolve_class_path
 
 __all__ = [
@@ -317,6 +318,12 @@ class CheckpointConfig(_Model):
             "Copy the state to CPU memory at a save and commit it from a background thread (one save in "
             "flight); the copy is reused by the next save, so one extra CPU copy of the state stays resident."
         ),
+    )
+    writer_lease_ttl: float = Field(
+        default=DEFAULT_WRITER_LEASE_TTL, gt=0, allow_inf_nan=False,
+        description=("Seconds the trainer's writer lease on the model dir lives without renewal (renewed every "
+                     "quarter of it): a trainer that dies on another host frees the model dir this long after; "
+                     "keep it well above the hosts' clock skew."),
     )
 
 

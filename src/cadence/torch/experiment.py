@@ -21,9 +21,11 @@ from typing import Any, Mapping, Sequence
 
 from cadence import layout
 from cadence.checkpoint import CheckpointManager
+from cadence.checkpoint.writer_lease import WriterLease
+from cadence.coordination import Coordinator, LocalCoordinator
 from cadence.config import ExperimentConfig, save_config
 from cadence.controller import Controller
-from cadence.errors import CheckpointError, ConfigError
+from cadence.errors import CheckpointError, ConfigError, WriterLeaseHeldError
 from cadence.lifecycle import RunContext
 from cadence.sidecar import SidecarEvaluator, SidecarResult
 from cadence.torch.context import Context
@@ -265,10 +267,23 @@ class Run:
     controller: Controller
     checkpoint_manager: CheckpointManager
     model: Any
+    writer_lease: WriterLease | None = None
+    """The chief's writer lease on the model dir while it trains; None on other ranks and readers."""
 
     @property
     def model_dir(self) -> str:
         return self.config.require_model_dir()
+
+    def release(self) -> None:
+        """Release the writer lease (the next trainer of the model dir may start at once); idempotent."""
+        if self.writer_lease is not None:
+            self.writer_lease.release()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
 
 
 def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = True,
@@ -279,10 +294,47 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     ``train=False`` builds an evaluator-only run that reads checkpoints without changing the
     model directory (``restore_step``: that checkpoint; ``None``: the latest); it runs no actions,
     and its callbacks hear of the restore, the evaluation and the close only.
+
+    A training run's chief first takes the model dir's writer lease (:func:`acquire_writer_lease`;
+    :class:`~cadence.errors.WriterLeaseHeldError` when another trainer holds it), which
+    :attr:`Run.writer_lease` keeps until :meth:`Run.release` (``with run:``).
     """
-    model_dir = layout.check_model_dir(cfg.require_model_dir())
-    t = cfg.trainer
+    layout.check_model_dir(cfg.require_model_dir())
     task, ctx, trainer, evaluator = _build_runners_for(cfg, train=train, evaluate=evaluate)
+    lease = acquire_writer_lease(cfg, ctx.coordinator) if train else None
+    try:
+        return _assemble_run(cfg, task, ctx, trainer, evaluator, lease, train=train, evaluate=evaluate,
+                             restore_step=restore_step, progress=progress)
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
+
+
+def acquire_writer_lease(cfg: ExperimentConfig, coordinator: Coordinator | None) -> WriterLease | None:
+    """The chief's writer lease on the model dir (None on the other ranks, which never commit).
+
+    A collective: the chief acquires; when it cannot, every rank raises the same
+    :class:`~cadence.errors.WriterLeaseHeldError`, so the whole job stops before writing anything.
+    """
+    coordinator = coordinator or LocalCoordinator()
+    lease, refusal = None, None
+    if coordinator.is_chief:
+        try:
+            lease = WriterLease.acquire(cfg.require_model_dir(), ttl=cfg.checkpoint.writer_lease_ttl)
+        except WriterLeaseHeldError as e:
+            refusal = str(e)
+    refusal = coordinator.broadcast(refusal)
+    if refusal is not None:
+        raise WriterLeaseHeldError(refusal)
+    return lease
+
+
+def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any, evaluator: Any,
+                  lease: WriterLease | None, *, train: bool, evaluate: bool, restore_step: int | None,
+                  progress: bool | None) -> Run:
+    model_dir = cfg.require_model_dir()
+    t = cfg.trainer
     model = (trainer or evaluator).model
     train_actions, eval_actions = (
         build_actions(cfg, task, model, train=train, evaluate=evaluate, chief=ctx.is_chief) if train else ([], [])
@@ -291,7 +343,7 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     manager = CheckpointManager(  # one writer: the chief; the other ranks only read
         layout.checkpoints_dir(model_dir), max_to_keep=t.max_to_keep,
         keep_every_n_steps=t.keep_every_n_steps, writer=train and ctx.is_chief,
-        async_save=cfg.checkpoint.async_save and train,
+        async_save=cfg.checkpoint.async_save and train, fence=lease,
     )
     controller = Controller(
         trainer=trainer,
@@ -309,7 +361,8 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
         progress=progress,
         coordinator=ctx.coordinator,
     )
-    return Run(config=cfg, task=task, ctx=ctx, controller=controller, checkpoint_manager=manager, model=model)
+    return Run(config=cfg, task=task, ctx=ctx, controller=controller, checkpoint_manager=manager, model=model,
+               writer_lease=lease)
 
 
 def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
@@ -332,7 +385,7 @@ def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
     )
     save_config(cfg, layout.config_path(cfg.require_model_dir()))
     t = cfg.trainer
-    with run.controller as controller:
+    with run, run.controller as controller:  # the controller closes (commits) before the lease goes
         metrics = controller.train_and_evaluate(
             train_steps=t.train_steps, eval_steps=t.validation_steps, eval_interval=t.validation_interval,
             throttle_secs=cfg.eval_spec.throttle_secs, start_delay_secs=cfg.eval_spec.start_delay_secs,
@@ -348,7 +401,7 @@ def _train_only(cfg: ExperimentConfig, progress: bool | None) -> dict[str, Any]:
         logger.warning("trainer.checkpoint_interval is null: a sidecar will only see the final checkpoint")
     run = build_run(cfg, evaluate=False, progress=progress)
     save_config(cfg, layout.config_path(cfg.require_model_dir()))
-    with run.controller as controller:
+    with run, run.controller as controller:
         controller.train(cfg.trainer.train_steps)
     return {}
 

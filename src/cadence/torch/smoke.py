@@ -198,7 +198,8 @@ class _Smoke:
     def close(self) -> None:
         for run in (self.restored, self.run):
             if run is not None:
-                run.controller.close()
+                with run:  # the writer lease goes after the controller closed
+                    run.controller.close()
         self.run = self.restored = None
 
     # -- stages ------------------------------------------------------------------------------
