@@ -1,11 +1,17 @@
 """``make bench``: run every benchmark, write ``results/latest.json`` and ``results/latest.md``.
 
-    python benchmarks/run.py [--only loop,checkpoint,sidecar,resume]
+    python benchmarks/run.py [--only loop,checkpoint,sidecar,resume] [--quick]
+
+``--only`` updates those entries of ``latest.json`` and keeps the others. ``--quick`` runs the
+benchmarks that have a quick mode (the checkpoint one: two tiny sizes, one repeat, every load
+checked) as a smoke test in well under a minute, and writes ``results/quick.json`` and
+``results/quick.md`` instead, so ``latest`` keeps the real measurements.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -23,8 +29,7 @@ import sidecar_latency  # noqa: E402
 
 BENCHMARKS = {
     "loop": loop_overhead.run,
-    "checkpoint": checkpoint_throughput.run,
-    "async": checkpoint_throughput.async_stall,
+    "checkpoint": checkpoint_throughput.run,  # includes the asynchronous save (the former "async" entry)
     "sidecar": sidecar_latency.run,
     "resume": resume_cost.run,
 }
@@ -57,30 +62,7 @@ def markdown(results: dict) -> str:
                   f"{row['ratio_min']:.3f} | {row['ratio_median']:.3f} |" for row in r["rows"]]
         lines.append(f"\nTarget: {r['target']}.\n")
     if "checkpoint" in results:
-        r = results["checkpoint"]
-        lines += [f"## Checkpoint throughput ({r['state_gib']:.2f} GiB model + Adam state, {r['repeats']} repeats)\n",
-                  "| direction | raw s | cadence s | raw GiB/s | cadence GiB/s | cadence/raw throughput (median) | (best) |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {row['direction']} | {row['raw_s_median']:.2f} | {row['cadence_s_median']:.2f} | "
-                  f"{row['raw_gib_per_s']:.2f} | {row['cadence_gib_per_s']:.2f} | {row['throughput_ratio_median']:.2f} | "
-                  f"{row['throughput_ratio_best']:.2f} |" for row in r["rows"]]
-        lines.append(f"\nTarget: {r['target']}.\n")
-        if "sha256_floor_s_median" in r:
-            save = next(row for row in r["rows"] if row["direction"] == "save")
-            lines.append(
-                f"Floor: the raw save plus one SHA-256 pass over the same bytes takes {r['sha256_floor_s_median']:.2f} s "
-                f"(raw/that = {r['sha256_floor_ratio']:.2f}): any save that hashes every byte on this machine is held "
-                f"to about that ratio unless the hash runs beside the writes; cadence's save reaches "
-                f"{save['throughput_ratio_median'] / r['sha256_floor_ratio']:.2f} of that floor.\n")
-    if "async" in results:
-        r = results["async"]
-        first = ("first_async_stall_s" in r)
-        lines += [f"## Async checkpointing: training stall per save ({r.get('saves', '?')} saves by one trainer)\n",
-                  "| mode | stall s (median, saves 2+) | stall s (first save) |" if first else "| mode | stall s (median) |",
-                  "|---|---|---|" if first else "|---|---|",
-                  f"| synchronous | {r['sync_stall_s']:.3f} |" + (f" {r['first_sync_stall_s']:.3f} |" if first else ""),
-                  f"| async | {r['async_stall_s']:.3f} |" + (f" {r['first_async_stall_s']:.3f} |" if first else ""),
-                  f"\nAsync stall / sync stall: {r['ratio']:.3f}. Target: {r['target']}.\n"]
+        lines += checkpoint_markdown(results["checkpoint"])
     if "sidecar" in results:
         r = results["sidecar"]
         lines += [(f"## Sidecar latency (commit → evaluation starts, {r['checkpoints']} checkpoints, "
@@ -98,22 +80,94 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _s(row: dict, kind: str) -> str:
+    if f"{kind}_s_median" not in row:
+        return "—"
+    return f"{row[f'{kind}_s_median']:.2f} ({row[f'{kind}_s_min']:.2f})"
+
+
+def _ratio(row: dict, kind: str) -> str:
+    if f"{kind}_ratio_median" not in row:
+        return "—"
+    return f"{row[f'{kind}_ratio_median']:.2f} ({row[f'{kind}_ratio_min']:.2f})"
+
+
+def _target(t: dict) -> str:
+    if t["name"].endswith("fraction"):
+        value = "n/a" if t["value"] is None else f"{t['value'] * 100:.1f}%"
+        bound = f"{t['bound'] * 100:.0f}%"
+    else:
+        value = "n/a" if t["value"] is None else f"{t['value']:.2f}x"
+        bound = f"{t['bound']:.2f}x"
+    verdict = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
+    return f"{value} ({'<=' if t['at_most'] else '>='} {bound}: {verdict})"
+
+
+TARGET_NAMES = {"save_vs_raw": "save vs raw", "save_vs_dcp": "save vs DCP", "load_vs_raw": "load vs raw",
+                "load_vs_dcp": "load vs DCP", "async_stall_fraction": "async stall / sync save",
+                "step_ratio_during_save": "step time during a background save"}
+
+
+def checkpoint_markdown(r: dict) -> list[str]:
+    if "sizes" not in r:  # written by an older version of this benchmark
+        return ["## Checkpoint save and load\n", "(Old format: rerun `python benchmarks/run.py --only checkpoint`.)\n"]
+    lines = []
+    for size in r["sizes"]:
+        a = size["async"]
+        lines += [(f"## Checkpoint save and load, {size['label']} ({size['state_gib']:.2f} GiB: {size['layers']} layers of "
+                   f"{size['width']}x{size['width']} float32 + Adam state; {size['repeats']} interleaved repeats"
+                   f"{', quick' if r.get('quick') else ''})\n"),
+                  "| contender | save s | save × raw | load s | load × raw |", "|---|---|---|---|---|"]
+        lines += [f"| {row['contender']} | {_s(row, 'save')} | {_ratio(row, 'save')} | {_s(row, 'load')} | "
+                  f"{_ratio(row, 'load')} |" for row in size["rows"]]
+        lines += ["\nSeconds: median (min). × raw: raw time / contender time (> 1: faster than raw), of the medians "
+                  "(of the minimums). Saves include the fsync of every file; loads go into the live model and "
+                  "optimizer, from the files just written (page cache). † the optimizer state it loads maps the "
+                  "file: its pages are read on first use, after the clock stops.\n",
+                  (f"Asynchronous save ({a['saves']} saves by one trainer, training thread at "
+                   f"{a['torch_threads']} torch thread(s)):\n"),
+                  "| | stall s | / synchronous save |", "|---|---|---|",
+                  f"| first save | {a['first_stall_s']:.3f} | {a['first_stall_fraction'] * 100:.1f}% |",
+                  f"| saves 2+ (median) | {a['steady_stall_s']:.3f} | {a['steady_stall_fraction'] * 100:.1f}% |",
+                  (f"\nSynchronous save (cadence, crc32c, median above): {a['sync_save_s']:.2f} s; background save "
+                   f"(save() to committed, median): {a['background_save_s_median']:.2f} s."),
+                  (f"Training step (three 1024x1024 layers, batch 64): {a['step_ms_idle']:.1f} ms without a save "
+                   f"in flight ({a['steps_idle']} steps), "
+                   + (f"{a['step_ms_during_save']:.1f} ms with one ({a['steps_during_save']} steps): "
+                      f"{a['step_ratio_during_save']:.2f}x.\n" if a["step_ratio_during_save"] is not None
+                      else "no step completed during a save.\n")),
+                  "Targets, cadence (crc32c): " + "; ".join(f"{TARGET_NAMES[t['name']]} {_target(t)}"
+                                                          for t in size["targets"]) + ".\n"]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default=",".join(BENCHMARKS), help="comma-separated subset")
+    parser.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: the benchmarks with a quick mode, tiny; writes results/quick.*")
     args = parser.parse_args()
+    quick_ones = [name for name, fn in BENCHMARKS.items() if "quick" in inspect.signature(fn).parameters]
+    names = args.only.split(",") if args.only else (quick_ones if args.quick else list(BENCHMARKS))
+    unknown = [name for name in names if name not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}")
     out_dir = HERE / "results"
     out_dir.mkdir(exist_ok=True)
-    latest = out_dir / "latest.json"
-    results: dict = json.loads(latest.read_text()) if latest.exists() else {}  # --only updates a part
+    stem = "quick" if args.quick else "latest"
+    previous = out_dir / f"{stem}.json"
+    results: dict = json.loads(previous.read_text()) if previous.exists() and not args.quick else {}  # --only: a part
     results["machine"] = machine()
-    for name in args.only.split(","):
+    for name in names:
         print(f"running {name} ...", flush=True)
         start = time.time()
-        results[name] = BENCHMARKS[name]()
+        fn = BENCHMARKS[name]
+        results[name] = fn(quick=True) if args.quick and name in quick_ones else fn()
+        if name == "checkpoint":
+            results.pop("async", None)  # now part of "checkpoint"
         print(f"  done in {time.time() - start:.0f} s", flush=True)
-    (out_dir / "latest.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out_dir / "latest.md").write_text(markdown(results))
+    (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out_dir / f"{stem}.md").write_text(markdown(results))
     print(markdown(results))
 
 

@@ -29,11 +29,14 @@ class TinyTask(Task):
     ``pid_dir`` gets a file ``rank<N>`` with each process's pid.
     ``poison_index`` puts a NaN into that training sample (and turns shuffling off, so the step
     that meets it is known): its batch gives a NaN loss.
+    ``hidden`` is the width of the hidden layer (a bigger checkpoint).
     """
 
     def __init__(self, step_sleep: float = 0.0, batch_size: int = 8, n: int = 200,
-                 poison_index: int | None = None, eval_sleep: float = 0.0, pid_dir: str | None = None) -> None:
+                 poison_index: int | None = None, eval_sleep: float = 0.0, pid_dir: str | None = None,
+                 hidden: int = 16) -> None:
         super().__init__()
+        self.hidden = hidden
         if pid_dir is not None:  # lets a test signal one rank of a multi-process job
             Path(pid_dir, f"rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
         self.step_sleep = step_sleep
@@ -46,7 +49,7 @@ class TinyTask(Task):
             self.train_set.tensors[0][poison_index] = float("nan")
 
     def build_model(self) -> nn.Module:
-        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
+        return nn.Sequential(nn.Linear(8, self.hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(self.hidden, 2))
 
     def build_optimizer(self, model):
         return torch.optim.Adam(model.parameters(), lr=1e-2)

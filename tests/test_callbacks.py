@@ -352,7 +352,7 @@ def test_on_close_after_an_action_exception_which_propagates(tmp_path):
         tmp_path, [Recorder(events)], train_actions=[bad_action]
     ) as c:
         c.train(10)
-    assert [e[0] for e in events] == ["attach", "train_start", "close"]
+    assert [e[0] for e in events] == ["attach", "train_start", "save", "close"]  # the trained steps committed
 
 
 class FailingClose(Callback):

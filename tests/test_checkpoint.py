@@ -12,6 +12,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import crc32c
 import fsspec
 import pytest
 from hypothesis import given, settings
@@ -108,16 +109,16 @@ def test_round_trip_files_and_state(ckdir: str) -> None:
     assert counter.value == 41
 
 
-def test_manifest_lists_sizes_and_sha256(ckdir: str) -> None:
+def test_manifest_lists_sizes_and_crc32c(ckdir: str) -> None:
     manager = CheckpointManager(ckdir)
     path = Path(manager.save(3, {"model": Blob({"a.bin": b"hello", "b.bin": os.urandom(3000)})}))
     manifest = json.loads((path / "MANIFEST.json").read_bytes())
-    assert manifest["format"] == "cadence-checkpoint" and manifest["version"] == 1
+    assert manifest["format"] == "cadence-checkpoint" and manifest["version"] == 2
     assert manifest["step"] == 3 and isinstance(manifest["time"], float)
     assert set(manifest["files"]) == {"a.bin", "b.bin", "state.json"}
     for name, entry in manifest["files"].items():
         data = (path / name).read_bytes()
-        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert entry == {"size": len(data), "crc32c": f"{crc32c.crc32c(data):08x}"}
     assert manager.manifest(3) == manifest
     info = manager.info(3)
     assert info["step"] == 3 and info["time"] == manifest["time"]
@@ -142,7 +143,7 @@ def test_streamed_file_is_hashed_while_written(ckdir: str) -> None:
     manager = CheckpointManager(ckdir)
     manager.save(5, {"s": Streamer()})
     expected = b"abcdefg234567"
-    assert manager.manifest(5)["files"]["stream.bin"] == {"size": 13, "sha256": hashlib.sha256(expected).hexdigest()}
+    assert manager.manifest(5)["files"]["stream.bin"] == {"size": 13, "crc32c": f"{crc32c.crc32c(expected):08x}"}
     target = Streamer()
     manager.restore({"s": target})
     assert target.data == expected
@@ -418,7 +419,7 @@ def _manifest_with(ckpt: Path, **files) -> None:
 
 
 CORRUPTIONS = {
-    "flipped byte": (lambda c: _flip(c / "data.bin"), "sha256"),
+    "flipped byte": (lambda c: _flip(c / "data.bin"), "does not match its crc32c"),
     "truncated": (lambda c: (c / "data.bin").write_bytes((c / "data.bin").read_bytes()[:5]), "truncated"),
     "deleted file": (lambda c: (c / "data.bin").unlink(), "data.bin is missing"),
     "garbage manifest": (lambda c: (c / "MANIFEST.json").write_bytes(b"\x00{not json"), "not valid JSON"),
@@ -727,22 +728,25 @@ def test_storage_open_atomic_streams_and_leaves_nothing_on_error(tmp_path: Path)
     assert storage.listdir(storage.root) == ["f"]  # the temp file is gone
 
 
-def test_large_file_hashed_in_chunks_matches_hashlib(ckdir: str) -> None:
-    import hashlib
+@pytest.mark.parametrize("algorithm", ["crc32c", "xxh3_128", "sha256"])
+def test_large_file_hashed_in_chunks_matches_one_pass(ckdir: str, algorithm: str) -> None:
+    import xxhash
 
     data = os.urandom(3 * (8 << 20) + 12345)  # several chunks and a partial one
+    one_pass = {"crc32c": lambda d: f"{crc32c.crc32c(d):08x}", "xxh3_128": lambda d: xxhash.xxh3_128_hexdigest(d),
+                "sha256": lambda d: hashlib.sha256(d).hexdigest()}[algorithm]
 
     class Big:
         def save_checkpoint(self, writer):
             writer.write("big.bin", data)
             return None
 
-    manager = CheckpointManager(ckdir)
+    manager = CheckpointManager(ckdir, checksum=algorithm)
     manager.save(1, {"big": Big()})
     entry = manager.manifest(1)["files"]["big.bin"]
     on_disk = (Path(ckdir) / "ckpt-1" / "big.bin").read_bytes()
     assert on_disk == data
-    assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert entry == {"size": len(data), algorithm: one_pass(data)}
     reader, _ = manager.read(1)
     assert reader.read("big.bin") == data
 
@@ -764,6 +768,6 @@ def test_large_files_are_verified_while_read_in_chunks(ckdir: str, damage: str) 
     else:
         data += b"\0"
     path.write_bytes(bytes(data))
-    reason = "sha256" if damage == "flip" else "truncated or changed"
+    reason = "does not match its crc32c" if damage == "flip" else "truncated or changed"
     with pytest.raises(CorruptCheckpointError, match=reason):
         manager.restore({"blob": Blob()}, step=1)

@@ -45,7 +45,7 @@ def test_model_dir_layout(digits_run):
     ckpts = model_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("ckpt-")) == [
         "ckpt-200", "ckpt-400", "ckpt-600"]
-    for name in ("model.safetensors", "optimizer.pt", "state.json", "MANIFEST.json"):
+    for name in ("model.safetensors", "optimizer.safetensors", "state.json", "MANIFEST.json"):
         assert (ckpts / "ckpt-600" / name).is_file()
     assert json.loads((ckpts / "FINAL").read_text())["step"] == 600
     state = json.loads((ckpts / "ckpt-600" / "state.json").read_text())

@@ -235,7 +235,7 @@ def test_stop_training_from_train_action_saves_and_returns(tmp_path):
     assert m.steps() == [6] and m.final_step() == 6
 
 
-def test_other_action_errors_propagate_without_saving(tmp_path):
+def test_other_action_errors_propagate_after_committing_the_trained_steps(tmp_path):
     m = manager(tmp_path)
 
     def boom(output):
@@ -245,7 +245,7 @@ def test_other_action_errors_propagate_without_saving(tmp_path):
                    train_actions=[boom], progress=False)
     with pytest.raises(KeyError):
         c.train(9)
-    assert m.steps() == []
+    assert m.steps() == [3] and m.final_step() is None  # kept (tests/test_sanity_check.py), not final
 
 
 def test_stateful_actions_are_checkpointed(tmp_path):
@@ -502,14 +502,16 @@ def test_train_and_evaluate_stop_from_eval_action(tmp_path):
 def test_train_and_evaluate_on_completed_run_evaluates_once(tmp_path):
     m = manager(tmp_path)
     t = FakeTrainer()
-    Controller(trainer=t, evaluator=FakeEvaluator(t), checkpoint_manager=m, steps_per_loop=5,
+    eval_dir = str(tmp_path / "eval")
+    Controller(trainer=t, evaluator=FakeEvaluator(t), checkpoint_manager=m, steps_per_loop=5, eval_summary_dir=eval_dir,
                progress=False).train_and_evaluate(train_steps=10)
     t2 = FakeTrainer()
     ev2 = FakeEvaluator(t2)
     out = Controller(trainer=t2, evaluator=ev2, checkpoint_manager=manager(tmp_path), steps_per_loop=5,
-                     progress=False).train_and_evaluate(train_steps=10)
-    assert t2.requests == [] and ev2.calls == [(10, -1)]
-    assert out == {"accuracy": 10.0}
+                     eval_summary_dir=eval_dir, progress=False).train_and_evaluate(train_steps=10)
+    assert t2.requests == [] and ev2.calls == []  # step 10 was evaluated: not again
+    assert out == {"accuracy": 10.0}  # as recorded then
+    assert [r["step"] for r in read_metrics(eval_dir)] == [10]
 
 
 def test_training_from_an_older_checkpoint_than_the_latest_is_refused(tmp_path):

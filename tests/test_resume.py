@@ -101,9 +101,12 @@ def test_crafted_optimizer_pt_is_refused_and_nothing_runs(tmp_path):
     cadence("train", str(config), "--model-dir", str(run))
     ckpt = run / "checkpoints" / "ckpt-10"
     marker = tmp_path / "PWNED"
-    # An attacker who can write the model dir can also rewrite the manifest to match.
+    # An attacker who can write the model dir can also rewrite the manifest to match: here the
+    # optimizer state in the torch.save form (optimizer.pt, still read) instead of safetensors.
     (ckpt / "optimizer.pt").write_bytes(pickle.dumps(_RunsCode(marker)))
+    (ckpt / "optimizer.safetensors").unlink()
     manifest = json.loads((ckpt / "MANIFEST.json").read_text())
+    del manifest["files"]["optimizer.safetensors"]
     data = (ckpt / "optimizer.pt").read_bytes()
     manifest["files"]["optimizer.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (ckpt / "MANIFEST.json").write_text(json.dumps(manifest))
@@ -180,7 +183,7 @@ def test_a_corrupt_final_checkpoint_is_moved_aside_retrained_and_saved_anew(tmp_
     weights.write_bytes(bytes(data))
 
     listed = cadence("ls", str(run), "--verify", check=False)
-    assert listed.returncode == 1 and "CORRUPT" in listed.stdout and "sha256" in listed.stdout
+    assert listed.returncode == 1 and "CORRUPT" in listed.stdout and "crc32c" in listed.stdout
 
     retrained = " ".join(cadence("train", str(config), "--model-dir", str(run)).stderr.split())  # unwrapped
     assert "skipping checkpoint" in retrained and "moved aside to" in retrained

@@ -140,7 +140,7 @@ def test_corrupt_checkpoint_is_recorded_failed_and_skipped(tmp_path, caplog):
     assert ev.evaluated == [2, 6]
     assert result.failed == [4]
     rows = {r["step"]: r for r in log_of(tmp_path)}
-    assert rows[4]["status"] == "failed" and "sha256" in rows[4]["error"]
+    assert rows[4]["status"] == "failed" and "crc32c" in rows[4]["error"]
     assert caplog.text.count("retrying") == 2
 
 

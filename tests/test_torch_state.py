@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import random
+import struct
 
 import numpy as np
 import pytest
@@ -24,7 +25,8 @@ from cadence.torch import (
     state_dict_from_safetensors,
     torch_state_to_bytes,
 )
-from cadence.torch.state import RNGSnapshot, SafetensorsPayload, clone_tree, safetensors_metadata, save_torch_state
+from cadence.torch.state import (RNGSnapshot, SafetensorsPayload, clone_tree, safetensors_metadata, save_torch_state,
+                                  state_dict_to_safetensors)
 
 
 def draws():
@@ -259,3 +261,46 @@ def test_clone_tree_copies_tensors_and_rebuilds_containers():
     t.add_(1)
     assert out["a"][0].tolist() == [1, 1, 1] and out["a"][1][0].tolist() == [1, 1, 1]
     assert out["a"][1][1] == 2 and out["b"] == "x" and isinstance(out["a"][1], tuple)
+
+
+def test_loading_copies_once_from_views_of_the_file_bytes():
+    """Issue 13: the model's tensors are views of the verified bytes (no intermediate copy) and
+    are copied once into the parameters; the parameters own their memory afterwards."""
+    from cadence.torch.state import safetensors_views
+
+    src = Tied()
+    data = bytearray(model_to_safetensors(src))
+    views = safetensors_views(data)
+    lo = torch.frombuffer(data, dtype=torch.uint8).data_ptr()
+    hi = lo + len(data)
+    assert all(lo <= v.data_ptr() < hi for v in views.values() if v.numel())  # inside the buffer
+    assert views["head.weight"] is views["embed.weight"]
+    dst = Tied()
+    load_model_safetensors(dst, data)
+    data[:] = bytes(len(data))  # the buffer may be reused: the model keeps its values
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("tamper, reason", [
+    (lambda h: h["w"].update(data_offsets=[0, 10**9]), "bad data_offsets"),
+    (lambda h: h["w"].update(shape=[3, -1]), "bad shape"),
+    (lambda h: h["w"].update(shape=[5]), "do not hold shape"),
+    (lambda h: h["b"].update(data_offsets=h["w"]["data_offsets"][:1] + [h["w"]["data_offsets"][0] + 8]),
+     "overlap"),
+    (lambda h: h.update(w=[1, 2]), "is not an object"),
+])
+def test_view_reader_refuses_bad_headers(tamper, reason):
+    from cadence.torch.state import safetensors_views
+
+    data = state_dict_to_safetensors({"w": torch.ones(2, 3), "b": torch.zeros(2)})
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    tamper(header)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    forged = struct.pack("<Q", len(encoded)) + encoded + data[8 + n:]
+    with pytest.raises(CheckpointError, match=reason):
+        safetensors_views(forged)
+    with pytest.raises(CheckpointError, match="bad header length"):
+        safetensors_views(struct.pack("<Q", 2**62) + data[8:])

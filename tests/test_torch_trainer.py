@@ -309,7 +309,7 @@ def test_resume_by_replay_without_state_dict(caplog):
 def test_checkpoint_before_training_and_files():
     trainer, _ = make(Regression())
     reader, state = save(trainer)
-    assert reader.names() == ["model.safetensors", "optimizer.pt"]
+    assert reader.names() == ["model.safetensors", "optimizer.safetensors"]
     assert state["global_step"] == 0 and state["data"] is None
     assert len(state["rng"]) == 1 and set(state["rng"][0]) >= {"python", "numpy", "torch"}  # one per rank
     trainer.train(2)
@@ -331,6 +331,7 @@ def test_unsafe_optimizer_file_is_refused(tmp_path):
     reader, state = save(trainer)
     buf = io.BytesIO()
     torch.save({"optimizer": Evil()}, buf)
+    del reader.files["optimizer.safetensors"]  # a checkpoint in the torch.save form
     reader.files["optimizer.pt"] = buf.getvalue()
     with pytest.raises(UnsafeCheckpointError, match=r"mem://ckpt-0/optimizer\.pt.*arbitrary unpickling"):
         make(Regression(), seed=1)[0].load_checkpoint(reader, state)

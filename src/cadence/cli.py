@@ -304,10 +304,16 @@ def _cmd_ls(args: argparse.Namespace, console: Console) -> int:
     table.add_column("")
     corrupt = 0
     for step in steps:
-        info = manager.info(step)
-        when = datetime.datetime.fromtimestamp(info["time"]).strftime("%Y-%m-%d %H:%M:%S")
         row = evals.get(step, {})
         notes = [n for n, on in (("final", step == final), ("latest", step == steps[-1])) if on]
+        try:
+            info = manager.info(step)
+        except CorruptCheckpointError as e:  # its manifest cannot be read (invalid, or a symbolic link)
+            corrupt += 1
+            table.add_row(str(step), "?", "?", *(format_value(row.get(m, "")) for m in metric_names),
+                          ", ".join([*notes, f"CORRUPT: {e.reason}"]))
+            continue
+        when = datetime.datetime.fromtimestamp(info["time"]).strftime("%Y-%m-%d %H:%M:%S")
         if args.verify:
             try:
                 manager.read(step)

@@ -21,6 +21,7 @@ from cadence.hooks import CallbackHooks
 from cadence.lifecycle import Action, Closeable, RunAware, components, stateful_members
 from cadence.progress import ProgressReporter, format_value
 from cadence.runner import Evaluator, GathersCheckpoint, Initializable, Trainer
+from cadence.sanity import sanity_check
 from cadence.schedule import (EvalState, EvalThrottle, check_advance, check_interval, check_loop_settings, crossed,
                               segment_target)
 from cadence.summary import SummaryManager
@@ -70,7 +71,10 @@ class Controller:
 
     On construction the latest checkpoint is restored (model, optimizer, data position, RNG,
     actions' state); when there is none, the trainer's (or a lone evaluator's) ``initialize()``
-    runs if it is :class:`~cadence.runner.Initializable`.
+    runs if it is :class:`~cadence.runner.Initializable`. With a trainer, the summaries a killed run
+    wrote past the restored step are dropped then (``metrics.jsonl`` records, and TensorBoard's
+    through a restart marker: :meth:`SummaryManager.resume_at <cadence.summary.SummaryManager.resume_at>`);
+    the eval ones only when this controller evaluates (a sidecar's stay).
 
     Raises:
       ValueError: neither trainer nor evaluator; bad ``steps_per_loop`` / intervals; with a
@@ -132,6 +136,10 @@ class Controller:
                 self._session.check_branch(restore_step)
             if restore:
                 self.restored_step = self.restore(restore_step)
+                if trainer is not None:  # what a killed run summarized past the restored step is redone
+                    self._train_summaries.resume_at(self.global_step)
+                    if evaluator is not None and eval_dir != summary_dir:  # a sidecar's records stay
+                        self._eval_summaries.resume_at(self.global_step)
         except BaseException:
             self._close(propagating=True)  # e.g. signal handlers installed by attach()
             raise
@@ -212,8 +220,7 @@ class Controller:
         self._require(self.trainer, "trainer", "train")
         self.stop_reason = None
         with self._hooks.training(on_preempted=self._session.wait_for_commits):
-            if steps is not None and self.global_step >= steps:
-                logger.info("train: global step %d already reached target %d", self.global_step, steps)
+            if self._reached(steps):
                 return
             self._session.reopen_if_final(steps)
             with self._progress(steps) as progress:
@@ -248,7 +255,9 @@ class Controller:
                 self._train_summaries.write_summaries(after, logs)
                 self._train_summaries.flush()
             progress.update(after, {k: v for k, v in logs.items() if k != "steps_per_second"})
-            self._run_actions(self.train_actions, logs)
+            with self._session.commit_on_error(lambda: self.global_step, self.checkpoint_objects,
+                                               self.prepare_checkpoint, "a train action"):
+                self._run_actions(self.train_actions, logs)
             self._agree_on_stop()
             if self.global_step != after:  # an action rolled the trainer back: nothing to save
                 continue
@@ -262,6 +271,19 @@ class Controller:
                 logger.info("training data exhausted at step %d", after)
                 return True
         return self.stop_reason is not None
+
+    def _reached(self, target: int | None) -> bool:
+        """Whether the global step is at ``target`` already (logged), or past it (a warning: a run
+        resumed with a lower ``train_steps`` has nothing to train)."""
+        if target is None or self.global_step < target:
+            return False
+        if self.global_step == target:
+            logger.info("train: global step %d already reached target %d", self.global_step, target)
+        else:
+            where = "the model dir has" if self.checkpoint_manager is not None else "the trainer has"
+            logger.warning("%s trained to step %d, past train_steps=%d: nothing to train", where, self.global_step,
+                           target)
+        return True
 
     def _loop_size(self, step: int, target: int | None) -> int:
         spl = self.steps_per_loop
@@ -329,6 +351,7 @@ class Controller:
         *,
         throttle_secs: float = 0.0,
         start_delay_secs: float = 0.0,
+        sanity_steps: int = 0,
     ) -> dict[str, Any]:
         """Alternate training and evaluation; return the last evaluation's metrics.
 
@@ -340,30 +363,46 @@ class Controller:
             evaluate once, at the end.
           throttle_secs, start_delay_secs: tf.estimator's ``EvalSpec`` throttling (see
             :class:`~cadence.schedule.EvalThrottle`); the final evaluation is never skipped.
+          sanity_steps: first evaluate this many batches, without summaries, and let the eval
+            actions check the metrics (:func:`~cadence.sanity.sanity_check`; SanityCheckError).
+            0: no sanity check.
+
+        An error of an evaluation (or of an action) after steps that no checkpoint holds commits
+        them first, with the state before that evaluation, so a resumed run evaluates again
+        (single-process runs; see :meth:`CheckpointSession.commit_on_error
+        <cadence.checkpoint.session.CheckpointSession.commit_on_error>`).
 
         Each segment ends with an evaluation, *then* the checkpoint due at that step, so a
         checkpoint at step N holds the eval actions' state after the evaluation at N; a run
         resumed at an evaluation step whose evaluation never ran evaluates first. At the end
         (target reached, data exhausted, or a stop) the final checkpoint is saved and ``FINAL``
-        written; a complete run is evaluated once. Callbacks as in :meth:`train`.
+        written; a complete run is evaluated once: one already evaluated at ``train_steps`` or past it
+        trains and evaluates nothing (a warning when past it) and returns the metrics recorded then
+        (``eval`` summaries' ``metrics.jsonl``, nested keys flattened; ``{}`` without them).
+        Callbacks as in :meth:`train`.
         """
         self._require(self.trainer, "trainer", "train_and_evaluate")
-        self._require(self.evaluator, "evaluator", "train_and_evaluate")
+        evaluator = self._require(self.evaluator, "evaluator", "train_and_evaluate")
         check_interval("eval_interval", eval_interval)
         throttle = EvalThrottle(throttle_secs, start_delay_secs)
         self.stop_reason = None
+        reached = self._reached(train_steps)
+        if sanity_steps and not reached:  # before anything changes on disk
+            sanity_check(evaluator, self.eval_actions, sanity_steps)
         self._session.reopen_if_final(train_steps)
 
         def evaluate() -> dict[str, Any]:
             throttle.evaluating()
-            return self.evaluate(eval_steps)
+            with self._session.commit_on_error(lambda: self.global_step, self._objects_before_eval(),
+                                               self.prepare_checkpoint, "the evaluation"):
+                return self.evaluate(eval_steps)
 
         with self._hooks.training(on_preempted=self._session.wait_for_commits), \
-                self._progress(train_steps) as progress:
+                self._progress(train_steps, enabled=not reached) as progress:
             output: dict[str, Any] | None = None
             if self._eval_state.due_on_resume(self.global_step, eval_interval):
                 output = evaluate()
-            over = (train_steps is not None and self.global_step >= train_steps) or self.stop_reason is not None
+            over = reached or self.stop_reason is not None
             while not over:
                 target = segment_target(self.global_step, train_steps, eval_interval)
                 over = self._train_until(target, progress, until_exhausted=train_steps is None, defer_save=True)
@@ -377,10 +416,10 @@ class Controller:
                 if self._save_pending and not over:
                     self.save_checkpoint()
                 self._save_pending = False
-            if output is None or self.last_eval_step != self.global_step:
+            if self.last_eval_step != self.global_step:
                 output = evaluate()
             self._complete()
-            return output
+            return output if output is not None else self._eval_summaries.recorded(self.global_step)
 
 
     def _require(self, value: _T | None, role: str, method: str) -> _T:
@@ -395,6 +434,15 @@ class Controller:
             except StopTraining as stop:
                 self.request_stop(stop.reason)
 
+    def _objects_before_eval(self) -> Callable[[], dict[str, object]]:
+        """What a checkpoint saved on an evaluation's error holds: the state of the loop, the eval
+        actions and the callbacks as before the evaluation, so a resumed run runs it again."""
+        if not self._session.commits_on_error:
+            return self.checkpoint_objects
+        before = self._session.frozen({"controller": self._eval_state, **stateful_members(
+            eval_actions=self.eval_actions, callbacks=self.callbacks)})
+        return lambda: {**self.checkpoint_objects(), **before}
+
     def _agree_on_stop(self) -> None:
         """Collective (several ranks): a stop asked for on any rank stops every rank."""
         agreed = self.coordinator.world_size > 1 and self.coordinator.any(self.stop_reason is not None)
@@ -405,8 +453,8 @@ class Controller:
         """Save the final checkpoint and mark the run FINAL."""
         self._session.complete(self.global_step, self.save_checkpoint)
 
-    def _progress(self, total: int | None) -> ProgressReporter:
-        return ProgressReporter(total, initial_step=self.global_step, enabled=self.progress)
+    def _progress(self, total: int | None, *, enabled: bool = True) -> ProgressReporter:
+        return ProgressReporter(total, initial_step=self.global_step, enabled=self.progress if enabled else False)
 
     def close(self) -> None:
         """Wait for a pending asynchronous checkpoint (raising its failure) and report its

@@ -7,7 +7,8 @@ class CadenceError(Exception):
     """Base class of cadence's own errors.
 
     ``exit_code`` is the CLI's exit status when one ends a command: 1 (a failure), 2 for bad
-    input (:class:`ConfigError`, :class:`WriterLeaseHeldError`): nothing was started.
+    input (:class:`ConfigError`, :class:`WriterLeaseHeldError`, :class:`SanityCheckError`):
+    nothing was started (or trained).
     """
 
     exit_code: int = 1
@@ -39,6 +40,18 @@ class ConfigError(CadenceError):
     exit_code = 2
 
 
+class ValidationOutputError(CadenceError, TypeError):
+    """``validation_step`` (or another part of an evaluation the task writes) returned something
+    of the wrong type; the message names it, what it returned and what is expected."""
+
+
+class SanityCheckError(CadenceError):
+    """The sanity check before training (a few validation batches, then the eval actions'
+    checks of their outputs; ``trainer.sanity_val_steps``) failed: nothing was trained."""
+
+    exit_code = 2
+
+
 class CheckpointError(CadenceError):
     """A checkpoint could not be written or read."""
 
@@ -53,6 +66,12 @@ class CorruptCheckpointError(CheckpointError):
         super().__init__(f"corrupt checkpoint {path}: {reason}")
         self.path = path
         self.reason = reason
+
+
+class CheckpointSpaceError(CheckpointError):
+    """A checkpoint, ``FINAL`` or ``best/`` could not be written: its file system is full (or a
+    quota or file-size limit was reached). Nothing partial is left visible; the previous
+    checkpoint is intact. The message names the directory, the step and the free space."""
 
 
 class UnsafeCheckpointError(CheckpointError):

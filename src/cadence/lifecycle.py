@@ -16,19 +16,23 @@ one place (:func:`components`), never probed for one optional method at a time:
   controller attaches and closes what it wraps as it does the top-level objects, so a wrapper
   forwards nothing by hand; the wrapped objects' *state* is the wrapper's to save (it is part of
   the wrapper's ``state_dict``), so the checkpoint layout does not depend on how deep they sit.
+* :class:`ChecksOutputs` -- ``check_outputs(metrics)``: an eval action that reads metrics by
+  name checks, before training, that the evaluation's outputs hold them (the sanity check,
+  :func:`cadence.sanity.sanity_check`), so a misnamed metric fails before any step is trained.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # pragma: no cover
     from cadence.checkpoint import CheckpointManager
     from cadence.coordination import Coordinator
     from cadence.runner import Evaluator, Trainer
 
-__all__ = ["Action", "Closeable", "Composite", "RunAware", "RunContext", "components", "owner_of", "stateful_members"]
+__all__ = ["Action", "ChecksOutputs", "Closeable", "Composite", "RunAware", "RunContext", "components", "owner_of",
+           "stateful_members"]
 
 Action = Callable[[dict[str, Any]], Any]
 
@@ -108,6 +112,17 @@ class Composite(Protocol):
     """An action that runs other actions: :meth:`wrapped` names them (and its condition's owner)."""
 
     def wrapped(self) -> Sequence[object]: ...
+
+
+@runtime_checkable
+class ChecksOutputs(Protocol):
+    """An eval action that needs something in the evaluation's metrics (a metric by name)."""
+
+    def check_outputs(self, metrics: Mapping[str, Any]) -> None:
+        """Raise :class:`~cadence.errors.ConfigError` (or another
+        :class:`~cadence.errors.CadenceError`) when this action could not run on ``metrics``: the
+        message names what is missing and what the metrics hold. Changes nothing."""
+        ...
 
 
 def stateful_members(**groups: Sequence[object]) -> dict[str, object]:

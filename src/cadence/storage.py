@@ -66,6 +66,29 @@ class Storage:
     def isdir(self, path: str) -> bool:
         return bool(self.fs.isdir(path))
 
+    def link_under(self, path: str, top: str | None = None) -> str | None:
+        """The first symbolic link on the way down from ``top`` (default :attr:`root`) to ``path``.
+
+        Checked: each directory between ``top`` and ``path``, then ``path`` itself; ``top`` itself
+        is trusted (a model dir may well live behind a link). For a ``path`` outside ``top`` only
+        ``path`` itself is checked; ``path == top`` gives None. Such a link may lead anywhere,
+        outside ``top`` included. Always None off local disks: object stores have no links.
+        """
+        if not self._local:
+            return None
+        top = (self.root if top is None else top).rstrip("/")
+        if path.rstrip("/") == top:
+            return None
+        if not path.startswith(top + "/"):
+            return path if os.path.islink(path) else None
+        current = top
+        for part in path[len(top) + 1:].split("/"):
+            if part:
+                current = f"{current}/{part}"
+                if os.path.islink(current):
+                    return current
+        return None
+
     def listdir(self, path: str) -> list[str]:
         """Base names of the entries of directory ``path``; empty when it does not exist.
 
@@ -95,6 +118,26 @@ class Storage:
             with open(path, "rb") as f:
                 return f.read()
         return bytes(self.fs.cat_file(path))
+
+    def read_buffer(self, path: str, limit: int | None = None) -> bytearray:
+        """The file in a new writable buffer (which a loader may keep as tensor memory): all of
+        it, or its first ``limit`` bytes. Local files are read straight into it (one copy from the
+        page cache). Raises ``FileNotFoundError`` when it does not exist."""
+        if not self._local:
+            return bytearray(self.fs.cat_file(path, start=0, end=limit) if limit is not None else self.fs.cat_file(path))
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            buffer = bytearray(size if limit is None else min(size, limit))
+            view, done = memoryview(buffer), 0
+            while done < len(buffer):
+                n = f.readinto(view[done:])
+                if not n:  # shrank while read: what is there
+                    del view
+                    del buffer[done:]
+                    return buffer
+                done += n
+            rest = f.read() if limit is None else f.read(limit - done)  # grew while read
+        return buffer + rest if rest else buffer
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -195,16 +238,39 @@ class Storage:
             self.fs.mv(src, dst, recursive=True)
 
     def remove(self, path: str) -> None:
-        """Delete a file. Raises ``FileNotFoundError`` when it does not exist."""
+        """Delete a file; a symbolic link is removed itself, never its target.
+
+        Raises ``FileNotFoundError`` when it does not exist, and ``OSError`` when a directory
+        between :attr:`root` and ``path`` is a link (see :meth:`_check_no_link_above`).
+        """
         if self._local:
+            self._check_no_link_above(path)
             os.remove(path)
         else:
             self.fs.rm_file(path)
 
     def rmtree(self, path: str) -> None:
-        """Delete a directory and everything under it; nothing happens when it does not exist."""
+        """Delete a directory and everything under it; nothing happens when it does not exist.
+
+        Links are never followed: a ``path`` that is a symbolic link is removed itself (its
+        target is untouched), links inside the tree are removed as links; ``OSError`` when a
+        directory between :attr:`root` and ``path`` is a link (see :meth:`_check_no_link_above`).
+        """
+        if self._local:
+            self._check_no_link_above(path)
+            if os.path.islink(path):
+                os.remove(path)
+                return
         if self.exists(path):
             self.fs.rm(path, recursive=True)
+
+    def _check_no_link_above(self, path: str) -> None:
+        """Raise ``OSError`` when a directory between :attr:`root` and ``path`` is a symbolic link:
+        deleting through it would delete what it points to, maybe outside the root."""
+        parent = posixpath.dirname(path)
+        link = self.link_under(parent) if parent.startswith(self.root.rstrip("/") + "/") else None
+        if link is not None:
+            raise OSError(f"refusing to delete {path}: {link} is a symbolic link (it may lead outside {self.root})")
 
     def fsync_file(self, path: str) -> None:
         """Make a written file's data durable (another descriptor of the same file will do); a no-op

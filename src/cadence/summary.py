@@ -12,7 +12,9 @@ Every :meth:`SummaryWriter.write` records the scalar metrics of one step twice:
 is a mapping (one of several evaluation datasets, say) goes to a subdirectory of its own.
 
 NaN and infinities are kept (JSON gets Python's ``NaN`` / ``Infinity`` / ``-Infinity``, which
-:func:`read_metrics` reads back). A restarted run appends to the same ``metrics.jsonl``.
+:func:`read_metrics` reads back). A restarted run appends to the same ``metrics.jsonl``; a run
+resumed from a checkpoint first drops what a killed run wrote past it
+(:meth:`SummaryManager.resume_at`).
 
 Nothing here imports tensorboard or numpy until it is needed.
 """
@@ -20,6 +22,7 @@ Nothing here imports tensorboard or numpy until it is needed.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import operator
@@ -32,7 +35,10 @@ from collections.abc import Mapping
 
 from cadence.storage import Storage
 
-__all__ = ["METRICS_FILE", "SummaryManager", "SummaryWriter", "flatten_scalars", "json_value", "read_metrics", "to_scalar"]
+__all__ = ["METRICS_FILE", "SummaryManager", "SummaryWriter", "flatten_scalars", "json_value", "read_metrics", "to_scalar",
+           "truncate_metrics"]
+
+logger = logging.getLogger("cadence")
 
 METRICS_FILE = "metrics.jsonl"
 """Name of the JSON-lines file written next to the event files."""
@@ -154,6 +160,13 @@ def _repair_local_tail(path: str) -> None:
         f.truncate(pos + len(fixed))
 
 
+def _has_event_files(path: str) -> bool:
+    try:
+        return any(name.startswith("events.out.tfevents.") for name in os.listdir(path))
+    except OSError:
+        return False
+
+
 # --------------------------------------------------------------------------------------------
 # writer
 
@@ -164,10 +177,17 @@ class SummaryWriter:
     The directory is created on the first :meth:`write`. ``logdir`` may be an fsspec URL: then
     only ``metrics.jsonl`` is written (through fsspec) and TensorBoard events are skipped with a
     one-time warning. Use as a context manager, or call :meth:`close`.
+
+    ``purge_step`` (a run resumed from a checkpoint): when ``logdir`` holds event files already,
+    the new event file starts with a ``SessionLog(status=START)`` event at that step, TensorBoard's
+    restart marker -- its reader (``purge_orphaned_data``, on by default) then discards the
+    earlier events at that step and later, which a killed run wrote past its last checkpoint
+    (tensorboardX's ``purge_step``). It does not touch ``metrics.jsonl`` (see :func:`truncate_metrics`).
     """
 
-    def __init__(self, logdir: str | os.PathLike[str]) -> None:
+    def __init__(self, logdir: str | os.PathLike[str], *, purge_step: int | None = None) -> None:
         self._logdir = os.fspath(logdir)
+        self._purge_step = None if purge_step is None else operator.index(purge_step)
         self._protocol, self._path = _split_url(self._logdir)
         self._lock = threading.Lock()
         self._closed = False
@@ -289,13 +309,17 @@ class SummaryWriter:
                     stacklevel=3,
                 )
             return
-        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         if self._events is None:
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+            restart = self._purge_step is not None and _has_event_files(self._path)
             self._events = EventFileWriter(self._path)
+            if restart:  # before any new event: the reader purges the steps >= purge_step seen so far
+                start = SessionLog(status=SessionLog.START)
+                self._events.add_event(Event(wall_time=wall_time, step=self._purge_step, session_log=start))
         values = [Summary.Value(tag=tag, simple_value=float(v)) for tag, v in scalars.items()]
         self._events.add_event(Event(wall_time=wall_time, step=step, summary=Summary(value=values)))
 
@@ -323,6 +347,28 @@ class SummaryManager:
         self.summary_dir = None if summary_dir is None else os.fspath(summary_dir)
         self.enabled = enabled and summary_dir is not None
         self._writers: dict[str, SummaryWriter] = {}
+        self._purge_step: int | None = None  # set by resume_at()
+        self._purged: set[str] = set()  # the relative paths whose writer was given the purge step
+
+    def resume_at(self, step: int) -> None:
+        """The run goes on from ``step`` (its restored checkpoint): drop what a killed run wrote past it.
+
+        Now: the records of ``summary_dir/metrics.jsonl`` with a larger step (the file is replaced
+        at once, see :func:`truncate_metrics`). Then: the first writer of each directory marks the
+        restart in its new event file (``purge_step=step + 1``, see :class:`SummaryWriter`), so
+        TensorBoard discards the old events past ``step`` too. Call it once, before the first write
+        of the resumed run; later writers (after :meth:`close`) do not mark it again. No-op when
+        disabled (e.g. on all but the chief).
+        """
+        if not self.enabled or self.summary_dir is None:
+            return
+        self.close()
+        self._purge_step = operator.index(step) + 1
+        self._purged.clear()
+        dropped = truncate_metrics(self.summary_dir, step)
+        if dropped:
+            logger.info("%s: dropped %d record(s) past step %d, written before the restart",
+                        _join(self.summary_dir, METRICS_FILE), dropped, step)
 
     def summary_writer(self, relative_path: str = "") -> SummaryWriter:
         """The writer of ``summary_dir/relative_path`` (``""``: the directory itself), created on
@@ -331,7 +377,9 @@ class SummaryManager:
             raise ValueError("SummaryManager(None) has no directory to write to")
         if relative_path not in self._writers:
             logdir = _join(self.summary_dir, relative_path) if relative_path else self.summary_dir
-            self._writers[relative_path] = SummaryWriter(logdir)
+            purge_step = None if relative_path in self._purged else self._purge_step
+            self._purged.add(relative_path)
+            self._writers[relative_path] = SummaryWriter(logdir, purge_step=purge_step)
         return self._writers[relative_path]
 
     def write_summaries(self, step: int, summary_dict: Mapping[str, Any]) -> None:
@@ -345,6 +393,14 @@ class SummaryManager:
         for key, value in summary_dict.items():
             if isinstance(value, Mapping):
                 self.summary_writer(str(key)).write(step, value, jsonl=False)
+
+    def recorded(self, step: int) -> dict[str, Any]:
+        """The metrics last recorded at ``step`` in ``summary_dir/metrics.jsonl`` (nested keys
+        flattened, as written there; without ``step`` and ``time``); ``{}`` when none is."""
+        if self.summary_dir is None:
+            return {}
+        records = [r for r in read_metrics(self.summary_dir) if r.get("step") == step]
+        return {k: v for k, v in records[-1].items() if k not in _RESERVED} if records else {}
 
     def flush(self) -> None:
         """Push what every writer of this manager has written to disk (or the remote store)."""
@@ -373,15 +429,20 @@ def _read_bytes(path: str) -> bytes | None:
         return None
 
 
+def _metrics_file(logdir_or_file: str | os.PathLike[str]) -> str:
+    path = os.fspath(logdir_or_file)
+    if not path.endswith(".jsonl") or Storage(path).isdir(Storage(path).root):
+        path = _join(path, METRICS_FILE)
+    return path
+
+
 def read_metrics(logdir_or_file: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl`` (given the file or its directory), in file order.
 
     Returns ``[]`` when the file does not exist yet. A truncated last line (a writer killed
     mid-write) is skipped silently; any other unreadable line is skipped with a warning.
     """
-    path = os.fspath(logdir_or_file)
-    if not path.endswith(".jsonl") or Storage(path).isdir(Storage(path).root):
-        path = _join(path, METRICS_FILE)
+    path = _metrics_file(logdir_or_file)
     data = _read_bytes(path)
     if data is None:
         return []
@@ -400,3 +461,39 @@ def read_metrics(logdir_or_file: str | os.PathLike[str]) -> list[dict[str, Any]]
         elif i != last:
             warnings.warn(f"{path}: line {i + 1} is not a JSON object; skipped", stacklevel=2)
     return records
+
+
+def truncate_metrics(logdir_or_file: str | os.PathLike[str], step: int) -> int:
+    """Drop the records past ``step`` from a ``metrics.jsonl`` (given the file or its directory);
+    how many were dropped.
+
+    For a run resumed at ``step``: what a killed run wrote after its last checkpoint is written
+    again. The other lines are kept byte for byte (an unreadable one too, but for a partial last
+    line, which goes); the file is replaced all at once (temp file and rename on local disks,
+    one write elsewhere: :meth:`~cadence.storage.Storage.write_atomic`), and only when something
+    changes. A missing file is left missing.
+    """
+    step = operator.index(step)
+    storage = Storage(_metrics_file(logdir_or_file))
+    try:
+        data = storage.read_bytes(storage.root)
+    except FileNotFoundError:
+        return 0
+    kept: list[bytes] = []
+    dropped = 0
+    for line in _repair_tail(data).split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        found = record.get("step") if isinstance(record, dict) else None
+        if isinstance(found, int) and not isinstance(found, bool) and found > step:
+            dropped += 1
+        else:
+            kept.append(line + b"\n")
+    content = b"".join(kept)
+    if content != data:
+        storage.write_atomic(storage.root, content)
+    return dropped

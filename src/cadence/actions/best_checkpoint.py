@@ -10,8 +10,9 @@ import time
 from typing import Any, Callable, Mapping
 
 from cadence.actions.best_metric import NewBestMetric
-from cadence.actions.metric_path import Metric, is_better, metric_name
+from cadence.actions.metric_path import Metric, check_metric, is_better, metric_name
 from cadence.checkpoint import CheckpointManager, JSONState, copy_objects
+from cadence.checkpoint.space import raise_if_full
 from cadence.errors import CheckpointError
 from cadence.lifecycle import RunContext
 from cadence.summary import json_value
@@ -91,6 +92,11 @@ class BestCheckpointExporter:
         self._chief = run.coordinator.is_chief
         if run.checkpoint_manager is not None:  # best/ is committed under the run's writer lease too
             self.manager.fence = run.checkpoint_manager.fence
+            self.manager.checksum = run.checkpoint_manager.checksum
+
+    def check_outputs(self, metrics: Mapping[str, Any]) -> None:
+        """ConfigError when ``metrics`` hold no number under the metric (names the keys they hold)."""
+        check_metric(metrics, self._best.metric, "BestCheckpointExporter")
 
     def _read_record(self) -> dict[str, Any] | None:
         """The record of the best-valued committed checkpoint in ``best/`` (normally the only one;
@@ -163,4 +169,8 @@ class BestCheckpointExporter:
 
     def _write_best_json(self, record: Mapping[str, Any]) -> None:
         storage = self.manager.storage
-        storage.write_atomic(storage.join(BEST_JSON), (json.dumps(record, indent=1) + "\n").encode())
+        try:
+            storage.write_atomic(storage.join(BEST_JSON), (json.dumps(record, indent=1) + "\n").encode())
+        except OSError as e:
+            raise_if_full(e, storage, f"write {BEST_JSON} for step {record['step']}")
+            raise

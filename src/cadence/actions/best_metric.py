@@ -6,7 +6,7 @@ import logging
 import math
 from typing import Any, Mapping
 
-from cadence.actions.metric_path import Metric, get_metric, is_better, metric_name, same_metric
+from cadence.actions.metric_path import Metric, check_metric, get_metric, is_better, metric_name, same_metric
 from cadence.actions.persisted import JSONPersistedValue, PersistedValueError
 
 logger = logging.getLogger("cadence")
@@ -99,6 +99,10 @@ class NewBestMetric:
     def metric_value(self, output: Mapping[str, Any]) -> float:
         """The metric's value in ``output`` (a float); raises ``MetricNotFoundError`` if absent."""
         return get_metric(output, self.metric)
+
+    def check_outputs(self, metrics: Mapping[str, Any]) -> None:
+        """ConfigError when ``metrics`` hold no number under the metric (names the keys they hold)."""
+        check_metric(metrics, self.metric, "NewBestMetric")
 
     def is_better(self, value: float) -> bool:
         """Whether ``value`` would be a new best (strictly better, finite)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from cadence.actions.metric_path import Metric, get_metric, is_better, metric_name, same_metric
+from cadence.actions.metric_path import Metric, check_metric, get_metric, is_better, metric_name, same_metric
 from cadence.errors import StopTraining
 from cadence.lifecycle import RunContext
 
@@ -98,6 +98,10 @@ class EarlyStopping:
     def attach(self, run: RunContext) -> None:
         """Read ``run.global_step`` to record the step of the best value."""
         self._run = run
+
+    def check_outputs(self, metrics: Mapping[str, Any]) -> None:
+        """ConfigError when ``metrics`` hold no number under the metric (names the keys they hold)."""
+        check_metric(metrics, self.metric, "EarlyStopping")
 
     def improves(self, value: float) -> bool:
         """Whether ``value`` would count as an improvement now."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import re
 from typing import Any, Callable
 
@@ -166,7 +167,9 @@ class ExportFileManager:
         """Delete all members but the ``max_to_keep`` with the highest ids (files or directories).
 
         ``max_to_keep=None`` deletes nothing; ``0`` deletes every member. A member that vanishes
-        meanwhile (deleted by another process) is skipped. Returns the deleted names, oldest first.
+        meanwhile (deleted by another process) is skipped. Links are never followed: a member that
+        is a symbolic link is removed as a link, and one below a link (``base-<id>/`` of a
+        ``subdirectory`` member) is kept with a warning. Returns the deleted names, oldest first.
         """
         if self.max_to_keep is None:
             return []
@@ -174,6 +177,10 @@ class ExportFileManager:
         doomed = members[: max(0, len(members) - self.max_to_keep)]
         deleted = []
         for id_, path in doomed:
+            link = self._storage.link_under(posixpath.dirname(path), self._dir)
+            if link is not None:  # deleting through it could delete outside the group
+                logger.warning("not deleting old export %s: %s is a symbolic link", self._name(id_), link)
+                continue
             try:
                 if self._storage.isdir(path):
                     self._storage.rmtree(path)

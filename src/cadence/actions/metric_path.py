@@ -6,14 +6,15 @@ import logging
 import math
 from typing import Any, Callable, Mapping
 
-from cadence.errors import CadenceError
+from cadence.errors import CadenceError, ConfigError
 
 logger = logging.getLogger("cadence")
 
 MetricFn = Callable[[Mapping[str, Any]], Any]
 Metric = str | MetricFn
 
-__all__ = ["Metric", "MetricFn", "MetricNotFoundError", "get_metric", "is_better", "metric_name", "same_metric"]
+__all__ = ["Metric", "MetricFn", "MetricNotFoundError", "check_metric", "get_metric", "is_better", "metric_name",
+           "same_metric"]
 
 
 class MetricNotFoundError(CadenceError, KeyError):
@@ -84,6 +85,23 @@ def get_metric(output: Mapping[str, Any], metric: Metric) -> float:
         return float(value)
     except (TypeError, ValueError) as e:
         raise TypeError(f"metric {metric_name(metric)!r} is not a number: {value!r:.200} ({e})") from None
+
+
+def check_metric(output: Mapping[str, Any], metric: Metric, owner: str) -> None:
+    """Check that :func:`get_metric` reads ``metric`` from ``output`` as a number (the
+    :class:`~cadence.lifecycle.ChecksOutputs` check of the actions that read one metric).
+
+    Raises:
+      ConfigError: the metric is missing (the message names it, ``owner`` and the keys
+        ``output`` has) or is not a number.
+    """
+    try:
+        get_metric(output, metric)
+    except MetricNotFoundError as e:
+        available = ", ".join(repr(k) for k in e.available) if e.available else "none (the output is empty)"
+        raise ConfigError(f"{owner}: metric {e.metric!r} is not in the evaluation outputs; available: {available}") from None
+    except Exception as e:  # a callable metric's own error, a non-number, a tensor of several elements
+        raise ConfigError(f"{owner}: metric {metric_name(metric)!r} cannot be read as a number: {e}") from None
 
 
 def metric_name(metric: Metric) -> str:

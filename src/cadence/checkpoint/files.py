@@ -6,6 +6,7 @@ import contextlib
 import posixpath
 from typing import IO, Iterator, Mapping, cast
 
+from cadence.checkpoint import checksum as checksum_lib
 from cadence.checkpoint.background import Pending, Worker
 from cadence.checkpoint.manifest import HashingStream, name_problem
 from cadence.checkpoint.protocol import CheckpointWriter
@@ -18,7 +19,8 @@ _SYNCER = Worker("cadence-fsync")  # fsyncs closed checkpoint files while the ne
 
 
 class DirectoryWriter:
-    """Writes the files of checkpoint ``step`` into ``directory`` and records their size and sha256.
+    """Writes the files of checkpoint ``step`` into ``directory`` and records their size and
+    checksum (``algorithm``: see :mod:`cadence.checkpoint.checksum`), computed as they are written.
 
     Implements :class:`~cadence.checkpoint.protocol.CheckpointWriter`. File names must be plain
     names (see :func:`~cadence.checkpoint.manifest.name_problem`), unique within the checkpoint, and
@@ -30,8 +32,10 @@ class DirectoryWriter:
     the manager renames the checkpoint into place.
     """
 
-    def __init__(self, storage: Storage, directory: str, step: int) -> None:
+    def __init__(self, storage: Storage, directory: str, step: int,
+                 algorithm: str = checksum_lib.DEFAULT_ALGORITHM) -> None:
         self.step = step
+        self.algorithm = algorithm
         self._storage = storage
         self._directory = directory
         self._claimed: set[str] = set()
@@ -40,7 +44,7 @@ class DirectoryWriter:
         self._syncs: list[Pending] = []
 
     def write(self, name: str, data: bytes | bytearray | memoryview) -> None:
-        """Write a whole file; its size and sha256 go into the manifest."""
+        """Write a whole file; its size and checksum go into the manifest."""
         with self.open(name) as f:
             f.write(data)
 
@@ -56,7 +60,7 @@ class DirectoryWriter:
             f.write(data)
 
     def files(self) -> dict[str, tuple[int, str]]:
-        """``{name: (size, sha256_hex)}`` of the files written, in order; closes the writer.
+        """``{name: (size, hex checksum)}`` of the files written, in order; closes the writer.
 
         Raises :class:`CheckpointError` when a file was opened but never completed.
         """
@@ -85,9 +89,14 @@ class DirectoryWriter:
     def _open(self, name: str) -> Iterator[IO[bytes]]:
         path = posixpath.join(self._directory, name)
         with self._storage.open_write(path, fsync=False) as raw:
-            stream = HashingStream(raw)
-            # A RawIOBase used as the binary file it is (typeshed's io classes are not typing.IO's).
-            yield cast(IO[bytes], stream)
+            stream = HashingStream(raw, self.algorithm)
+            try:
+                # A RawIOBase used as the binary file it is (typeshed's io classes are not typing.IO's).
+                yield cast(IO[bytes], stream)
+            except BaseException:
+                stream.raise_write_error()  # the failed write itself, not what a library made of it
+                raise
+            stream.raise_write_error()  # a failed write that the code writing the file ignored
             stream.flush()
             stream.close()
         self._syncs.append(_SYNCER.submit(self._storage.fsync_file, path))
@@ -100,7 +109,7 @@ class VerifiedReader:
     Implements :class:`~cadence.checkpoint.protocol.CheckpointReader`.
     """
 
-    def __init__(self, step: int, path: str, files: Mapping[str, bytes]) -> None:
+    def __init__(self, step: int, path: str, files: Mapping[str, bytes | bytearray]) -> None:
         self.step = step
         self.path = path
         self._files = dict(files)
@@ -109,7 +118,7 @@ class VerifiedReader:
         """File names listed in the manifest (``state.json`` included), sorted."""
         return sorted(self._files)
 
-    def read(self, name: str) -> bytes:
+    def read(self, name: str) -> bytes | bytearray:
         """A file's verified bytes. Raises :class:`CheckpointError` when there is no such file."""
         try:
             return self._files[name]

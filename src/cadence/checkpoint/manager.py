@@ -18,6 +18,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
+from cadence.checkpoint import checksum as checksum_lib
 from cadence.checkpoint import manifest as manifest_lib
 from cadence.checkpoint import retention
 from cadence.checkpoint.leases import Leases
@@ -25,8 +26,9 @@ from cadence.checkpoint.files import STATE_NAME, DirectoryWriter, VerifiedReader
 from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.checkpoint.objects import load_object, save_object, snapshot_objects
 from cadence.checkpoint.protocol import Restorable, Savable, Stateful
+from cadence.checkpoint.space import raise_if_full
 from cadence.storage import Storage
-from cadence.errors import CheckpointError, CorruptCheckpointError
+from cadence.errors import CheckpointError, CheckpointSpaceError, CorruptCheckpointError
 
 if TYPE_CHECKING:
     from cadence.checkpoint.writer_lease import WriterLease
@@ -90,6 +92,9 @@ class CheckpointManager:
         :class:`CheckpointError`) by the next :meth:`save`, :meth:`wait` or
         :meth:`raise_if_failed`. :meth:`close` (and interpreter exit: the thread is not a daemon)
         waits for the pending commit.
+      checksum: the algorithm of the checksums new manifests record
+        (:data:`~cadence.checkpoint.checksum.ALGORITHMS`; CRC32C by default). Reading verifies
+        each file with the algorithm its manifest names, whatever this is.
 
     Each object saved or restored under a name is either *Checkpointable* (``save_checkpoint`` /
     ``load_checkpoint``) or *Stateful* (``state_dict`` / ``load_state_dict``), see
@@ -115,6 +120,7 @@ class CheckpointManager:
         writer: bool = True,
         async_save: bool = False,
         fence: WriterLease | None = None,
+        checksum: str = checksum_lib.DEFAULT_ALGORITHM,
     ) -> None:
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 0):
             raise ValueError(f"max_to_keep must be None or an int >= 0, got {max_to_keep!r}")
@@ -127,6 +133,8 @@ class CheckpointManager:
         self.writer = writer
         self.async_save = async_save
         self.fence = fence
+        checksum_lib.new(checksum)  # ValueError naming the known algorithms
+        self.checksum = checksum
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
         self._just_committed: list[tuple[int, str]] = []  # appended by the saving thread, taken by take_committed()
@@ -234,7 +242,8 @@ class CheckpointManager:
         """Raise :class:`CheckpointError` if a finished asynchronous save failed (does not block)."""
         error, self._pending_error = self._pending_error, None
         if error is not None:
-            raise CheckpointError(f"asynchronous checkpoint save failed: {error}") from error
+            kind = CheckpointSpaceError if isinstance(error, CheckpointSpaceError) else CheckpointError
+            raise kind(f"asynchronous checkpoint save failed: {error}") from error
 
     def close(self) -> None:
         """Wait for a pending asynchronous save (raising its failure)."""
@@ -286,11 +295,12 @@ class CheckpointManager:
             files = self._write_files(work, step, objects)
             if work != final:
                 self.storage.rename(work, final)
-            document = manifest_lib.build(step, files)
+            document = manifest_lib.build(step, files, algorithm=self.checksum)
             self._require_writer(f"commit checkpoint {self.path(step)}")  # the fence, right before the commit
             self.storage.write_atomic(self.storage.join(f"ckpt-{step}", MANIFEST_NAME), manifest_lib.encode(document))
-        except BaseException:
+        except BaseException as e:
             self._discard(work, final)
+            raise_if_full(e, self.storage, f"save checkpoint step {step}")
             raise
         logger.info("saved checkpoint %s", self.path(step))
         self._just_committed.append((step, self.path(step)))
@@ -299,7 +309,7 @@ class CheckpointManager:
         return self.path(step)
 
     def _write_files(self, directory: str, step: int, objects: Mapping[str, object]) -> dict[str, tuple[int, str]]:
-        writer = DirectoryWriter(self.storage, directory, step)
+        writer = DirectoryWriter(self.storage, directory, step, self.checksum)
         state: dict[str, Any] = {}
         for name, obj in objects.items():
             state[name] = save_object(name, obj, writer)
@@ -370,8 +380,10 @@ class CheckpointManager:
         self._delete(step)
 
     def _delete(self, step: int) -> None:
-        """Manifest first (readers stop seeing the checkpoint), then the directory."""
-        self.storage.remove(self.storage.join(f"ckpt-{step}", MANIFEST_NAME))
+        """Manifest first (readers stop seeing the checkpoint), then the directory. A ``ckpt-<step>``
+        that is a symbolic link is removed as a link: nothing it points to is deleted."""
+        if self.storage.link_under(self._dir(step)) is None:
+            self.storage.remove(self.storage.join(f"ckpt-{step}", MANIFEST_NAME))
         self.storage.rmtree(self._dir(step))
         logger.debug("deleted checkpoint %s (retention)", self.path(step))
 
@@ -459,7 +471,7 @@ class CheckpointManager:
         for name, obj in objects.items():
             load_object(name, obj, reader, state["state"])
 
-    def _parse_state(self, data: bytes, step: int) -> dict[str, Any]:
+    def _parse_state(self, data: bytes | bytearray, step: int) -> dict[str, Any]:
         try:
             document = json.loads(data)
         except (UnicodeDecodeError, ValueError) as e:
@@ -482,7 +494,11 @@ class CheckpointManager:
         self._require_writer("mark_final")
         self._require_committed(step)
         data = json.dumps({"step": step, "time": time.time()}).encode()
-        self.storage.write_atomic(self.storage.join(FINAL_NAME), data)
+        try:
+            self.storage.write_atomic(self.storage.join(FINAL_NAME), data)
+        except OSError as e:
+            raise_if_full(e, self.storage, f"write {FINAL_NAME} for step {step}")
+            raise
 
     def final_step(self) -> int | None:
         """The step named by ``FINAL``, or None when there is none (an unreadable one is warned about)."""

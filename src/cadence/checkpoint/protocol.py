@@ -30,7 +30,7 @@ class CheckpointWriter(Protocol):
     step: int
 
     def write(self, name: str, data: bytes | bytearray | memoryview) -> None:
-        """Write a whole file; its size and sha256 go into the manifest."""
+        """Write a whole file; its size and checksum go into the manifest."""
         ...
 
     def open(self, name: str) -> ContextManager[IO[bytes]]:
@@ -49,8 +49,10 @@ class CheckpointReader(Protocol):
         """File names listed in the manifest."""
         ...
 
-    def read(self, name: str) -> bytes:
-        """A file's bytes, already checked against the manifest's size and sha256."""
+    def read(self, name: str) -> bytes | bytearray:
+        """A file's bytes, already checked against the manifest's size and checksum. The buffer
+        is the reader's: read it (tensors may view it while they are copied into the live
+        state), do not modify it."""
         ...
 
 

@@ -1,19 +1,23 @@
 """A run's checkpoints, as the :class:`~cadence.Controller` uses them: :class:`CheckpointSession`.
 
 Restore on start, save (a collective in a multi-process job), the final checkpoint and
-``FINAL``, rollback (NaN recovery), the branch check, and telling the callbacks about the
-commits of asynchronous saves. Without a checkpoint manager every operation is a no-op.
+``FINAL``, rollback (NaN recovery), the branch check, telling the callbacks about the commits of
+asynchronous saves, and committing the trained steps before an error of user code propagates
+(:meth:`CheckpointSession.commit_on_error`). Without a checkpoint manager every operation is a no-op.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
-from typing import Any, Callable, Mapping
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping
 
+from cadence.checkpoint.copy import JSONState
 from cadence.checkpoint.manager import CheckpointManager
-from cadence.checkpoint.protocol import CheckpointReader
+from cadence.checkpoint.protocol import CheckpointReader, Stateful
 from cadence.coordination import Coordinator
-from cadence.errors import CheckpointError
+from cadence.errors import CheckpointError, TrainingDivergedError
 
 logger = logging.getLogger("cadence")
 
@@ -135,6 +139,64 @@ class CheckpointSession:
         final = self.manager.final_step()
         if final is not None and (target is None or target > final):
             self.manager.clear_final()
+
+    # ------------------------------------------------------------------ errors
+
+    @property
+    def commits_on_error(self) -> bool:
+        """Whether :meth:`commit_on_error` may save: a manager, and a single-process run."""
+        return self.manager is not None and self.coordinator.world_size == 1
+
+    @contextmanager
+    def commit_on_error(self, step: Callable[[], int], objects: Callable[[], Mapping[str, object]],
+                        prepare: Callable[[], None], what: str) -> Iterator[None]:
+        """Run the block; when it raises an ``Exception`` while the run is at a step past the
+        latest checkpoint, commit ``objects()`` at ``step()`` first, then let the error propagate.
+
+        For the user code the loop runs *between* training steps (evaluations, actions), when the
+        trainer's state is that of a completed step: the steps trained since the last checkpoint
+        are kept, and a run resumed from this checkpoint continues exactly. Not used around the
+        trainer's own ``train()``: an error inside a training step leaves its state mid-step (the
+        data iterator and the RNG already past the failing batch, gradients half accumulated), so
+        a checkpoint of it would not resume exactly.
+
+        Nothing is saved for a :class:`~cadence.errors.CheckpointError` (a failed write would fail
+        again; a lost writer lease must not write), a
+        :class:`~cadence.errors.TrainingDivergedError` (the state is the diverged one), a
+        ``BaseException`` that is not an ``Exception`` (interrupts, exits: preemption saves on
+        its own), nor in a multi-process run (:attr:`commits_on_error`): the save is a collective,
+        and an error raised on one rank only would leave the others waiting in it. A failure of
+        this save is logged; the block's own error propagates.
+        """
+        try:
+            yield
+        except Exception as error:
+            self._commit_after(error, step(), objects, prepare, what)
+            raise
+
+    def _commit_after(self, error: Exception, step: int, objects: Callable[[], Mapping[str, object]],
+                      prepare: Callable[[], None], what: str) -> None:
+        if not self.commits_on_error or isinstance(error, (CheckpointError, TrainingDivergedError)):
+            return
+        assert self.manager is not None
+        try:
+            latest = self.manager.latest_step()
+            if step <= (latest if latest is not None else 0):
+                return  # nothing trained since the last checkpoint (or at all)
+            path = self.save(step, objects, prepare)
+            self.wait_for_commits()  # an asynchronous save is committed before the error goes on
+        except Exception:
+            logger.exception("%s failed at step %d, and committing that step failed too", what, step)
+            return
+        logger.warning("%s failed at step %d (%s): committed %s first; resuming continues from there",
+                       what, step, type(error).__name__, path)
+
+    @staticmethod
+    def frozen(objects: Mapping[str, object]) -> dict[str, object]:
+        """The :class:`~cadence.checkpoint.Stateful` ones of ``objects`` as they are now: a copy
+        of each one's state, saved in its place (the checkpoint of a moment already past)."""
+        return {name: JSONState(copy.deepcopy(obj.state_dict())) for name, obj in objects.items()
+                if isinstance(obj, Stateful)}
 
     # ------------------------------------------------------------------ asynchronous commits
 

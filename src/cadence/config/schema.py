@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from cadence import layout
 from cadence.actions.export_files import DEFAULT_MAX_EXPORTS
+from cadence.checkpoint.checksum import DEFAULT_ALGORITHM, Algorithm
 from cadence.checkpoint.leases import DEFAULT_LEASE_TTL
 from cadence.checkpoint.retention import DEFAULT_MAX_TO_KEEP
 from cadence.checkpoint.writer_lease import DEFAULT_WRITER_LEASE_TTL
@@ -227,6 +228,12 @@ class TrainerConfig(_Model):
         default=-1, strict=True, json_schema_extra={"expected": VALIDATION_STEPS_FORM},
         description="Batches per validation; `-1` uses the whole validation data.",
     )
+    sanity_val_steps: int = Field(
+        default=2, ge=0, strict=True,
+        description=("Before training (also when resuming), run this many validation batches, without writing "
+                     "anything, and check the eval metrics that `best_checkpoint` and `early_stopping` name: a "
+                     "wrong `validation_step` or metric name fails (exit 2) before any step is trained. `0`: off."),
+    )
     max_to_keep: int | None = Field(
         default=DEFAULT_MAX_TO_KEEP, ge=0, strict=True,
         description="Keep the newest this many checkpoints (`0`: none besides the kept ones below); `null` keeps all.",
@@ -324,6 +331,13 @@ class CheckpointConfig(_Model):
         description=("Seconds the trainer's writer lease on the model dir lives without renewal (renewed every "
                      "quarter of it): a trainer that dies on another host frees the model dir this long after; "
                      "keep it well above the hosts' clock skew."),
+    )
+    checksum: Algorithm = Field(
+        default=DEFAULT_ALGORITHM,
+        description=("The checksum each manifest records for every file, computed as the file is written and "
+                     "checked before any byte is used: crc32c (the checksum S3 and GCS compute natively) or "
+                     "xxh3_128, both at memory speed, or sha256 (cryptographic, ~8x slower). Checkpoints "
+                     "keep verifying with the algorithm they were written with."),
     )
 
 

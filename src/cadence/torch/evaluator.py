@@ -12,6 +12,7 @@ from torch import nn
 
 from cadence.checkpoint.protocol import CheckpointReader
 from cadence.coordination import LocalCoordinator
+from cadence.errors import ValidationOutputError
 from cadence.metrics import MetricReducer, merge_slot_states, slot_states
 from cadence.torch.batch import move_to_device
 from cadence.torch.context import Context
@@ -43,6 +44,16 @@ def _fsum(parts: list[float]) -> float:
         return math.fsum(parts)  # the ranks' partial sums, summed without rounding error
     except (ValueError, OverflowError):  # inf - inf, overflow: as IEEE addition says
         return float(sum(parts))
+
+
+def _describe(value: Any) -> str:
+    """What a step returned, in a few words on one line (a type, and a short value or shape)."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)} item(s)"
+    shown = repr(value).replace("\n", " ")
+    return f"{type(value).__name__} {shown if len(shown) <= 60 else shown[:57] + '...'}"
 
 
 def _plain(v: Any) -> Any:
@@ -148,9 +159,10 @@ class TorchEvaluator:
                     with autocast():
                         out = task.validation_step(self.model, batch)
                     if not isinstance(out, Mapping):
-                        raise TypeError(
-                            f"{type(task).__name__}.validation_step must return a dict of metrics, "
-                            f"got {type(out).__name__}"
+                        raise ValidationOutputError(
+                            f"{type(task).__name__}.validation_step returned {_describe(out)}; expected a dict "
+                            "of metrics, name -> value (a number or a 1-element tensor, averaged over the "
+                            "batches), e.g. {'loss': loss, 'accuracy': acc}"
                         )
                     bs = task.batch_size_of(batch)
                     for key, v in out.items():

@@ -343,7 +343,7 @@ def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any,
     manager = CheckpointManager(  # one writer: the chief; the other ranks only read
         layout.checkpoints_dir(model_dir), max_to_keep=t.max_to_keep,
         keep_every_n_steps=t.keep_every_n_steps, writer=train and ctx.is_chief,
-        async_save=cfg.checkpoint.async_save and train, fence=lease,
+        async_save=cfg.checkpoint.async_save and train, fence=lease, checksum=cfg.checkpoint.checksum,
     )
     controller = Controller(
         trainer=trainer,
@@ -369,9 +369,12 @@ def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
                  in_process_validation: bool | None = None) -> dict[str, Any]:
     """``train_and_evaluate`` the experiment in this process; return the last eval metrics.
 
-    Writes the resolved ``config.yaml`` into the model dir and resumes from its latest
-    checkpoint if it has one. With ``export.on: final``, exports the final model.
-    ``in_process_validation`` (default: ``trainer.in_process_validation``): False only trains,
+    Resumes from the model dir's latest checkpoint if it has one, and writes the resolved
+    ``config.yaml`` into it when there is something to train.
+    First, ``trainer.sanity_val_steps`` validation batches check the
+    validation code and the eval metrics the actions name (:func:`~cadence.sanity.sanity_check`;
+    a :class:`~cadence.errors.SanityCheckError` before any step). With ``export.on: final``,
+    exports the final model. ``in_process_validation`` (default: ``trainer.in_process_validation``): False only trains,
     for a sidecar to evaluate; the result is then ``{}``.
     """
     if in_process_validation is None:
@@ -383,12 +386,14 @@ def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
         ModelExporter(cfg, run.task, run.model, "final", chief=run.ctx.is_chief)
         if cfg.export is not None and cfg.export.on == "final" else None
     )
-    save_config(cfg, layout.config_path(cfg.require_model_dir()))
+    _save_config_if_training(cfg, run)
     t = cfg.trainer
+    sanity_steps = t.sanity_val_steps if t.validation_steps == -1 else min(t.sanity_val_steps, t.validation_steps)
     with run, run.controller as controller:  # the controller closes (commits) before the lease goes
         metrics = controller.train_and_evaluate(
             train_steps=t.train_steps, eval_steps=t.validation_steps, eval_interval=t.validation_interval,
             throttle_secs=cfg.eval_spec.throttle_secs, start_delay_secs=cfg.eval_spec.start_delay_secs,
+            sanity_steps=sanity_steps,
         )
         if export_final is not None:
             export_final(controller.global_step, {"metrics": metrics})
@@ -400,10 +405,19 @@ def _train_only(cfg: ExperimentConfig, progress: bool | None) -> dict[str, Any]:
     if cfg.trainer.checkpoint_interval is None:
         logger.warning("trainer.checkpoint_interval is null: a sidecar will only see the final checkpoint")
     run = build_run(cfg, evaluate=False, progress=progress)
-    save_config(cfg, layout.config_path(cfg.require_model_dir()))
+    _save_config_if_training(cfg, run)
     with run, run.controller as controller:
         controller.train(cfg.trainer.train_steps)
     return {}
+
+
+def _save_config_if_training(cfg: ExperimentConfig, run: Run) -> None:
+    """Write the resolved ``config.yaml`` into the model dir when the run will train, before its
+    first checkpoint; a model dir restored at ``trainer.train_steps`` or past it (nothing to
+    train) keeps the config it was trained with."""
+    steps = cfg.trainer.train_steps
+    if steps is None or run.controller.global_step < steps:
+        save_config(cfg, layout.config_path(cfg.require_model_dir()))
 
 
 def build_sidecar(cfg: ExperimentConfig) -> SidecarEvaluator:

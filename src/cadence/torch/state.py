@@ -16,10 +16,12 @@ import copy
 import io
 import json
 import logging
+import math
 import pickle
 import random
 import re
 import struct
+import warnings
 from collections import OrderedDict
 from typing import IO, Any, Mapping
 
@@ -35,8 +37,12 @@ log = logging.getLogger(__name__)
 ALIASES_KEY = "cadence.aliases"
 MODEL_FILE = "model.safetensors"
 """Model weights in a checkpoint (safetensors)."""
+OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"
+"""Optimizer / LR scheduler / grad-scaler state in a checkpoint: tensors plus a JSON structure
+(:mod:`cadence.torch.tensor_tree`); nothing pickled."""
 OPTIMIZER_FILE = "optimizer.pt"
-"""Optimizer / LR scheduler / grad-scaler state in a checkpoint (``torch.save``, weights-only loadable)."""
+"""The same state with ``torch.save`` (weights-only loadable): written when the state holds a value
+the safetensors form does not represent, and by cadence before 0.3; both load."""
 
 # -- RNG ---------------------------------------------------------------------------------------
 
@@ -248,7 +254,7 @@ def state_dict_to_safetensors(state_dict: Mapping[str, torch.Tensor], metadata: 
     return SafetensorsPayload.from_state_dict(state_dict, metadata).to_bytes()
 
 
-def safetensors_metadata(data: bytes) -> dict[str, str]:
+def safetensors_metadata(data: bytes | bytearray | memoryview) -> dict[str, str]:
     """The ``__metadata__`` of safetensors bytes (read from the JSON header, nothing else parsed)."""
     if len(data) < 8:
         raise CheckpointError("not a safetensors file: too short")
@@ -262,16 +268,98 @@ def safetensors_metadata(data: bytes) -> dict[str, str]:
     return dict(header.get("__metadata__") or {})
 
 
-def state_dict_from_safetensors(data: bytes) -> dict[str, torch.Tensor]:
-    """Tensors from :func:`state_dict_to_safetensors` bytes, aliases filled in (sharing the tensor)."""
+_DTYPES_BY_NAME = {
+    **{name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()},
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
+_MAX_HEADER = 100_000_000  # bytes; safetensors' own limit
+
+
+def safetensors_views(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """The tensors of safetensors ``data`` as views of its bytes: nothing is copied, so they are
+    valid while ``data`` is and must be copied (``load_state_dict``) before ``data`` changes.
+    Aliases (see :func:`state_dict_to_safetensors`) share the stored tensor.
+
+    The header is checked as strictly as safetensors does (length, JSON, dtypes, shapes, offsets
+    inside the data and matching the shape, no overlaps); a violation raises
+    :class:`~cadence.errors.CheckpointError`. A read-only ``data`` gives read-only views.
+    """
+    view = memoryview(data).cast("B")
+    if view.nbytes < 8:
+        raise CheckpointError("not a safetensors file: too short")
+    (n,) = struct.unpack("<Q", view[:8])
+    if n > view.nbytes - 8 or n > _MAX_HEADER:
+        raise CheckpointError(f"not a safetensors file: bad header length {n}")
     try:
-        tensors = safetensors.torch.load(bytes(data))
-    except Exception as e:  # safetensors raises its own SafetensorError
-        raise CheckpointError(f"unreadable safetensors data: {e}") from e
-    aliases = json.loads(safetensors_metadata(data).get(ALIASES_KEY, "{}"))
+        header = json.loads(bytes(view[8 : 8 + n]))
+    except ValueError as e:
+        raise CheckpointError(f"not a safetensors file: {e}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError("not a safetensors file: the header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if any(isinstance(e, dict) and e.get("dtype") not in _DTYPES_BY_NAME for e in header.values()):
+        tensors = _library_load(view)  # a dtype without a torch mapping here: safetensors' own reader
+    else:
+        tensors = _views(view, header, 8 + n)
+    aliases = json.loads(metadata.get(ALIASES_KEY, "{}")) if isinstance(metadata, dict) else {}
     for alias, name in aliases.items():
+        if name not in tensors:
+            raise CheckpointError(f"not a safetensors file: alias {alias!r} names no tensor ({name!r})")
         tensors[alias] = tensors[name]
     return tensors
+
+
+def _library_load(view: memoryview) -> dict[str, torch.Tensor]:
+    try:
+        return safetensors.torch.load(bytes(view))
+    except Exception as e:  # safetensors raises its own SafetensorError
+        raise CheckpointError(f"unreadable safetensors data: {e}") from e
+
+
+def _views(view: memoryview, header: dict[str, Any], start: int) -> dict[str, torch.Tensor]:
+    size = view.nbytes - start
+    tensors: dict[str, torch.Tensor] = {}
+    spans: list[tuple[int, int, str]] = []
+    with warnings.catch_warnings():  # a read-only buffer: the views are only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        for name, entry in header.items():
+            dtype, shape, begin, end = _entry(name, entry, size)
+            spans.append((begin, end, name))
+            numel = math.prod(shape)
+            flat = (torch.frombuffer(view, dtype=dtype, count=numel, offset=start + begin) if numel
+                    else torch.empty(0, dtype=dtype))
+            tensors[name] = flat.view(shape)
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(f"not a safetensors file: tensors {first!r} and {second!r} overlap")
+    return tensors
+
+
+def _entry(name: str, entry: Any, size: int) -> tuple[torch.dtype, list[int], int, int]:
+    """``(dtype, shape, begin, end)`` of one header entry, checked against the data's ``size``."""
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"not a safetensors file: entry {name!r} is not an object")
+    dtype = _DTYPES_BY_NAME[entry["dtype"]]
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise CheckpointError(f"not a safetensors file: {name!r} has a bad shape {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= size):
+        raise CheckpointError(f"not a safetensors file: {name!r} has bad data_offsets {offsets!r} (data: {size} bytes)")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if offsets[1] - offsets[0] != math.prod(shape) * itemsize:
+        raise CheckpointError(f"not a safetensors file: {name!r}'s data_offsets {offsets} do not hold shape {shape}")
+    return dtype, shape, offsets[0], offsets[1]
+
+
+def state_dict_from_safetensors(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Tensors from :func:`state_dict_to_safetensors` bytes, aliases filled in (sharing the
+    tensor); each one a copy that owns its memory (:func:`safetensors_views`: without the copy)."""
+    views = safetensors_views(data)
+    copies: dict[int, torch.Tensor] = {}
+    return {name: copies.setdefault(id(t), t.clone()) for name, t in views.items()}
 
 
 def model_to_safetensors(model: nn.Module) -> bytes:
@@ -284,15 +372,17 @@ def _names(keys: list[str], limit: int = 10) -> str:
     return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
 
 
-def load_model_safetensors(model: nn.Module, data: bytes, *, source: str = "model.safetensors") -> None:
-    """Load safetensors bytes into the (unwrapped) model, strictly.
+def load_model_safetensors(model: nn.Module, data: bytes | bytearray | memoryview, *,
+                           source: str = "model.safetensors") -> None:
+    """Load safetensors bytes into the (unwrapped) model, strictly: each tensor is copied once,
+    from a view of ``data`` (:func:`safetensors_views`) straight into its parameter or buffer.
 
     Raises :class:`~cadence.errors.CheckpointError` naming ``source`` and the missing /
     unexpected keys, or the shape mismatch.
     """
     target = unwrap_model(model)
     try:
-        tensors = state_dict_from_safetensors(data)
+        tensors = safetensors_views(data)
     except CheckpointError as e:
         raise CheckpointError(f"{source}: {e}") from e
     expected = target.state_dict().keys()
@@ -338,13 +428,43 @@ def _plainly_loadable(obj: Any, depth: int = 0) -> bool:
 
 def copy_tensor(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
     """A contiguous CPU copy of ``t``, written into ``into`` when that is a contiguous CPU tensor of
-    the same shape and dtype (no allocation), else into a new tensor."""
+    the same shape and dtype (no allocation), else into a new tensor.
+
+    A CUDA tensor is staged into *pinned* memory with a non-blocking copy: the call returns while
+    the device-to-host transfer runs on the current stream, so the copy must not be read before
+    :func:`staged` says so (an asynchronous save's writer thread waits for it)."""
+    source = t.detach()
+    cuda = source.device.type == "cuda"
     if (
         into is not None and into.device.type == "cpu" and into.shape == t.shape and into.dtype == t.dtype
-        and into.is_contiguous() and into.data_ptr() != t.data_ptr()
+        and into.is_contiguous() and into.data_ptr() != t.data_ptr() and (not cuda or into.is_pinned())
     ):
-        return into.copy_(t.detach())
-    return t.detach().to("cpu", copy=True).contiguous()
+        return into.copy_(source, non_blocking=cuda)
+    if cuda:
+        pinned = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=True)
+        return pinned.copy_(source, non_blocking=True)
+    return source.to("cpu", copy=True).contiguous()
+
+
+def staged(devices: set[torch.device]) -> Any:
+    """An event to wait on (``.synchronize()``) before reading copies that :func:`copy_tensor` made
+    from CUDA tensors on ``devices``; None when there are none (CPU copies are done on return).
+    Recorded on each device's current stream, after the copies were queued."""
+    events = []
+    for device in sorted((d for d in devices if d.type == "cuda"), key=str):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return _Events(events) if events else None
+
+
+class _Events:
+    def __init__(self, events: list[Any]) -> None:
+        self._events = events
+
+    def synchronize(self) -> None:
+        for event in self._events:
+            event.synchronize()
 
 
 def clone_tree(obj: Any, reuse: Any = None) -> Any:
@@ -415,7 +535,7 @@ def _weights_only_reason(e: BaseException) -> str:
     return lines[-1] if lines else type(e).__name__
 
 
-def load_torch_state(data: bytes, *, name: str = "optimizer.pt", source: str = "", map_location: Any = "cpu") -> Any:
+def load_torch_state(data: bytes | bytearray, *, name: str = "optimizer.pt", source: str = "", map_location: Any = "cpu") -> Any:
     """Load ``torch.save`` bytes with ``weights_only=True`` only.
 
     Raises :class:`~cadence.errors.UnsafeCheckpointError` when the file would need arbitrary

@@ -20,17 +20,21 @@ from cadence.torch.evaluator import TorchEvaluator
 from cadence.torch.state import (
     MODEL_FILE,
     OPTIMIZER_FILE,
+    OPTIMIZER_TENSORS_FILE,
     get_rng_state,
     load_model_safetensors,
     SafetensorsPayload,
     clone_tree,
+    staged,
     load_torch_state,
     save_torch_state,
     seed_everything,
     set_rng_state,
     unwrap_model,
 )
+from cadence.torch import tensor_tree
 from cadence.torch.step_logs import FOLD, ScalarSum, add_extras, split_output
+from cadence.torch.tensor_tree import load_tree
 from cadence.torch.task import Task
 
 log = logging.getLogger(__name__)
@@ -312,7 +316,9 @@ class TorchTrainer:
         return [get_rng_state()]
 
     def save_checkpoint(self, writer: CheckpointWriter) -> dict[str, Any]:
-        """Write ``model.safetensors`` and ``optimizer.pt``; return ``{"global_step", "rng", "data"}``.
+        """Write ``model.safetensors`` and ``optimizer.safetensors`` (the optimizer, LR scheduler
+        and grad-scaler state; ``optimizer.pt`` when that state holds a value the safetensors form
+        does not represent, see :mod:`cadence.torch.tensor_tree`); return ``{"global_step", "rng", "data"}``.
 
         ``rng`` is a list: the RNG state of every rank, in rank order, as gathered by
         :meth:`prepare_checkpoint` (called on all ranks first; with one process, optional).
@@ -342,11 +348,14 @@ class TorchTrainer:
         model = SafetensorsPayload.from_state_dict(
             unwrap_model(self.model).state_dict(), copy=copy, reuse=reuse.model if reuse is not None else None
         )
-        return TrainerSnapshot(
+        snapshot = TrainerSnapshot(
             model,
             clone_tree(torch_state, reuse.torch_state if reuse is not None else None) if copy else torch_state,
             {"global_step": self._global_step, "rng": self._rng_states(), "data": copy_module.deepcopy(self._data_state())},
         )
+        if copy:  # CUDA tensors were copied to pinned memory without blocking: the writer waits for them
+            snapshot.ready = staged({p.device for p in self.model.parameters()} | {self.ctx.device})
+        return snapshot
 
     def load_checkpoint(
         self,
@@ -371,15 +380,19 @@ class TorchTrainer:
         state = dict(state or {})
         source = getattr(reader, "path", "")
         load_model_safetensors(self.model, reader.read(MODEL_FILE), source=f"{source}/{MODEL_FILE}" if source else MODEL_FILE)
-        opt_state = load_torch_state(
-            reader.read(OPTIMIZER_FILE), name=OPTIMIZER_FILE, source=source, map_location=self.ctx.device
-        )
+        opt_name = OPTIMIZER_TENSORS_FILE if OPTIMIZER_TENSORS_FILE in reader.names() else OPTIMIZER_FILE
+        opt_source = f"{source}/{opt_name}" if source else opt_name
+        if opt_name == OPTIMIZER_TENSORS_FILE:
+            opt_state = load_tree(reader.read(opt_name), source=opt_source, map_location=self.ctx.device)
+        else:
+            opt_state = load_torch_state(reader.read(opt_name), name=opt_name, source=source,
+                                         map_location=self.ctx.device)
         if not isinstance(opt_state, Mapping) or "optimizer" not in opt_state:
-            raise CheckpointError(f"{source}/{OPTIMIZER_FILE}: expected a dict with 'optimizer'")
+            raise CheckpointError(f"{opt_source}: expected a dict with 'optimizer'")
         try:
             self.optimizer.load_state_dict(opt_state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as e:
-            raise CheckpointError(f"{source}/{OPTIMIZER_FILE}: optimizer state does not match: {e}") from e
+            raise CheckpointError(f"{opt_source}: optimizer state does not match: {e}") from e
         sched_state = opt_state.get("lr_scheduler")
         if self.lr_scheduler is not None and sched_state is not None:
             self.lr_scheduler.load_state_dict(sched_state)
@@ -435,13 +448,23 @@ class TrainerSnapshot:
         self.torch_state = torch_state
         self.state = state
         self.written = False  # True once save_checkpoint is done with the tensors (then reusable)
+        self.ready: Any = None  # set for CUDA state: the device-to-host copies are done once it synchronizes
 
     def save_checkpoint(self, writer: CheckpointWriter) -> dict[str, Any]:
         try:
+            if self.ready is not None:
+                self.ready.synchronize()
             with writer.open(MODEL_FILE) as f:
                 self.model.write(f)
-            with writer.open(OPTIMIZER_FILE) as f:
-                save_torch_state(f, self.torch_state, OPTIMIZER_FILE)
+            try:
+                optimizer = tensor_tree.payload(self.torch_state)
+            except tensor_tree.NotFlat as e:
+                log.debug("optimizer state saved with torch.save: %s", e)
+                with writer.open(OPTIMIZER_FILE) as f:
+                    save_torch_state(f, self.torch_state, OPTIMIZER_FILE)
+            else:
+                with writer.open(OPTIMIZER_TENSORS_FILE) as f:
+                    optimizer.write(f)
         finally:
             self.written = True
         return self.state
