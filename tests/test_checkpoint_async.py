@@ -130,3 +130,32 @@ sys.exit(0)  # no wait(): the interpreter joins the non-daemon commit thread
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
     assert CheckpointManager(str(tmp_path / "ckpts"), writer=False).steps() == [7]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_background_commit_runs_at_a_lower_cpu_priority(tmp_path):
+    """Under CPU contention the training thread goes first: the commit thread is niced."""
+    import os
+    import threading
+
+    from cadence.checkpoint import CheckpointManager
+    from cadence.checkpoint.background import BACKGROUND_NICE
+
+    seen: dict[str, int] = {}
+
+    class Probe:
+        def save_checkpoint(self, writer):
+            tid = threading.get_native_id()
+            seen["commit"] = os.getpriority(os.PRIO_PROCESS, tid)
+            writer.write("x.bin", b"x")
+            return None
+
+        def snapshot_checkpoint(self):
+            return self
+
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    manager = CheckpointManager(str(tmp_path), async_save=True)
+    manager.save(1, {"p": Probe()})
+    manager.wait()
+    assert seen["commit"] == min(19, here + BACKGROUND_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == here  # the caller is untouched

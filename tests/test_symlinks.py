@@ -246,3 +246,17 @@ def test_cli_never_reads_a_linked_model_file(tmp_path: Path) -> None:
     assert not weights.is_symlink() and weights.exists()  # step 40 retrained from 30 and saved anew
     assert crafted.read_bytes() == data  # the outside file is untouched
     assert cadence("ls", str(run), "--verify").returncode == 0
+
+
+def test_a_link_swapped_in_after_the_check_is_not_followed(tmp_path):
+    """The read itself refuses a link (O_NOFOLLOW): a link put in place between the check and the
+    open is not followed either."""
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"secret")
+    link = tmp_path / "m" / "file.bin"
+    link.parent.mkdir()
+    link.symlink_to(outside)
+    storage = Storage(str(tmp_path / "m"))
+    assert storage.read_buffer(str(link)) == b"secret"  # an ordinary read follows it
+    with pytest.raises(OSError):
+        storage.read_buffer(str(link), follow_link=False)

@@ -525,3 +525,35 @@ def test_successive_snapshots_reuse_the_written_ones_buffers_and_never_an_unwrit
     assert third.save_checkpoint(writer)["global_step"] == 3
     trainer.save_checkpoint(fresh)
     assert writer.files == fresh.files
+
+
+class FailingWriter(MemoryWriter):
+    """Records which thread opens each file; fails the files named in ``fail``."""
+
+    def __init__(self, fail: tuple[str, ...] = ()) -> None:
+        super().__init__(0)
+        self.fail = fail
+        self.threads: dict[str, int] = {}
+
+    def open(self, name):
+        import threading
+
+        self.threads[name] = threading.get_ident()
+        if name in self.fail:
+            raise OSError(f"cannot write {name}")
+        return super().open(name)
+
+
+def test_the_two_files_are_written_at_once_and_the_models_error_wins():
+    import threading
+
+    trainer, _ = make(Regression())
+    writer = FailingWriter()
+    trainer.save_checkpoint(writer)
+    assert sorted(writer.files) == ["model.safetensors", "optimizer.safetensors"]
+    assert writer.threads["model.safetensors"] == threading.get_ident()
+    assert writer.threads["optimizer.safetensors"] != threading.get_ident()  # beside the model's
+    with pytest.raises(OSError, match="cannot write optimizer.safetensors"):
+        trainer.save_checkpoint(FailingWriter(fail=("optimizer.safetensors",)))
+    with pytest.raises(OSError, match="cannot write model.safetensors"):
+        trainer.save_checkpoint(FailingWriter(fail=("model.safetensors", "optimizer.safetensors")))

@@ -119,13 +119,16 @@ class Storage:
                 return f.read()
         return bytes(self.fs.cat_file(path))
 
-    def read_buffer(self, path: str, limit: int | None = None) -> bytearray:
-        """The file in a new writable buffer (which a loader may keep as tensor memory): all of
-        it, or its first ``limit`` bytes. Local files are read straight into it (one copy from the
-        page cache). Raises ``FileNotFoundError`` when it does not exist."""
+    def read_buffer(self, path: str, limit: int | None = None, *, follow_link: bool = True) -> bytearray:
+        """The file in a new writable buffer: all of it, or its first ``limit`` bytes. Local files
+        are read straight into it (one copy from the page cache); ``follow_link=False`` refuses a
+        local ``path`` that is a symbolic link when it is opened (``OSError`` ELOOP), so a link
+        swapped in after a check is not followed either. Raises ``FileNotFoundError`` when it does
+        not exist."""
         if not self._local:
             return bytearray(self.fs.cat_file(path, start=0, end=limit) if limit is not None else self.fs.cat_file(path))
-        with open(path, "rb", buffering=0) as f:
+        flags = os.O_RDONLY | (0 if follow_link else os.O_NOFOLLOW)
+        with open(os.open(path, flags), "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             buffer = bytearray(size if limit is None else min(size, limit))
             view, done = memoryview(buffer), 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import posixpath
+import threading
 from typing import IO, Iterator, Mapping, cast
 
 from cadence.checkpoint import checksum as checksum_lib
@@ -30,6 +31,8 @@ class DirectoryWriter:
     Each file is fsynced on a helper thread once closed, while the next file is being written;
     :meth:`files` waits for those fsyncs (raising their errors), so everything is durable before
     the manager renames the checkpoint into place.
+
+    Several files may be written at once from several threads (each file from one thread).
     """
 
     def __init__(self, storage: Storage, directory: str, step: int,
@@ -38,6 +41,7 @@ class DirectoryWriter:
         self.algorithm = algorithm
         self._storage = storage
         self._directory = directory
+        self._lock = threading.Lock()
         self._claimed: set[str] = set()
         self._files: dict[str, tuple[int, str]] = {}
         self._closed = False
@@ -79,11 +83,13 @@ class DirectoryWriter:
         problem = name_problem(name)
         if problem is None and name in reserved:
             problem = f"file name {name!r} is reserved"
-        if problem is None and name in self._claimed:
-            problem = f"file {name!r} is written twice"
+        with self._lock:
+            if problem is None and name in self._claimed:
+                problem = f"file {name!r} is written twice"
+            if not problem:
+                self._claimed.add(name)
         if problem:
             raise ValueError(f"checkpoint {self.step}: {problem}")
-        self._claimed.add(name)
 
     @contextlib.contextmanager
     def _open(self, name: str) -> Iterator[IO[bytes]]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 from cadence.checkpoint import checksum as checksum_lib
 from cadence.checkpoint import manifest as manifest_lib
 from cadence.checkpoint import retention
+from cadence.checkpoint.background import yield_cpu
 from cadence.checkpoint.leases import Leases
 from cadence.checkpoint.files import STATE_NAME, DirectoryWriter, VerifiedReader
 from cadence.checkpoint.manifest import MANIFEST_NAME
@@ -221,6 +222,7 @@ class CheckpointManager:
         snapshot = snapshot_objects(step, objects)
 
         def commit() -> None:
+            yield_cpu()  # training goes first when the two compete for a core
             try:
                 self._save_now(step, snapshot)
             except BaseException as e:  # noqa: BLE001 - surfaced by the next save/wait

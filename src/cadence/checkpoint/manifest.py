@@ -241,7 +241,7 @@ def _read_hashed(storage: Storage, path: str, algorithm: str, limit: int) -> tup
     """The file's first ``limit`` bytes and their checksum: one read, then one pass over the bytes
     in memory. (Checksumming chunk by chunk on a helper thread while reading measured slower on
     the 2-vCPU machine: the chunks' join cost more than the overlap saved.)"""
-    data = storage.read_buffer(path, limit)
+    data = storage.read_buffer(path, limit, follow_link=False)
     return data, checksum_lib.checksum_of(algorithm, data)
 
 

@@ -11,6 +11,7 @@ from typing import Any, Iterable, Iterator, Mapping, TypeGuard
 import torch
 from torch import nn
 
+from cadence.checkpoint.background import Worker
 from cadence.checkpoint.protocol import CheckpointReader, CheckpointWriter, Stateful
 from cadence.errors import CheckpointError
 from cadence.torch.batch import move_to_device
@@ -451,23 +452,36 @@ class TrainerSnapshot:
         self.ready: Any = None  # set for CUDA state: the device-to-host copies are done once it synchronizes
 
     def save_checkpoint(self, writer: CheckpointWriter) -> dict[str, Any]:
+        """Write the model's file here and the optimizer's on a helper thread, at once (writes,
+        checksums and fsyncs release the GIL); return the JSON state."""
         try:
             if self.ready is not None:
                 self.ready.synchronize()
-            with writer.open(MODEL_FILE) as f:
-                self.model.write(f)
+            optimizer = _FILE_WRITER.submit(self._write_optimizer, writer)
             try:
-                optimizer = tensor_tree.payload(self.torch_state)
-            except tensor_tree.NotFlat as e:
-                log.debug("optimizer state saved with torch.save: %s", e)
-                with writer.open(OPTIMIZER_FILE) as f:
-                    save_torch_state(f, self.torch_state, OPTIMIZER_FILE)
-            else:
-                with writer.open(OPTIMIZER_TENSORS_FILE) as f:
-                    optimizer.write(f)
+                with writer.open(MODEL_FILE) as f:
+                    self.model.write(f)
+            except BaseException:
+                optimizer.wait()  # done with the tensors; the model's error wins
+                raise
+            optimizer.result()
         finally:
             self.written = True
         return self.state
+
+    def _write_optimizer(self, writer: CheckpointWriter) -> None:
+        try:
+            optimizer = tensor_tree.payload(self.torch_state)
+        except tensor_tree.NotFlat as e:
+            log.debug("optimizer state saved with torch.save: %s", e)
+            with writer.open(OPTIMIZER_FILE) as f:
+                save_torch_state(f, self.torch_state, OPTIMIZER_FILE)
+            return
+        with writer.open(OPTIMIZER_TENSORS_FILE) as f:
+            optimizer.write(f)
+
+
+_FILE_WRITER = Worker("cadence-write")  # writes a checkpoint's second file beside the first
 
 
 def _rank_seed(seed: int, rank: int, global_step: int) -> int:
