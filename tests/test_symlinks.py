@@ -257,6 +257,6 @@ def test_a_link_swapped_in_after_the_check_is_not_followed(tmp_path):
     link.parent.mkdir()
     link.symlink_to(outside)
     storage = Storage(str(tmp_path / "m"))
-    assert storage.read_buffer(str(link)) == b"secret"  # an ordinary read follows it
+    assert storage.read_view(str(link)) == b"secret"  # an ordinary read follows it
     with pytest.raises(OSError):
-        storage.read_buffer(str(link), follow_link=False)
+        storage.read_view(str(link), follow_link=False)

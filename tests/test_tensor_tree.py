@@ -149,3 +149,18 @@ def test_a_file_without_the_structure_is_named():
 
     with pytest.raises(CheckpointError, match="ckpt-3/optimizer.safetensors: no 'cadence.tree'"):
         load_tree(state_dict_to_safetensors({"w": torch.ones(2)}), source="ckpt-3/optimizer.safetensors")
+
+
+
+def test_loading_lets_go_of_the_file_bytes_at_once():
+    """No reference cycle keeps views of the file alive until the garbage collector runs (a
+    mapped checkpoint file would stay mapped, and deleted, its memory held)."""
+    import gc
+
+    data = bytearray(to_bytes({"w": torch.ones(4), "n": {"deep": [torch.zeros(2)]}}))
+    gc.disable()
+    try:
+        load_tree(data, source="x")
+        data.extend(b"more")  # BufferError while any view of it is alive
+    finally:
+        gc.enable()

@@ -199,6 +199,9 @@ class _Writer(MemoryWriter):
     def read(self, name):
         return self.files[name]
 
+    def view(self, name):
+        return memoryview(self.files[name])
+
     def names(self):
         return sorted(self.files)
 

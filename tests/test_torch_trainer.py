@@ -42,6 +42,9 @@ class MemReader:
     def read(self, name: str) -> bytes:
         return self.files[name]
 
+    def view(self, name: str) -> memoryview:
+        return memoryview(self.files[name])
+
 
 def save(trainer: TorchTrainer) -> tuple[MemReader, Any]:
     writer = MemoryWriter(trainer.global_step)

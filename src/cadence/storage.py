@@ -13,6 +13,7 @@ make a file visible only when its upload completes) and no fsync is needed or po
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import posixpath
 import secrets
@@ -119,28 +120,30 @@ class Storage:
                 return f.read()
         return bytes(self.fs.cat_file(path))
 
-    def read_buffer(self, path: str, limit: int | None = None, *, follow_link: bool = True) -> bytearray:
-        """The file in a new writable buffer: all of it, or its first ``limit`` bytes. Local files
-        are read straight into it (one copy from the page cache); ``follow_link=False`` refuses a
-        local ``path`` that is a symbolic link when it is opened (``OSError`` ELOOP), so a link
-        swapped in after a check is not followed either. Raises ``FileNotFoundError`` when it does
-        not exist."""
+    def read_view(self, path: str, limit: int | None = None, *, follow_link: bool = True) -> memoryview:
+        """A read-only view of the file's bytes: all of them, or the first ``limit``.
+
+        A local file is memory-mapped (read-only, shared with the page cache): nothing is copied
+        until the bytes are used, and a file already in the page cache costs no read at all. The
+        mapping lives as long as the view (or anything made from it). A file truncated by someone
+        else while mapped would fault (SIGBUS) when read past its new end; checkpoint files are
+        never changed in place (they are replaced by new directories). ``follow_link=False``
+        refuses a local ``path`` that is a symbolic link when it is opened (``OSError`` ELOOP), so
+        a link swapped in after a check is not followed either. Other stores: the bytes are read.
+        Raises ``FileNotFoundError`` when it does not exist.
+        """
         if not self._local:
-            return bytearray(self.fs.cat_file(path, start=0, end=limit) if limit is not None else self.fs.cat_file(path))
-        flags = os.O_RDONLY | (0 if follow_link else os.O_NOFOLLOW)
-        with open(os.open(path, flags), "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            buffer = bytearray(size if limit is None else min(size, limit))
-            view, done = memoryview(buffer), 0
-            while done < len(buffer):
-                n = f.readinto(view[done:])
-                if not n:  # shrank while read: what is there
-                    del view
-                    del buffer[done:]
-                    return buffer
-                done += n
-            rest = f.read() if limit is None else f.read(limit - done)  # grew while read
-        return buffer + rest if rest else buffer
+            data = self.fs.cat_file(path, start=0, end=limit) if limit is not None else self.fs.cat_file(path)
+            return memoryview(bytes(data))
+        fd = os.open(path, os.O_RDONLY | (0 if follow_link else os.O_NOFOLLOW))
+        try:
+            size = os.fstat(fd).st_size
+            length = size if limit is None else min(size, limit)
+            if length == 0:
+                return memoryview(b"")
+            return memoryview(mmap.mmap(fd, length, access=mmap.ACCESS_READ))
+        finally:
+            os.close(fd)
 
     # -- writes --------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ import os
 import threading
 import time
 import warnings
-from typing import IO, Any
+from typing import IO, Any, Iterator
 from collections.abc import Mapping
 
 from cadence.storage import Storage
@@ -446,21 +446,28 @@ def read_metrics(logdir_or_file: str | os.PathLike[str]) -> list[dict[str, Any]]
     data = _read_bytes(path)
     if data is None:
         return []
-    lines = data.decode("utf-8", errors="replace").split("\n")
+    lines = data.split(b"\n")
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     records: list[dict[str, Any]] = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if isinstance(record, dict):
+    for i, _, record in _records(lines):
+        if record is not None:
             records.append(record)
         elif i != last:
             warnings.warn(f"{path}: line {i + 1} is not a JSON object; skipped", stacklevel=2)
     return records
+
+
+def _records(lines: list[bytes]) -> Iterator[tuple[int, bytes, dict[str, Any] | None]]:
+    """``(index, line, record)`` for each non-blank line; ``record`` None when the line is not a
+    JSON object (a partial line, or garbage)."""
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8", errors="replace"))
+        except ValueError:
+            record = None
+        yield i, line, record if isinstance(record, dict) else None
 
 
 def truncate_metrics(logdir_or_file: str | os.PathLike[str], step: int) -> int:
@@ -481,14 +488,8 @@ def truncate_metrics(logdir_or_file: str | os.PathLike[str], step: int) -> int:
         return 0
     kept: list[bytes] = []
     dropped = 0
-    for line in _repair_tail(data).split(b"\n"):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        found = record.get("step") if isinstance(record, dict) else None
+    for _, line, record in _records(_repair_tail(data).split(b"\n")):
+        found = record.get("step") if record is not None else None
         if isinstance(found, int) and not isinstance(found, bool) and found > step:
             dropped += 1
         else:

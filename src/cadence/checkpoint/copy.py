@@ -17,7 +17,7 @@ class _Files:
     def save_checkpoint(self, writer: CheckpointWriter) -> dict[str, Any]:
         for name in self.reader.names():
             if name != STATE_NAME:
-                writer.write(name, self.reader.read(name))
+                writer.write(name, self.reader.view(name))
         return {"step": self.reader.step, "path": self.reader.path}
 
 

@@ -115,17 +115,22 @@ class VerifiedReader:
     Implements :class:`~cadence.checkpoint.protocol.CheckpointReader`.
     """
 
-    def __init__(self, step: int, path: str, files: Mapping[str, bytes | bytearray]) -> None:
+    def __init__(self, step: int, path: str, files: Mapping[str, bytes | memoryview]) -> None:
         self.step = step
         self.path = path
-        self._files = dict(files)
+        self._files = {name: memoryview(data) for name, data in files.items()}
 
     def names(self) -> list[str]:
         """File names listed in the manifest (``state.json`` included), sorted."""
         return sorted(self._files)
 
-    def read(self, name: str) -> bytes | bytearray:
-        """A file's verified bytes. Raises :class:`CheckpointError` when there is no such file."""
+    def read(self, name: str) -> bytes:
+        """A file's verified bytes (a copy). Raises :class:`CheckpointError` when there is no such file."""
+        return self.view(name).tobytes()
+
+    def view(self, name: str) -> memoryview:
+        """A file's verified bytes, read-only, not copied. Raises :class:`CheckpointError` when
+        there is no such file."""
         try:
             return self._files[name]
         except KeyError:

@@ -473,9 +473,9 @@ class CheckpointManager:
         for name, obj in objects.items():
             load_object(name, obj, reader, state["state"])
 
-    def _parse_state(self, data: bytes | bytearray, step: int) -> dict[str, Any]:
+    def _parse_state(self, data: memoryview, step: int) -> dict[str, Any]:
         try:
-            document = json.loads(data)
+            document = json.loads(data.tobytes())
         except (UnicodeDecodeError, ValueError) as e:
             raise CorruptCheckpointError(self.path(step), f"{STATE_NAME} is not valid JSON ({e})") from None
         if not isinstance(document, dict) or not isinstance(document.get("state"), dict):

@@ -199,11 +199,12 @@ def read(storage: Storage, directory: str, step: int) -> dict[str, Any]:
     return parse(data, path=url, step=step)
 
 
-def read_verified(storage: Storage, directory: str, manifest: Mapping[str, Any], name: str) -> bytearray:
-    """File ``name`` of the checkpoint in ``directory``, checked against ``manifest``, in a new
-    writable buffer of its own (see :meth:`~cadence.storage.Storage.read_buffer`).
+def read_verified(storage: Storage, directory: str, manifest: Mapping[str, Any], name: str) -> memoryview:
+    """File ``name`` of the checkpoint in ``directory``, checked against ``manifest``: a
+    read-only view of its bytes (memory-mapped on local disks, see
+    :meth:`~cadence.storage.Storage.read_view`), checked once before it is returned.
 
-    Reads the file once, and no more than one byte past its listed size. Raises
+    Looks at no more than one byte past the file's listed size. Raises
     :class:`CorruptCheckpointError` when the file is not listed, missing, unreadable, a symbolic
     link (or below one), or its size or checksum differs.
     """
@@ -237,19 +238,18 @@ def _refuse_link(storage: Storage, path: str, url: str) -> None:
         raise CorruptCheckpointError(url, f"{storage.url(link)} is a symbolic link (not followed out of the model dir)")
 
 
-def _read_hashed(storage: Storage, path: str, algorithm: str, limit: int) -> tuple[bytearray, str]:
-    """The file's first ``limit`` bytes and their checksum: one read, then one pass over the bytes
-    in memory. (Checksumming chunk by chunk on a helper thread while reading measured slower on
-    the 2-vCPU machine: the chunks' join cost more than the overlap saved.)"""
-    data = storage.read_buffer(path, limit, follow_link=False)
+def _read_hashed(storage: Storage, path: str, algorithm: str, limit: int) -> tuple[memoryview, str]:
+    """A view of the file's first ``limit`` bytes and their checksum, one pass over them (from
+    the page cache when the file is there: no copy)."""
+    data = storage.read_view(path, limit, follow_link=False)
     return data, checksum_lib.checksum_of(algorithm, data)
 
 
 _PARALLEL_READS = 4
 
 
-def verify_all(storage: Storage, directory: str, manifest: Mapping[str, Any]) -> dict[str, bytearray]:
-    """Every file listed in ``manifest``, verified (see :func:`read_verified`): ``{name: buffer}``.
+def verify_all(storage: Storage, directory: str, manifest: Mapping[str, Any]) -> dict[str, memoryview]:
+    """Every file listed in ``manifest``, verified (see :func:`read_verified`): ``{name: view}``.
 
     Files are read and checked on up to four threads at once (reads and checksums release the
     GIL); the first failure, in the manifest's order, is raised once all are done."""

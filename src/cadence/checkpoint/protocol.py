@@ -49,10 +49,14 @@ class CheckpointReader(Protocol):
         """File names listed in the manifest."""
         ...
 
-    def read(self, name: str) -> bytes | bytearray:
-        """A file's bytes, already checked against the manifest's size and checksum. The buffer
-        is the reader's: read it (tensors may view it while they are copied into the live
-        state), do not modify it."""
+    def read(self, name: str) -> bytes:
+        """A file's bytes, already checked against the manifest's size and checksum."""
+        ...
+
+    def view(self, name: str) -> memoryview:
+        """The same bytes without a copy: a read-only view (of the memory-mapped file, for a
+        local checkpoint), to be used before ``load_checkpoint`` returns -- e.g. tensors viewing
+        it, copied once into the live state."""
         ...
 
 

@@ -275,6 +275,6 @@ class TorchEvaluator:
     def load_checkpoint(self, reader: CheckpointReader, state: Mapping[str, Any] | None) -> None:
         """Load ``model.safetensors`` only (an evaluator-only controller); remember the step."""
         source = getattr(reader, "path", "")
-        load_model_safetensors(self.model, reader.read(MODEL_FILE), source=f"{source}/{MODEL_FILE}" if source else MODEL_FILE)
+        load_model_safetensors(self.model, reader.view(MODEL_FILE), source=f"{source}/{MODEL_FILE}" if source else MODEL_FILE)
         step = state.get("global_step") if isinstance(state, Mapping) else None
         self._loaded_step = int(step if step is not None else reader.step)

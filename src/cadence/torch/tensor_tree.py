@@ -73,7 +73,10 @@ def flatten(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             return {"$size": list(value)}
         raise NotFlat(f"{path or 'the state'}: a {kind.__name__} value")
 
-    return walk(obj, "", 0), tensors
+    try:
+        return walk(obj, "", 0), tensors
+    finally:
+        walk = None  # type: ignore[assignment]  # break the closure's cycle: no garbage to collect
 
 
 def payload(obj: Any, metadata: Mapping[str, str] | None = None) -> SafetensorsPayload:
@@ -136,3 +139,5 @@ def load_tree(data: bytes | bytearray | memoryview, *, source: str, map_location
         return build(skeleton, 0)
     except (TypeError, ValueError, AttributeError, RuntimeError) as e:
         raise CheckpointError(f"{source}: malformed state structure ({type(e).__name__}: {e})") from e
+    finally:  # break the closure's cycle, which holds the views: the mapped file goes at once
+        build = None  # type: ignore[assignment]

@@ -380,11 +380,11 @@ class TorchTrainer:
         """
         state = dict(state or {})
         source = getattr(reader, "path", "")
-        load_model_safetensors(self.model, reader.read(MODEL_FILE), source=f"{source}/{MODEL_FILE}" if source else MODEL_FILE)
+        load_model_safetensors(self.model, reader.view(MODEL_FILE), source=f"{source}/{MODEL_FILE}" if source else MODEL_FILE)
         opt_name = OPTIMIZER_TENSORS_FILE if OPTIMIZER_TENSORS_FILE in reader.names() else OPTIMIZER_FILE
         opt_source = f"{source}/{opt_name}" if source else opt_name
         if opt_name == OPTIMIZER_TENSORS_FILE:
-            opt_state = load_tree(reader.read(opt_name), source=opt_source, map_location=self.ctx.device)
+            opt_state = load_tree(reader.view(opt_name), source=opt_source, map_location=self.ctx.device)
         else:
             opt_state = load_torch_state(reader.read(opt_name), name=opt_name, source=source,
                                          map_location=self.ctx.device)
