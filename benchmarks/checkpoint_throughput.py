@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import os
 import shutil
 import statistics
@@ -280,6 +281,22 @@ class StepLoop:
         return times
 
 
+def _copy_floor(model, opt, repeats: int = 3) -> float:
+    """The least a snapshot of the state into CPU memory can stall on this machine: one copy of
+    every tensor into memory already allocated and touched (the best of ``repeats``)."""
+    tensors = _tensors(model, opt)
+    targets = [torch.empty_like(t).copy_(t) for t in tensors]  # allocated and faulted in
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for target, t in zip(targets, tensors):
+            target.copy_(t)
+        best = min(best, time.perf_counter() - start)
+    del targets
+    gc.collect()
+    return best
+
+
 def async_save(model, opt, directory: str, saves: int, sync_save_s: float) -> dict:
     """``saves`` asynchronous saves by one trainer. Before each, the step loop runs alone for about
     a synchronous save's time; after ``save()`` returns, it runs until the background commit ends."""
@@ -320,12 +337,14 @@ def async_save(model, opt, directory: str, saves: int, sync_save_s: float) -> di
         manager.close()
     del trainer, manager  # the trainer holds the CPU copy of the state
     gc.collect()
+    copy_floor = _copy_floor(model, opt)
     steady = statistics.median(stalls[1:]) if len(stalls) > 1 else stalls[0]
     idle, busy = statistics.fmean(idle_steps), (statistics.fmean(busy_steps) if busy_steps else None)
     return {
         "saves": saves, "torch_threads": torch.get_num_threads(), "sync_save_s": sync_save_s,
         "first_stall_s": stalls[0], "steady_stall_s": steady, "stalls_s": stalls,
         "first_stall_fraction": stalls[0] / sync_save_s, "steady_stall_fraction": steady / sync_save_s,
+        "copy_floor_s": copy_floor, "copy_floor_fraction": copy_floor / sync_save_s,
         "background_save_s_median": statistics.median(background),
         "step_ms_idle": idle * 1e3, "step_ms_during_save": busy * 1e3 if busy is not None else None,
         "steps_idle": len(idle_steps), "steps_during_save": len(busy_steps),

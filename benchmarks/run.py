@@ -129,6 +129,8 @@ def checkpoint_markdown(r: dict) -> list[str]:
                   "| | stall s | / synchronous save |", "|---|---|---|",
                   f"| first save | {a['first_stall_s']:.3f} | {a['first_stall_fraction'] * 100:.1f}% |",
                   f"| saves 2+ (median) | {a['steady_stall_s']:.3f} | {a['steady_stall_fraction'] * 100:.1f}% |",
+                  *([f"| floor: one copy of the state into allocated memory | {a['copy_floor_s']:.3f} | "
+                     f"{a['copy_floor_fraction'] * 100:.1f}% |"] if "copy_floor_s" in a else []),
                   (f"\nSynchronous save (cadence, crc32c, median above): {a['sync_save_s']:.2f} s; background save "
                    f"(save() to committed, median): {a['background_save_s_median']:.2f} s."),
                   (f"Training step (three 1024x1024 layers, batch 64): {a['step_ms_idle']:.1f} ms without a save "

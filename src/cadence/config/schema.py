@@ -36,6 +36,7 @@ __all__ = [
     "ExportConfig",
     "ExportFormat",
     "Precision",
+    "Strategy",
     "RecoveryConfig",
     "SidecarConfig",
     "TaskConfig",
@@ -44,6 +45,7 @@ __all__ = [
 ]
 
 Precision = Literal["32", "bf16", "fp16"]
+Strategy = Literal["ddp", "fsdp"]
 ExportFormat = Literal["safetensors", "torch_export", "torchscript", "onnx"]
 EXPORT_FORMATS: tuple[str, ...] = get_args(ExportFormat)
 """Every inference format, in the order the docs list them (the CLI's choices, the exporters')."""
@@ -254,6 +256,14 @@ class TrainerConfig(_Model):
         default="32",
         description='Numeric precision: `"32"` (full), `"bf16"` or `"fp16"` (mixed precision with autocast).',
     )
+    strategy: Strategy = Field(
+        default="ddp",
+        description=("Data parallelism over several ranks: `ddp` (a replica of the model on every rank, "
+                     "gradients all-reduced) or `fsdp` (FSDP2: parameters, gradients and optimizer state "
+                     "sharded over the ranks, in the units `Task.fsdp_units` names; `bf16` all-gathers "
+                     "parameters in bfloat16 and reduces gradients in float32; not with `fp16`). Checkpoints "
+                     "hold the full state either way. One process: no difference."),
+    )
     grad_accum_steps: int = Field(
         default=1, ge=1, strict=True, description="Micro-batches whose gradients are accumulated into each optimizer step.",
     )
@@ -298,6 +308,13 @@ class TrainerConfig(_Model):
         if isinstance(value, str):
             return value.strip().lower()
         return value
+
+    @model_validator(mode="after")
+    def _check_strategy_precision(self) -> TrainerConfig:
+        if self.strategy == "fsdp" and self.precision == "fp16":
+            raise ValueError("trainer.precision 'fp16' is not supported with trainer.strategy 'fsdp' "
+                             "(use 'bf16' or '32')")
+        return self
 
     @field_validator("device")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from typing import Any, Callable, Iterable, Mapping
@@ -18,6 +19,7 @@ from cadence.torch.batch import move_to_device
 from cadence.torch.context import Context
 from cadence.torch.metrics import TorchMetricsReducer, as_reducer
 from cadence.torch.precision import resolve_precision
+from cadence.torch.sharding import unsharded
 from cadence.torch.state import MODEL_FILE, RNGSnapshot, load_model_safetensors
 from cadence.torch.task import Task
 
@@ -149,6 +151,11 @@ class TorchEvaluator:
         failure: BaseException | None = None
         modes = [(m, m.training) for m in self.model.modules()]
         rng = RNGSnapshot()
+        # A sharded model (trainer.strategy: fsdp) is gathered for the evaluation (a collective, on
+        # every rank before anything that may fail on one): forward then runs no collective, and
+        # ranks may evaluate different numbers of batches.
+        full_params = contextlib.ExitStack()
+        full_params.enter_context(unsharded(self.model))
         try:
             reducers = self._build_reducers()
             self.model.eval()
@@ -206,6 +213,7 @@ class TorchEvaluator:
             failure = e  # still take part in the gather below, so that the other ranks do not hang
             payload = {"error": f"{type(e).__name__}: {e}"}
         finally:
+            full_params.close()
             for m, training in modes:
                 m.training = training
             rng.restore()

@@ -252,7 +252,7 @@ def _build_runners_for(cfg: ExperimentConfig, *, train: bool, evaluate: bool = T
     ctx = Context.create(device=device or t.device, seed=t.seed)
     trainer, evaluator = build_runners(
         task, ctx, precision=precision or t.precision, grad_accum_steps=t.grad_accum_steps,
-        grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate,
+        grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate, strategy=t.strategy,
     )
     return task, ctx, trainer, evaluator
 

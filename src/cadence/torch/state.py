@@ -23,7 +23,7 @@ import re
 import struct
 import warnings
 from collections import OrderedDict
-from typing import IO, Any, Mapping
+from typing import IO, Any, Callable, Mapping
 
 import numpy as np
 import safetensors.torch
@@ -373,9 +373,12 @@ def _names(keys: list[str], limit: int = 10) -> str:
 
 
 def load_model_safetensors(model: nn.Module, data: bytes | bytearray | memoryview, *,
-                           source: str = "model.safetensors") -> None:
+                           source: str = "model.safetensors",
+                           load: Callable[[Mapping[str, torch.Tensor]], Any] | None = None) -> None:
     """Load safetensors bytes into the (unwrapped) model, strictly: each tensor is copied once,
     from a view of ``data`` (:func:`safetensors_views`) straight into its parameter or buffer.
+    ``load``: what loads the checked tensors instead of ``model.load_state_dict(tensors,
+    strict=True)`` (a sharded model's loader).
 
     Raises :class:`~cadence.errors.CheckpointError` naming ``source`` and the missing /
     unexpected keys, or the shape mismatch.
@@ -398,7 +401,10 @@ def load_model_safetensors(model: nn.Module, data: bytes | bytearray | memoryvie
             f"{source} does not match the model ({type(target).__name__}): " + "; ".join(parts)
         )
     try:
-        target.load_state_dict(tensors, strict=True)
+        if load is not None:
+            load(tensors)
+        else:
+            target.load_state_dict(tensors, strict=True)
     except RuntimeError as e:
         raise CheckpointError(f"{source} does not match the model ({type(target).__name__}): {e}") from e
 

@@ -54,7 +54,32 @@ class Task(abc.ABC):
         """
 
     def initialize(self, model: nn.Module) -> None:
-        """Load pretrained weights and the like. Called only on a fresh start (no checkpoint)."""
+        """Load pretrained weights and the like. Called only on a fresh start (no checkpoint).
+
+        With ``trainer.strategy: fsdp`` on several ranks ``model`` is already sharded (its
+        parameters are ``DTensor`` shards): load full weights with
+        ``torch.distributed.checkpoint.state_dict.set_model_state_dict(model, state,
+        options=StateDictOptions(full_state_dict=True))`` on every rank.
+        """
+
+    # -- sharding (trainer.strategy: fsdp) --------------------------------------------------------
+
+    fsdp_unit_classes: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+    """The module classes :meth:`fsdp_units` shards as units by default."""
+
+    def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
+        """The submodules of ``model`` that FSDP shards as units of their own (each all-gathers its
+        parameters for its forward and backward only); the framework then shards the root, which
+        takes every parameter left. Used with ``trainer.strategy: fsdp`` on several ranks.
+
+        Default: the submodules whose class is in :attr:`fsdp_unit_classes` (transformer layers);
+        when there are none, the root's direct children that have parameters. Units may nest
+        (inner ones are sharded first). Call submodules through the root's ``forward`` (a unit
+        called on its own, outside the root's forward, finds the root's parameters sharded).
+        """
+        from cadence.torch.sharding import default_fsdp_units
+
+        return default_fsdp_units(model, self.fsdp_unit_classes)
 
     # -- steps ---------------------------------------------------------------------------------
 

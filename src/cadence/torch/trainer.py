@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy as copy_module
+import functools
 import hashlib
 import logging
 import warnings
@@ -33,7 +34,7 @@ from cadence.torch.state import (
     set_rng_state,
     unwrap_model,
 )
-from cadence.torch import tensor_tree
+from cadence.torch import sharding, tensor_tree
 from cadence.torch.step_logs import FOLD, ScalarSum, add_extras, split_output
 from cadence.torch.tensor_tree import load_tree
 from cadence.torch.task import Task
@@ -56,6 +57,11 @@ class TorchTrainer:
     a gradient scaler); raises ``RuntimeError`` at construction if the device cannot run it.
     ``grad_accum_steps``: batches per optimizer step (the loss is divided by it).
     ``grad_clip_norm``: clip the global gradient norm to this value (``None``: no clipping).
+
+    ``model`` may be DDP-wrapped or sharded by FSDP2 (:func:`cadence.torch.sharding.shard_model`,
+    ``trainer.strategy: fsdp``): then gradient accumulation skips the reduce-scatter on all but
+    the last micro-batch, clipping uses the global norm of the sharded gradients, and checkpoints
+    hold the full (gathered) state, in the same files as without sharding.
     """
 
     def __init__(
@@ -86,6 +92,9 @@ class TorchTrainer:
         self.lr_scheduler = lr_scheduler
         self.ctx = ctx
         self.precision = resolve_precision(precision, ctx.device)
+        self._sharded = sharding.is_sharded(model)
+        if self._sharded:
+            sharding.check_strategy("fsdp", self.precision.name)
         self.grad_scaler = self.precision.make_grad_scaler()
         self.grad_accum_steps = int(grad_accum_steps)
         self.grad_clip_norm = grad_clip_norm
@@ -95,6 +104,7 @@ class TorchTrainer:
         self._batches_consumed = 0  # for replay when the data is not stateful
         self._pending_data_state: dict[str, Any] | None = None
         self._gathered_rng: list[dict[str, Any]] | None = None  # from prepare_checkpoint()
+        self._gathered_state: tuple[dict[str, Any], dict[str, Any]] | None = None  # ditto, when sharded
         self._staging: TrainerSnapshot | None = None  # the last asynchronous snapshot (its tensors are reused)
 
     # -- protocol ------------------------------------------------------------------------------
@@ -118,14 +128,19 @@ class TorchTrainer:
         (a collective), so that every replica starts from the same weights whatever
         ``initialize`` did, and each rank's RNG is seeded from ``(ctx.seed, rank, 0)``: the
         ranks draw different random numbers (dropout masks, augmentations), reproducibly.
+        A sharded model's parameters exist once (each rank holds its shards): only the tensors
+        that are not sharded (buffers) are broadcast.
         """
         module = unwrap_model(self.model)
         self.task.initialize(module)
         if self.ctx.world_size > 1:
             if torch.distributed.is_available() and torch.distributed.is_initialized():
+                from torch.distributed.tensor import DTensor
+
                 with torch.no_grad():
                     for tensor in [*module.parameters(), *module.buffers()]:
-                        torch.distributed.broadcast(tensor.data, src=0)
+                        if not isinstance(tensor, DTensor):
+                            torch.distributed.broadcast(tensor.data, src=0)
             seed_everything(_rank_seed(self.ctx.seed, self.ctx.rank, 0))
 
     def train(self, num_steps: int) -> dict[str, float]:
@@ -145,8 +160,12 @@ class TorchTrainer:
         k = self.grad_accum_steps
         clip = self.grad_clip_norm
         params = [p for group in optimizer.param_groups for p in group["params"]] if clip is not None else []
-        # DDP: skip the gradient all-reduce on all but the last micro-batch of a group.
-        no_sync = model.no_sync if k > 1 and isinstance(model, nn.parallel.DistributedDataParallel) else None
+        # DDP / FSDP: skip the gradient all-reduce / reduce-scatter on all but the last micro-batch of a group.
+        no_sync: Any = None
+        if k > 1 and isinstance(model, nn.parallel.DistributedDataParallel):
+            no_sync = model.no_sync
+        elif k > 1 and self._sharded:
+            no_sync = functools.partial(sharding.no_gradient_sync, model)
         place = device.type != "cpu"  # data loaders yield CPU tensors: nothing to move on CPU
         # The common case (one micro-batch, full precision, no scaler) runs inline: no per-step calls
         # beyond the task's train_step, backward and the optimizer.
@@ -300,10 +319,13 @@ class TorchTrainer:
 
     def prepare_checkpoint(self) -> None:
         """Collective, on every rank before the chief's :meth:`save_checkpoint`: gather each
-        rank's RNG state (through ``ctx.coordinator``) for the chief to save."""
+        rank's RNG state (through ``ctx.coordinator``) for the chief to save; for a sharded
+        model, also the full model and optimizer state, on the chief's CPU."""
         own = get_rng_state()
         coord = self.ctx.coordinator
         self._gathered_rng = coord.all_gather(own) if coord is not None and self.ctx.world_size > 1 else [own]
+        if self._sharded:
+            self._gathered_state = sharding.gather_full_state(self.model, self.optimizer)
 
     def _rng_states(self) -> list[dict[str, Any]]:
         gathered, self._gathered_rng = self._gathered_rng, None  # used once: never a stale state
@@ -341,20 +363,32 @@ class TorchTrainer:
         return self._staging
 
     def _capture(self, *, copy: bool, reuse: TrainerSnapshot | None = None) -> TrainerSnapshot:
+        gathered, self._gathered_state = self._gathered_state, None  # used once, like the RNG states
+        if self._sharded and gathered is None:
+            raise RuntimeError("a sharded model's checkpoint needs prepare_checkpoint() on all ranks first")
         torch_state = {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": gathered[1] if gathered is not None else self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
         }
-        model = SafetensorsPayload.from_state_dict(
-            unwrap_model(self.model).state_dict(), copy=copy, reuse=reuse.model if reuse is not None else None
-        )
+        if gathered is not None:
+            # The gathered state is a CPU copy of its own, made for this save: only the scheduler's
+            # (live) state is copied for a snapshot.
+            model = SafetensorsPayload.from_state_dict(gathered[0], copy=False)
+            if copy:
+                torch_state = {**torch_state, "lr_scheduler": clone_tree(torch_state["lr_scheduler"])}
+        else:
+            model = SafetensorsPayload.from_state_dict(
+                unwrap_model(self.model).state_dict(), copy=copy, reuse=reuse.model if reuse is not None else None
+            )
+            if copy:
+                torch_state = clone_tree(torch_state, reuse.torch_state if reuse is not None else None)
         snapshot = TrainerSnapshot(
             model,
-            clone_tree(torch_state, reuse.torch_state if reuse is not None else None) if copy else torch_state,
+            torch_state,
             {"global_step": self._global_step, "rng": self._rng_states(), "data": copy_module.deepcopy(self._data_state())},
         )
-        if copy:  # CUDA tensors were copied to pinned memory without blocking: the writer waits for them
+        if copy and gathered is None:  # CUDA tensors were copied to pinned memory without blocking: the writer waits for them
             snapshot.ready = staged({p.device for p in self.model.parameters()} | {self.ctx.device})
         return snapshot
 
@@ -380,7 +414,12 @@ class TorchTrainer:
         """
         state = dict(state or {})
         source = getattr(reader, "path", "")
-        load_model_safetensors(self.model, reader.view(MODEL_FILE), source=f"{source}/{MODEL_FILE}" if source else MODEL_FILE)
+        model_source = f"{source}/{MODEL_FILE}" if source else MODEL_FILE
+        if self._sharded:  # each rank keeps its shards of the full tensors
+            load_model_safetensors(self.model, reader.view(MODEL_FILE), source=model_source,
+                                   load=functools.partial(sharding.load_full_model, self.model))
+        else:
+            load_model_safetensors(self.model, reader.view(MODEL_FILE), source=model_source)
         opt_name = OPTIMIZER_TENSORS_FILE if OPTIMIZER_TENSORS_FILE in reader.names() else OPTIMIZER_FILE
         opt_source = f"{source}/{opt_name}" if source else opt_name
         if opt_name == OPTIMIZER_TENSORS_FILE:
@@ -391,8 +430,11 @@ class TorchTrainer:
         if not isinstance(opt_state, Mapping) or "optimizer" not in opt_state:
             raise CheckpointError(f"{opt_source}: expected a dict with 'optimizer'")
         try:
-            self.optimizer.load_state_dict(opt_state["optimizer"])
-        except (ValueError, KeyError, RuntimeError) as e:
+            if self._sharded:
+                sharding.load_full_optimizer(self.model, self.optimizer, opt_state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(opt_state["optimizer"])
+        except (ValueError, KeyError, RuntimeError, TypeError) as e:
             raise CheckpointError(f"{opt_source}: optimizer state does not match: {e}") from e
         sched_state = opt_state.get("lr_scheduler")
         if self.lr_scheduler is not None and sched_state is not None:
@@ -499,6 +541,7 @@ def build_runners(
     grad_clip_norm: float | None = None,
     train: bool = True,
     evaluate: bool = True,
+    strategy: str = "ddp",
 ) -> tuple[TorchTrainer | None, TorchEvaluator | None]:
     """``(trainer, evaluator)`` sharing one model built by ``task.build_model()`` on ``ctx.device``.
 
@@ -507,15 +550,26 @@ def build_runners(
     ``ctx.wrap_model(model)`` (DistributedDataParallel when ``ctx.world_size > 1``: a
     collective, every rank builds its runners at the same point); the evaluator runs the
     unwrapped model (the same parameters).
+
+    ``strategy="fsdp"``: when training on several ranks, the model is sharded with FSDP2 instead
+    (:func:`cadence.torch.sharding.shard_model`, the units ``task.fsdp_units(model)`` names; a
+    collective), before the optimizer is built over its sharded parameters; the evaluator runs
+    the same sharded module. ``ValueError`` for an unknown strategy or ``precision="fp16"`` with
+    ``"fsdp"``.
     """
     if not (train or evaluate):
         raise ValueError("build_runners: nothing to build (train=False and evaluate=False)")
+    sharding.check_strategy(strategy, resolve_precision(precision, ctx.device).name)
     model = task.build_model().to(ctx.device)
     trainer = None
     if train:
         # DDP's parameters are the module's own tensors: the optimizer built on the module updates
         # the wrapped model (and the task's build_optimizer may reach into the module's attributes).
-        wrapped = ctx.wrap_model(model)
+        # fully_shard replaces them by DTensor shards in place: the optimizer is built after it.
+        if strategy == "fsdp":
+            wrapped = sharding.shard_model(task, model, ctx, resolve_precision(precision, ctx.device).name)
+        else:
+            wrapped = ctx.wrap_model(model)
         optimizer = task.build_optimizer(model)
         trainer = TorchTrainer(
             task,
