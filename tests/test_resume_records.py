@@ -216,7 +216,7 @@ def test_cadence_train_with_a_lower_train_steps_warns_and_changes_nothing(tmp_pa
     config, run = write_config(tmp_path / "cfg"), tmp_path / "run"
     first = cadence_train(config, run)
     assert first.returncode == 0, first.stderr
-    saved = {name: (run / name).read_bytes() for name in ("config.yaml", "eval/metrics.jsonl")}
+    saved = {name: (run / name).read_bytes() for name in ("config.yaml", "eval/metrics.jsonl", "checkpoints/FINAL")}
     assert steps_of(run / "eval") == [20, 40]
 
     again = cadence_train(config, run, "--set", "trainer.train_steps=20", progress=True)  # progress lines on
@@ -225,7 +225,7 @@ def test_cadence_train_with_a_lower_train_steps_warns_and_changes_nothing(tmp_pa
     assert "the model dir has trained to step 40, past train_steps=20: nothing to train" in output
     assert "40/20" not in output and "eval at step" not in output
     for name, content in saved.items():
-        assert (run / name).read_bytes() == content, name  # config.yaml still says 40, as FINAL does
+        assert (run / name).read_bytes() == content, name  # config.yaml still says 40, as FINAL does (its time too)
     assert json.loads((run / "checkpoints" / "FINAL").read_text())["step"] == 40
     assert tensorboard_steps(run / "eval", "accuracy") == [20, 40]
 

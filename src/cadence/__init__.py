@@ -33,6 +33,10 @@ _EXPORTS = {
     "UnsafeCheckpointError": "cadence.errors",
     "TrainingDivergedError": "cadence.errors",
     "PreemptedExit": "cadence.errors",
+    "CheckpointSpaceError": "cadence.errors",
+    "WriterLeaseHeldError": "cadence.errors",
+    "WriterLeaseLostError": "cadence.errors",
+    "SanityCheckError": "cadence.errors",
     "ConditionalAction": "cadence.actions",
     "PeriodicAction": "cadence.actions",
     "JSONPersistedValue": "cadence.actions",
@@ -74,12 +78,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from cadence.errors import (
         CadenceError,
         CheckpointError,
+        CheckpointSpaceError,
         ConfigError,
         CorruptCheckpointError,
         PreemptedExit,
+        SanityCheckError,
         StopTraining,
         TrainingDivergedError,
         UnsafeCheckpointError,
+        WriterLeaseHeldError,
+        WriterLeaseLostError,
     )
     from cadence.progress import ProgressReporter
     from cadence.report import build_report

@@ -487,7 +487,8 @@ class CheckpointManager:
     # -- FINAL ---------------------------------------------------------------------------------
 
     def mark_final(self, step: int) -> None:
-        """Record (atomically) that training completed at committed checkpoint ``step``.
+        """Record (atomically) that training completed at committed checkpoint ``step``; a
+        ``FINAL`` naming ``step`` already is left as it is (its time says when training ended).
 
         Raises :class:`CheckpointError` when ``step`` is not committed or this is a reader.
         """
@@ -495,6 +496,8 @@ class CheckpointManager:
         step = _check_step(step)
         self._require_writer("mark_final")
         self._require_committed(step)
+        if self.final_step() == step:
+            return
         data = json.dumps({"step": step, "time": time.time()}).encode()
         try:
             self.storage.write_atomic(self.storage.join(FINAL_NAME), data)
