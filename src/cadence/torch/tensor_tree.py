@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import torch
 
 from cadence.errors import CheckpointError
-from cadence.torch.state import SafetensorsPayload, safetensors_metadata, safetensors_views
+from cadence.torch.safetensors_io import SafetensorsPayload, safetensors_metadata, safetensors_views
 
 __all__ = ["TREE_KEY", "NotFlat", "flatten", "payload", "load_tree"]
 

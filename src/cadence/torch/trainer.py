@@ -36,7 +36,6 @@ from cadence.torch.state import (
 )
 from cadence.torch import sharding, tensor_tree
 from cadence.torch.step_logs import FOLD, ScalarSum, add_extras, split_output
-from cadence.torch.tensor_tree import load_tree
 from cadence.torch.task import Task
 
 log = logging.getLogger(__name__)
@@ -423,7 +422,7 @@ class TorchTrainer:
         opt_name = OPTIMIZER_TENSORS_FILE if OPTIMIZER_TENSORS_FILE in reader.names() else OPTIMIZER_FILE
         opt_source = f"{source}/{opt_name}" if source else opt_name
         if opt_name == OPTIMIZER_TENSORS_FILE:
-            opt_state = load_tree(reader.view(opt_name), source=opt_source, map_location=self.ctx.device)
+            opt_state = tensor_tree.load_tree(reader.view(opt_name), source=opt_source, map_location=self.ctx.device)
         else:
             opt_state = load_torch_state(reader.read(opt_name), name=opt_name, source=source,
                                          map_location=self.ctx.device)

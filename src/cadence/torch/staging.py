@@ -1,0 +1,76 @@
+"""Copies of tensors for asynchronous saves: into the buffers of a previous copy when they fit (no
+allocation), into pinned memory without blocking on CUDA (:func:`staged` says when they are done),
+and of whole state trees (:func:`clone_tree`)."""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+__all__ = ["PLAIN_LEAVES", "clone_tree", "copy_tensor", "staged"]
+
+PLAIN_LEAVES = (str, int, float, bool, complex, bytes, type(None), torch.dtype, torch.device, torch.Size)
+"""Values kept as they are (immutable) when a state tree is copied."""
+
+
+def copy_tensor(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """A contiguous CPU copy of ``t``, written into ``into`` when that is a contiguous CPU tensor of
+    the same shape and dtype (no allocation), else into a new tensor.
+
+    A CUDA tensor is staged into *pinned* memory with a non-blocking copy: the call returns while
+    the device-to-host transfer runs on the current stream, so the copy must not be read before
+    :func:`staged` says so (an asynchronous save's writer thread waits for it)."""
+    source = t.detach()
+    cuda = source.device.type == "cuda"
+    if (
+        into is not None and into.device.type == "cpu" and into.shape == t.shape and into.dtype == t.dtype
+        and into.is_contiguous() and into.data_ptr() != t.data_ptr() and (not cuda or into.is_pinned())
+    ):
+        return into.copy_(source, non_blocking=cuda)
+    if cuda:
+        pinned = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=True)
+        return pinned.copy_(source, non_blocking=True)
+    return source.to("cpu", copy=True).contiguous()
+
+
+def staged(devices: set[torch.device]) -> Any:
+    """An event to wait on (``.synchronize()``) before reading copies that :func:`copy_tensor` made
+    from CUDA tensors on ``devices``; None when there are none (CPU copies are done on return).
+    Recorded on each device's current stream, after the copies were queued."""
+    events = []
+    for device in sorted((d for d in devices if d.type == "cuda"), key=str):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return _Events(events) if events else None
+
+
+class _Events:
+    def __init__(self, events: list[Any]) -> None:
+        self._events = events
+
+    def synchronize(self) -> None:
+        for event in self._events:
+            event.synchronize()
+
+
+def clone_tree(obj: Any, reuse: Any = None) -> Any:
+    """A copy of ``obj`` whose tensors are copied to CPU (a snapshot of optimizer state): dicts,
+    lists and tuples are rebuilt, tensors copied (into the tensor at the same place in ``reuse``,
+    a previous copy no longer needed, when it fits: see :func:`copy_tensor`), anything else
+    deep-copied."""
+    kind = type(obj)
+    if isinstance(obj, torch.Tensor):
+        return copy_tensor(obj, reuse if isinstance(reuse, torch.Tensor) else None)
+    if kind in (dict, OrderedDict):
+        old = reuse if isinstance(reuse, dict) else {}
+        return kind((k, clone_tree(v, old.get(k))) for k, v in obj.items())
+    if kind in (list, tuple):
+        previous = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
+        return kind(clone_tree(v, r) for v, r in zip(obj, previous))
+    if kind in PLAIN_LEAVES:
+        return obj
+    return copy.deepcopy(obj)
