@@ -27,12 +27,12 @@ import yaml
 
 from cadence.checkpoint.space import space_error
 from cadence.storage import Storage
+from cli_run import ENV as CLI_ENV, run_cadence
 
 resource = pytest.importorskip("resource")  # POSIX only
 
 TASK = f"{Path(__file__).parent / 'tasks.py'}:TinyTask"
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
+ENV = {**CLI_ENV, "PYTHONDONTWRITEBYTECODE": "1"}
 HIDDEN = 4096  # a checkpoint of ~620 KB: model.safetensors ~200 KB, optimizer state ~400 KB
 KB = 1024
 ONE_CHECKPOINT = 1024 * KB  # room for one checkpoint, not for two
@@ -118,8 +118,8 @@ def write_config(path: Path, steps: int = 40, interval: int = 10, **params: obje
 
 
 def cadence(*args: str, disk: Disk | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cadence", *args], capture_output=True, text=True, env=ENV,
-                          timeout=300, preexec_fn=disk.preexec() if disk else None)
+    return run_cadence(*args, env=ENV, timeout=300,
+                       preexec_fn=disk.preexec() if disk else None)
 
 
 def train(config: Path, run: Path, *extra: str, disk: Disk | None = None) -> subprocess.CompletedProcess:

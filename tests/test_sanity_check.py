@@ -9,9 +9,7 @@ commits them first. With fakes (no torch) for the controller, then through the C
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,11 +25,10 @@ from cadence.errors import (CheckpointError, ConfigError, SanityCheckError, Trai
 from cadence.lifecycle import ChecksOutputs
 from cadence.sanity import sanity_check
 from cadence.summary import read_metrics
+from cli_run import run_cadence
 from fakes import MODEL_FILE, FakeTrainer
 
-ROOT = Path(__file__).resolve().parents[1]
 TASKS = Path(__file__).parent / "sanity_tasks.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
 
 
 class FakeEvaluator:
@@ -297,8 +294,7 @@ def write_config(tmp_path: Path, task: str, **trainer) -> Path:
 
 
 def cadence(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cadence", *args], capture_output=True, text=True, env=ENV,
-                          timeout=180)
+    return run_cadence(*args)
 
 
 def train(config: Path, model_dir: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -25,11 +24,10 @@ import yaml
 from cadence.actions import ExportFileManager
 from cadence.checkpoint import CheckpointManager, Storage
 from cadence.errors import CorruptCheckpointError
+from cli_run import run_cadence
 
-ROOT = Path(__file__).resolve().parent.parent
 TASK = f"{Path(__file__).parent / 'tasks.py'}:TinyTask"
 # COLUMNS: rich writes each message and table cell on one line, so a path is never cut in two.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "1000"}
 
 
 class Blob:
@@ -206,8 +204,7 @@ def test_export_clean_up_never_deletes_below_a_link(tmp_path: Path) -> None:
 
 
 def cadence(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cadence", *args], capture_output=True, text=True, env=ENV,
-                          timeout=180)
+    return run_cadence(*args, env={"COLUMNS": "1000"})
 
 
 def test_cli_never_reads_a_linked_model_file(tmp_path: Path) -> None:

@@ -18,10 +18,9 @@ from cadence.checkpoint import CheckpointManager, JSONState
 from cadence.checkpoint.writer_lease import WriterLease, check_free, current_lease, take_over
 from cadence.errors import WriterLeaseHeldError, WriterLeaseLostError
 from cadence.storage import Storage
+from cli_run import ENV, run_cadence
 
 TASK = f"{Path(__file__).parent / 'tasks.py'}:TinyTask"
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
 
 HOLDER = """
 import sys, time
@@ -263,8 +262,7 @@ def write_config(tmp_path: Path, steps: int = 40, step_sleep: float = 0.0) -> Pa
 
 
 def cadence(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cadence", *args], capture_output=True, text=True, env=ENV,
-                          timeout=180)
+    return run_cadence(*args)
 
 
 def start_training(config: Path, model_dir: Path) -> subprocess.Popen:

@@ -431,9 +431,11 @@ def _read_bytes(path: str) -> bytes | None:
 
 def _metrics_file(logdir_or_file: str | os.PathLike[str]) -> str:
     path = os.fspath(logdir_or_file)
-    if not path.endswith(".jsonl") or Storage(path).isdir(Storage(path).root):
-        path = _join(path, METRICS_FILE)
-    return path
+    if path.endswith(".jsonl"):
+        storage = Storage(path)
+        if not storage.isdir(storage.root):
+            return path
+    return _join(path, METRICS_FILE)
 
 
 def read_metrics(logdir_or_file: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -60,8 +60,7 @@ class HashingStream(io.RawIOBase):
     def __init__(self, raw: IO[bytes], algorithm: str = checksum_lib.DEFAULT_ALGORITHM) -> None:
         super().__init__()
         self._raw = raw
-        self.algorithm = algorithm
-        self._sha = checksum_lib.new(algorithm)
+        self._checksum = checksum_lib.new(algorithm)
         self.size = 0
         self.write_error: OSError | None = None
 
@@ -74,13 +73,13 @@ class HashingStream(io.RawIOBase):
         view = memoryview(data).cast("B")
         if view.nbytes <= _CHUNK:
             self._forward(self._raw.write, view)
-            self._sha.update(view)
+            self._checksum.update(view)
         else:
             # Large buffers: checksum each chunk on a helper thread (the checksums release the
             # GIL) while the same chunk is written, so the checksum costs (almost) nothing beside the write.
             for start in range(0, view.nbytes, _CHUNK):
                 chunk = view[start:start + _CHUNK]
-                hashed = _HASHER.submit(self._sha.update, chunk)
+                hashed = _HASHER.submit(self._checksum.update, chunk)
                 try:
                     self._forward(self._raw.write, chunk)
                 finally:
@@ -109,7 +108,7 @@ class HashingStream(io.RawIOBase):
             raise
 
     def hexdigest(self) -> str:
-        return self._sha.hexdigest()
+        return self._checksum.hexdigest()
 
 
 def build(step: int, files: Mapping[str, tuple[int, str]], *, algorithm: str = checksum_lib.DEFAULT_ALGORITHM,

@@ -162,11 +162,7 @@ class Context:
         model = model.to(self.device)
         if self.world_size == 1:
             return model
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            raise RuntimeError(
-                f"wrap_model: world_size is {self.world_size} but torch.distributed is not initialised "
-                "(create the context with Context.create() under torchrun)"
-            )
+        self.require_process_group("wrap_model")
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device.index])
             ddp_kwargs.setdefault("output_device", self.device.index)
@@ -222,6 +218,15 @@ class Context:
         return DataLoader(self.wrap_dataset(dataset), batch_size=batch_size, shuffle=bool(shuffle), **kwargs)
 
     # -- collectives ---------------------------------------------------------------------------
+
+    def require_process_group(self, what: str) -> None:
+        """``RuntimeError`` naming ``what`` when ``torch.distributed`` is not initialised (for a
+        multi-process context: DDP and FSDP need the process group)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise RuntimeError(
+                f"{what}: world_size is {self.world_size} but torch.distributed is not initialised "
+                "(create the context with Context.create() under torchrun)"
+            )
 
     def _coord(self, what: str) -> Coordinator:
         if self.coordinator is None:

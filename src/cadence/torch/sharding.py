@@ -64,11 +64,7 @@ def shard_model(task: Task, model: nn.Module, ctx: Context, precision: str) -> n
     model = model.to(ctx.device)
     if ctx.world_size == 1:
         return model
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise RuntimeError(
-            f"strategy 'fsdp': world_size is {ctx.world_size} but torch.distributed is not initialised "
-            "(create the context with Context.create() under torchrun)"
-        )
+    ctx.require_process_group("strategy 'fsdp'")
     fsdp = _fsdp()
     kwargs: dict[str, Any] = {}
     if precision == "bf16":
