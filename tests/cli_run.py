@@ -20,3 +20,22 @@ def run_cadence(*args: str, env: dict[str, str] | None = None, timeout: float = 
     other keywords go to ``subprocess.run``."""
     return subprocess.run([sys.executable, "-m", "cadence", *args], capture_output=True, text=True,
                           env={**ENV, **(env or {})}, timeout=timeout, **kwargs)
+
+
+def checkpoint_weights(checkpoint: Path) -> dict[str, Any]:
+    """The full model state of checkpoint directory ``checkpoint``: its ``model.safetensors``,
+    or assembled from the ranks' shards of a sharded (FSDP) checkpoint."""
+    from safetensors.torch import load_file
+
+    from cadence.torch.sharded_checkpoint import read_model_state
+
+    plain = checkpoint / "model.safetensors"
+    return load_file(plain) if plain.exists() else read_model_state(str(checkpoint))
+
+
+def same_weights(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Bit-identical state dicts: the same keys, each tensor equal in dtype, shape and every bit."""
+    import torch
+
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 from torch import nn
 
 from cadence.summary import read_metrics
+from cli_run import checkpoint_weights
 from test_distributed_training import cadence
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def sets(*overrides: str) -> list[str]:
 
 def final_model(model_dir: Path, step: int) -> dict:
     assert json.loads((model_dir / "checkpoints" / "FINAL").read_text())["step"] == step
-    return load_file(model_dir / "checkpoints" / f"ckpt-{step}" / "model.safetensors")
+    return checkpoint_weights(model_dir / "checkpoints" / f"ckpt-{step}")
 
 
 def verified(model_dir: Path) -> None:
@@ -94,7 +94,7 @@ def test_a_short_run_learns_and_its_checkpoints_verify(single_run):
 
 
 @pytest.mark.slow
-def test_fsdp_on_two_processes_writes_full_checkpoints_with_the_single_process_keys(single_run, tmp_path):
+def test_fsdp_on_two_processes_writes_sharded_checkpoints_with_the_single_process_keys(single_run, tmp_path):
     model_dir = tmp_path / "fsdp"
     proc = cadence("train", str(CONFIG), "--model-dir", str(model_dir), "--nproc", "2", "--no-progress",
                    *sets("trainer.strategy=fsdp", *SHORT))
@@ -104,7 +104,8 @@ def test_fsdp_on_two_processes_writes_full_checkpoints_with_the_single_process_k
     assert {k: v.shape for k, v in sharded.items()} == {k: v.shape for k, v in single.items()}
     assert [r["step"] for r in read_metrics(str(model_dir / "eval"))] == [20, 40]
     verified(model_dir)
-    # the full files resume without sharding too (one process), optimizer state included
+    assert (model_dir / "checkpoints" / "ckpt-40" / "__1_0.distcp").exists()  # rank 1 wrote its shards
+    # the sharded checkpoint resumes without sharding too (one process), optimizer state included
     resumed = cadence("train", str(CONFIG), "--model-dir", str(model_dir), "--no-progress",
                       *sets(*SHORT, "trainer.train_steps=60"))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr

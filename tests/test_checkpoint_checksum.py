@@ -98,8 +98,8 @@ def test_version_1_allows_only_sha256() -> None:
     doc["version"] = 1
     with pytest.raises(CorruptCheckpointError, match="one checksum of sha256; it has"):
         manifest_lib.parse(manifest_lib.encode(doc), path="ckpt-2", step=2)
-    doc["version"] = 3
-    with pytest.raises(CorruptCheckpointError, match=r"unsupported version 3 \(this cadence reads 1, 2\)"):
+    doc["version"] = 4
+    with pytest.raises(CorruptCheckpointError, match=r"unsupported version 4 \(this cadence reads 1, 2, 3\)"):
         manifest_lib.parse(manifest_lib.encode(doc), path="ckpt-2", step=2)
 
 

@@ -11,12 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from cadence.summary import read_metrics
-from test_distributed_training import ENV, cadence, final_weights, tiny_config
+from cli_run import checkpoint_weights, same_weights
+from test_distributed_training import ENV, cadence, tiny_config
 
 WORKER = Path(__file__).parent / "fsdp_worker.py"
+
+
+def weights(model_dir: Path, step: int) -> dict:
+    return checkpoint_weights(model_dir / "checkpoints" / f"ckpt-{step}")
 
 
 def train(config: Path, model_dir: Path, *sets: str) -> None:
@@ -38,22 +42,21 @@ def test_fsdp_trains_evaluates_and_checkpoints_the_same_weights_as_ddp(tmp_path,
         # FSDP reduce-scatters the same averaged gradients DDP all-reduces (a sum of 2 on gloo,
         # then / 2; accumulated micro-batches are summed locally first in both) and each rank's
         # optimizer updates its shard elementwise as DDP updates the whole: bit-identical on CPU.
-        assert final_weights(tmp_path / "fsdp", 24) == final_weights(tmp_path / "ddp", 24)
+        assert same_weights(weights(tmp_path / "fsdp", 24), weights(tmp_path / "ddp", 24))
     else:
         # Clipping: FSDP's global norm is the sum of the per-shard squared norms, all-reduced; DDP's
         # sums the same squares in another order. The clip coefficient differs in its last bits.
-        ddp_w = load_file(tmp_path / "ddp" / "checkpoints" / "ckpt-24" / "model.safetensors")
-        fsdp_w = load_file(tmp_path / "fsdp" / "checkpoints" / "ckpt-24" / "model.safetensors")
+        ddp_w, fsdp_w = weights(tmp_path / "ddp", 24), weights(tmp_path / "fsdp", 24)
         for key, value in ddp_w.items():
             assert torch.allclose(fsdp_w[key], value, rtol=1e-5, atol=1e-6), (key, (fsdp_w[key] - value).abs().max())
     ddp_evals, fsdp_evals = read_metrics(tmp_path / "ddp" / "eval"), read_metrics(tmp_path / "fsdp" / "eval")
     assert [r["step"] for r in fsdp_evals] == [8, 16, 24]
     assert [r["accuracy"] for r in fsdp_evals] == [r["accuracy"] for r in ddp_evals]
-    # the checkpoint holds the full, unsharded state: the same keys and shapes as DDP's
-    ddp = load_file(tmp_path / "ddp" / "checkpoints" / "ckpt-24" / "model.safetensors")
-    fsdp = load_file(tmp_path / "fsdp" / "checkpoints" / "ckpt-24" / "model.safetensors")
+    # the checkpoint is sharded (each rank wrote its shards), and assembles into DDP's keys and shapes
+    ddp, fsdp = weights(tmp_path / "ddp", 24), weights(tmp_path / "fsdp", 24)
     assert {k: v.shape for k, v in fsdp.items()} == {k: v.shape for k, v in ddp.items()}
-    assert (tmp_path / "fsdp" / "checkpoints" / "ckpt-24" / "optimizer.safetensors").exists()
+    files = sorted(p.name for p in (tmp_path / "fsdp" / "checkpoints" / "ckpt-24").iterdir())
+    assert files == [".metadata", "MANIFEST.json", "__0_0.distcp", "__1_0.distcp", "state.json"]
 
 
 def test_an_fsdp_run_resumed_from_a_checkpoint_ends_bit_identical(tmp_path):
@@ -63,9 +66,11 @@ def test_an_fsdp_run_resumed_from_a_checkpoint_ends_bit_identical(tmp_path):
     train(config, run, "trainer.train_steps=20")
     assert json.loads((run / "checkpoints" / "FINAL").read_text())["step"] == 20
     train(config, run)
-    assert final_weights(run, 40) == final_weights(tmp_path / "straight", 40)
-    optimizer = "checkpoints/ckpt-40/optimizer.safetensors"
-    assert (run / optimizer).read_bytes() == (tmp_path / "straight" / optimizer).read_bytes()
+    assert same_weights(weights(run, 40), weights(tmp_path / "straight", 40))
+    # the optimizer's shards too: every rank's file holds the same bytes as the uninterrupted run's
+    for shard in ("__0_0.distcp", "__1_0.distcp"):
+        path = f"checkpoints/ckpt-40/{shard}"
+        assert (run / path).read_bytes() == (tmp_path / "straight" / path).read_bytes()
 
 
 def test_fsdp_clips_by_the_global_norm_and_evaluates_uneven_shards(tmp_path):
@@ -89,7 +94,7 @@ def test_fsdp_clips_by_the_global_norm_and_evaluates_uneven_shards(tmp_path):
 def test_fsdp_with_bf16_trains_and_saves_float32_weights(tmp_path):
     config = tiny_config(tmp_path, steps=8, strategy="fsdp", precision="bf16")
     train(config, tmp_path / "run")
-    weights = load_file(tmp_path / "run" / "checkpoints" / "ckpt-8" / "model.safetensors")
+    weights = checkpoint_weights(tmp_path / "run" / "checkpoints" / "ckpt-8")
     assert {str(v.dtype) for v in weights.values()} == {"torch.float32"}  # bf16 only in the all-gathers
     assert read_metrics(tmp_path / "run" / "eval")[-1]["step"] == 8
 

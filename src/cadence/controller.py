@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 from cadence.callbacks import Callback
 from cadence.checkpoint.manager import CheckpointManager
-from cadence.checkpoint.protocol import Restorable
+from cadence.checkpoint.protocol import Restorable, WritesShards
 from cadence.checkpoint.session import CheckpointSession
 from cadence.coordination import Coordinator, LocalCoordinator
 from cadence.errors import StopTraining
@@ -119,7 +119,8 @@ class Controller:
         self._hooks = CallbackHooks(callbacks)
         self.callbacks = self._hooks.callbacks
         self._session = CheckpointSession(checkpoint_manager, self.coordinator,
-                                          on_save=self._hooks.checkpoint_save, on_load=self._hooks.checkpoint_load)
+                                          on_save=self._hooks.checkpoint_save, on_load=self._hooks.checkpoint_load,
+                                          shards=trainer if isinstance(trainer, WritesShards) else None)
         chief = self.coordinator.is_chief
         eval_dir = eval_summary_dir if eval_summary_dir is not None else summary_dir
         self._train_summaries = SummaryManager(summary_dir, enabled=chief and summary_dir is not None)

@@ -36,6 +36,7 @@ class Storage:
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.options: dict[str, Any] = dict(storage_options or {})
         self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.root: str = root.rstrip("/") or "/"
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)

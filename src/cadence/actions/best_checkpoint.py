@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 from cadence.actions.best_metric import NewBestMetric
 from cadence.actions.metric_path import Metric, check_metric, is_better, metric_name
 from cadence.checkpoint import CheckpointManager, JSONState, copy_objects
+from cadence.checkpoint.protocol import WritesShards
 from cadence.checkpoint.space import raise_if_full
 from cadence.errors import CheckpointError
 from cadence.lifecycle import RunContext
@@ -154,10 +155,20 @@ class BestCheckpointExporter:
         return True
 
     def _checkpoint_objects(self, run: RunContext, step: int) -> dict[str, object]:
+        """Collective: what ``best/`` commits at ``step`` (on the chief; ``{}`` elsewhere): a copy of
+        the run's checkpoint of ``step``, else the trainer's live state. A trainer whose
+        checkpoints are sharded commits the run's checkpoint first (every rank writes its shards),
+        then it is copied."""
         source = run.checkpoint_manager
-        if source is not None and step in source.steps():
+        # The chief decides for all: an asynchronous commit may land between the ranks' listings.
+        committed = run.coordinator.broadcast(source is not None and step in source.steps())
+        if not committed and source is not None and isinstance(run.trainer, WritesShards) and run.trainer.writes_shards:
+            run.save_checkpoint()
+            committed = True
+        if committed and source is not None:
             if not self._chief:
                 return {}
+            source.wait()  # an asynchronous commit of the step
             reader, state = source.read(step)
             return copy_objects(reader, state)
         if run.trainer is None:

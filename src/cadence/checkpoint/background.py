@@ -55,6 +55,13 @@ class Pending:
         finally:
             self._done.set()
 
+    @classmethod
+    def done(cls, value: Any) -> Pending:
+        """An outcome already known: ``value``."""
+        pending = cls(lambda: value, ())
+        pending._run()
+        return pending
+
     def wait(self) -> None:
         """Wait for the call, ignoring its outcome."""
         self._done.wait()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import posixpath
 import threading
-from typing import IO, Iterator, Mapping, cast
+from typing import IO, Any, Callable, Iterator, Mapping, cast
 
 from cadence.checkpoint import checksum as checksum_lib
 from cadence.checkpoint.background import Pending, Worker
@@ -44,6 +44,7 @@ class DirectoryWriter:
         self._lock = threading.Lock()
         self._claimed: set[str] = set()
         self._files: dict[str, tuple[int, str]] = {}
+        self._ranks: dict[str, int] = {}
         self._closed = False
         self._syncs: list[Pending] = []
 
@@ -56,6 +57,18 @@ class DirectoryWriter:
         """A binary stream for file ``name``, hashed while written; the file counts once closed."""
         self._claim(name, reserved=(STATE_NAME,))
         return self._open(name)
+
+    def add_files(self, files: Mapping[str, tuple[int, str]], *, rank: int) -> None:
+        """Record files that rank ``rank`` of a sharded save wrote into this checkpoint's
+        directory itself: ``{name: (size, hex checksum of this writer's algorithm)}``."""
+        for name, (size, digest) in files.items():
+            self._claim(name, reserved=(STATE_NAME,))
+            self._files[name] = (int(size), str(digest))
+            self._ranks[name] = int(rank)
+
+    def ranks(self) -> dict[str, int]:
+        """``{name: rank}`` of the files recorded by :meth:`add_files`."""
+        return dict(self._ranks)
 
     def write_state(self, data: bytes) -> None:
         """Write ``state.json`` (the manager's own file)."""
@@ -110,19 +123,28 @@ class DirectoryWriter:
 
 
 class VerifiedReader:
-    """Hands out the files of one committed checkpoint, all verified against its manifest up front.
+    """Hands out the files of one committed checkpoint, verified against its manifest up front.
 
-    Implements :class:`~cadence.checkpoint.protocol.CheckpointReader`.
+    Implements :class:`~cadence.checkpoint.protocol.CheckpointReader`. ``files`` are the verified
+    files; ``listed`` all the manifest's names, when a collective restore left some of them to
+    other ranks to verify: ``fetch(name)`` reads (and verifies) one of those on demand.
+    ``storage_options``: those of the checkpoint's storage, for a library that reads
+    :attr:`path` itself (torch.distributed.checkpoint).
     """
 
-    def __init__(self, step: int, path: str, files: Mapping[str, bytes | memoryview]) -> None:
+    def __init__(self, step: int, path: str, files: Mapping[str, bytes | memoryview], *,
+                 listed: list[str] | None = None, fetch: Callable[[str], memoryview] | None = None,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
         self.step = step
         self.path = path
+        self.storage_options = dict(storage_options or {})
         self._files = {name: memoryview(data) for name, data in files.items()}
+        self._listed = sorted(set(listed or ()) | self._files.keys())
+        self._fetch = fetch
 
     def names(self) -> list[str]:
         """File names listed in the manifest (``state.json`` included), sorted."""
-        return sorted(self._files)
+        return list(self._listed)
 
     def read(self, name: str) -> bytes:
         """A file's verified bytes (a copy). Raises :class:`CheckpointError` when there is no such file."""
@@ -131,10 +153,13 @@ class VerifiedReader:
     def view(self, name: str) -> memoryview:
         """A file's verified bytes, read-only, not copied. Raises :class:`CheckpointError` when
         there is no such file."""
-        try:
-            return self._files[name]
-        except KeyError:
-            raise CheckpointError(f"checkpoint {self.path} has no file {name!r}; it has {self.names()}") from None
+        view = self._files.get(name)
+        if view is not None:
+            return view
+        if name in self._listed and self._fetch is not None:
+            view = self._files[name] = self._fetch(name)
+            return view
+        raise CheckpointError(f"checkpoint {self.path} has no file {name!r}; it has {self.names()}")
 
 
 class MemoryWriter:
@@ -144,6 +169,10 @@ class MemoryWriter:
     def __init__(self, step: int) -> None:
         self.step = step
         self.files: dict[str, bytes] = {}
+        self.added: list[tuple[dict[str, tuple[int, str]], int]] = []
+
+    def add_files(self, files: Mapping[str, tuple[int, str]], *, rank: int) -> None:
+        self.added.append((dict(files), rank))
 
     def write(self, name: str, data: bytes | bytearray | memoryview) -> None:
         self.files[name] = bytes(data)
@@ -160,11 +189,15 @@ class MemoryWriter:
 class Snapshot:
     """An object's checkpoint captured at one moment: its files (bytes) and its JSON state."""
 
-    def __init__(self, files: Mapping[str, bytes], state: object) -> None:
+    def __init__(self, files: Mapping[str, bytes], state: object,
+                 added: list[tuple[dict[str, tuple[int, str]], int]] | None = None) -> None:
         self.files = dict(files)
         self.state = state
+        self.added = list(added or [])
 
     def save_checkpoint(self, writer: CheckpointWriter) -> object:
         for name, data in self.files.items():
             writer.write(name, data)
+        for files, rank in self.added:
+            writer.add_files(files, rank=rank)
         return self.state

@@ -28,6 +28,7 @@ from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.checkpoint.objects import load_object, save_object, snapshot_objects
 from cadence.checkpoint.protocol import Restorable, Savable, Stateful
 from cadence.checkpoint.space import raise_if_full
+from cadence.coordination import Coordinator
 from cadence.storage import Storage
 from cadence.errors import CheckpointError, CheckpointSpaceError, CorruptCheckpointError
 
@@ -140,6 +141,7 @@ class CheckpointManager:
         self._pending_error: BaseException | None = None
         self._just_committed: list[tuple[int, str]] = []  # appended by the saving thread, taken by take_committed()
         self._committed_here: set[int] = set()  # steps this manager committed: known good
+        self._begun: dict[int, str] = {}  # step -> its work dir, from begin() until save()
         self.storage = Storage(directory, storage_options)
         self.leases = Leases(directory, storage_options=storage_options)
         if writer:
@@ -232,6 +234,25 @@ class CheckpointManager:
         self._pending.start()
         return self.path(step)
 
+    def begin(self, step: int) -> str | None:
+        """Start checkpoint ``step`` for a sharded save: create the directory every rank writes
+        its files into (``ckpt-N.tmp-<hex>/`` on local disks, ``ckpt-N/`` on object stores) and
+        return its location (a path or URL); the next :meth:`save` of ``step`` commits it. None
+        when ``step`` is already committed (nothing to write). Writers only."""
+        step = _check_step(step)
+        self._require_writer("save")
+        if self._already_saved(step):
+            return None
+        work = self._begun.pop(step, None)
+        if work is not None:
+            self._discard(work)
+        try:
+            self._begun[step] = self._new_work_dir(step)
+        except BaseException as e:
+            raise_if_full(e, self.storage, f"save checkpoint step {step}")
+            raise
+        return self.storage.url(self._begun[step])
+
     def wait(self) -> None:
         """Block until an asynchronous save in flight is committed; raise its failure if it failed."""
         pending = self._pending
@@ -276,6 +297,10 @@ class CheckpointManager:
         atomic rename files go straight into ``ckpt-N/``, the manifest still last. Until the
         manifest exists the checkpoint is invisible to :meth:`steps` and :meth:`restore`.
 
+        A step started with :meth:`begin` is committed from the directory it created, where the
+        ranks of a sharded save wrote their files (added to the manifest by the objects, see
+        :meth:`~cadence.checkpoint.protocol.CheckpointWriter.add_files`).
+
         If ``ckpt-N`` is already committed and verifies, nothing is written and its path is
         returned; one that does not verify is moved aside (:meth:`quarantine`) and saved anew. If
         saving raises, what was written is removed and the exception propagates: no checkpoint
@@ -284,20 +309,23 @@ class CheckpointManager:
         step = _check_step(step)
         self._require_writer("save")
         final = self._dir(step)
+        begun = self._begun.pop(step, None)
         if self._already_saved(step):
             logger.debug("checkpoint %s is already committed; not saving again", self.path(step))
+            if begun is not None:
+                self._discard(begun)
             return self.path(step)
         for name, obj in objects.items():
             if not isinstance(obj, (Savable, Stateful)):
                 raise TypeError(f"cannot checkpoint {name!r}: {type(obj).__name__} has neither save_checkpoint nor state_dict")
-        work = self.storage.join(f"ckpt-{step}.tmp-{secrets.token_hex(6)}") if self.storage.atomic_rename else final
+        work = begun if begun is not None else final
         try:
-            self.storage.rmtree(final)  # an uncommitted leftover of an earlier attempt
-            self.storage.makedirs(work)
-            files = self._write_files(work, step, objects)
+            if begun is None:
+                work = self._new_work_dir(step)
+            files, ranks = self._write_files(work, step, objects)
             if work != final:
                 self.storage.rename(work, final)
-            document = manifest_lib.build(step, files, algorithm=self.checksum)
+            document = manifest_lib.build(step, files, algorithm=self.checksum, ranks=ranks)
             self._require_writer(f"commit checkpoint {self.path(step)}")  # the fence, right before the commit
             self.storage.write_atomic(self.storage.join(f"ckpt-{step}", MANIFEST_NAME), manifest_lib.encode(document))
         except BaseException as e:
@@ -310,14 +338,24 @@ class CheckpointManager:
         self._apply_retention(step)
         return self.path(step)
 
-    def _write_files(self, directory: str, step: int, objects: Mapping[str, object]) -> dict[str, tuple[int, str]]:
+    def _new_work_dir(self, step: int) -> str:
+        """An empty directory to write checkpoint ``step`` into: a new temp dir, or (without
+        atomic renames) ``ckpt-N/`` itself, emptied of an earlier attempt's leftovers."""
+        final = self._dir(step)
+        work = self.storage.join(f"ckpt-{step}.tmp-{secrets.token_hex(6)}") if self.storage.atomic_rename else final
+        self.storage.rmtree(final)  # an uncommitted leftover of an earlier attempt
+        self.storage.makedirs(work)
+        return work
+
+    def _write_files(self, directory: str, step: int,
+                     objects: Mapping[str, object]) -> tuple[dict[str, tuple[int, str]], dict[str, int]]:
         writer = DirectoryWriter(self.storage, directory, step, self.checksum)
         state: dict[str, Any] = {}
         for name, obj in objects.items():
             state[name] = save_object(name, obj, writer)
         document = {"step": step, "time": time.time(), "cadence_version": _cadence_version(), "state": state}
         writer.write_state(self._encode_state(document))
-        return writer.files()
+        return writer.files(), writer.ranks()
 
     @staticmethod
     def _encode_state(document: dict[str, Any]) -> bytes:
@@ -394,8 +432,15 @@ class CheckpointManager:
 
     # -- restoring -----------------------------------------------------------------------------
 
-    def restore(self, objects: Mapping[str, object], step: int | None = None) -> int | None:
+    def restore(self, objects: Mapping[str, object], step: int | None = None, *,
+                coordinator: Coordinator | None = None) -> int | None:
         """Restore ``objects`` from checkpoint ``step`` (None: the latest good one); return its step.
+
+        ``coordinator``: a collective restore, every rank of a job calling it: the ranks restore
+        the same checkpoint (the chief's list of checkpoints is used), and the files of a sharded
+        checkpoint written by the ranks are verified once in all, shared among the ranks (see
+        :func:`~cadence.checkpoint.manifest.verify_all`), the ranks agreeing on the result before
+        any object is restored. None: this process verifies every file.
 
         Returns None, touching nothing, when no committed checkpoint exists. All files are read
         and verified against the manifest before any object is called, so a corrupt checkpoint
@@ -418,13 +463,13 @@ class CheckpointManager:
             if not isinstance(obj, (Restorable, Stateful)):
                 raise TypeError(f"cannot restore {name!r}: {type(obj).__name__} has neither load_checkpoint nor load_state_dict")
         if step is None:
-            loaded = self._load_latest()
+            loaded = self._load_latest(coordinator)
             if loaded is None:
                 return None
         else:
             step = _check_step(step)
             self._require_committed(step)
-            loaded = self._load(step)
+            loaded = self._load(step, coordinator)
         reader, state = loaded
         self._apply(objects, reader, state)
         logger.info("restored checkpoint %s", reader.path)
@@ -440,12 +485,14 @@ class CheckpointManager:
         self._require_committed(step)
         return self._load(step)
 
-    def _load_latest(self) -> tuple[VerifiedReader, dict[str, Any]] | None:
+    def _load_latest(self, coordinator: Coordinator | None = None) -> tuple[VerifiedReader, dict[str, Any]] | None:
         steps = self.steps()
+        if coordinator is not None and coordinator.world_size > 1:
+            steps = coordinator.broadcast(steps)  # every rank tries the same checkpoints
         corrupt: list[tuple[int, str]] = []  # newer than the one restored: moved aside by a writer
         for step in reversed(steps):
             try:
-                loaded = self._load(step)
+                loaded = self._load(step, coordinator)
             except CorruptCheckpointError as e:
                 logger.warning("skipping checkpoint %s: %s", e.path, e.reason)
                 corrupt.append((step, e.reason))
@@ -461,15 +508,34 @@ class CheckpointManager:
             )
         return None
 
-    def _load(self, step: int) -> tuple[VerifiedReader, dict[str, Any]]:
-        """Read and verify every file of checkpoint ``step``; raise CorruptCheckpointError if bad."""
+    def _load(self, step: int, coordinator: Coordinator | None = None) -> tuple[VerifiedReader, dict[str, Any]]:
+        """Read and verify every file of checkpoint ``step`` (with a ``coordinator`` of several
+        ranks: this rank's share of the ranks' files, then the ranks agree); raise
+        CorruptCheckpointError if bad."""
         directory = self._dir(step)
-        manifest = manifest_lib.read(self.storage, directory, step)
-        if STATE_NAME not in manifest["files"]:
-            raise CorruptCheckpointError(self.path(step), f"{STATE_NAME} is not listed in {MANIFEST_NAME}")
-        files = manifest_lib.verify_all(self.storage, directory, manifest)
-        state = self._parse_state(files[STATE_NAME], step)
-        return VerifiedReader(step, self.path(step), files), state
+        collective = coordinator is not None and coordinator.world_size > 1
+        problem: CorruptCheckpointError | None = None
+        try:
+            manifest = manifest_lib.read(self.storage, directory, step)
+            if STATE_NAME not in manifest["files"]:
+                raise CorruptCheckpointError(self.path(step), f"{STATE_NAME} is not listed in {MANIFEST_NAME}")
+            share = (coordinator.rank, coordinator.world_size) if collective and coordinator is not None else None
+            files = manifest_lib.verify_all(self.storage, directory, manifest, share)
+            state = self._parse_state(files[STATE_NAME], step)
+        except CorruptCheckpointError as e:
+            if not collective:
+                raise
+            problem = e
+        if collective and coordinator is not None:
+            found = [p for p in coordinator.all_gather(None if problem is None else (problem.path, problem.reason)) if p]
+            if found:
+                raise CorruptCheckpointError(*found[0])
+        def fetch(name: str) -> memoryview:  # a file whose verification was another rank's share
+            return manifest_lib.read_verified(self.storage, directory, manifest, name)
+
+        reader = VerifiedReader(step, self.path(step), files, listed=list(manifest["files"]), fetch=fetch,
+                                storage_options=self.storage.options)
+        return reader, state
 
     @staticmethod
     def _apply(objects: Mapping[str, object], reader: VerifiedReader, state: dict[str, Any]) -> None:

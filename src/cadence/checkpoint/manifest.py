@@ -3,8 +3,11 @@
 A checkpoint exists only when its manifest exists and its files match it. The manifest looks like
 ``{"format": "cadence-checkpoint", "version": 2, "step": N, "time": unix_seconds,
 "files": {name: {"size": int, ALGORITHM: hex}}}``, one algorithm per file, named by its key
-(:mod:`cadence.checkpoint.checksum`: ``crc32c`` by default, ``xxh3_128`` or ``sha256``). Version 1
-manifests (``sha256`` only) keep verifying. Checksums are computed while files are written
+(:mod:`cadence.checkpoint.checksum`: ``crc32c`` by default, ``xxh3_128`` or ``sha256``). A sharded
+checkpoint (files written by every rank) has version 3: each file written by a rank other than
+the chief's own objects carries ``"rank": r``, the rank that wrote it -- a collective restore
+verifies each such file on one rank only (see :func:`verify_all`). Version 1 manifests
+(``sha256`` only) and version 2 keep verifying. Checksums are computed while files are written
 (:class:`HashingStream`) and checked while they are read (:func:`read_verified`), one pass each.
 """
 
@@ -24,9 +27,11 @@ from cadence.errors import CorruptCheckpointError
 
 MANIFEST_NAME = "MANIFEST.json"
 FORMAT = "cadence-checkpoint"
-VERSION = 2
-"""Written by this cadence; it reads :data:`READ_VERSIONS`."""
-READ_VERSIONS = (1, 2)  # 1: every file's checksum is "sha256"
+VERSION = 3
+"""The newest version this cadence writes (3 for sharded checkpoints, 2 for the others, which
+older versions of cadence read); it reads :data:`READ_VERSIONS`."""
+READ_VERSIONS = (1, 2, 3)  # 1: every file's checksum is "sha256"; 3: files may name their "rank"
+RANK_KEY = "rank"
 
 
 def name_problem(name: object) -> str | None:
@@ -112,21 +117,28 @@ class HashingStream(io.RawIOBase):
 
 
 def build(step: int, files: Mapping[str, tuple[int, str]], *, algorithm: str = checksum_lib.DEFAULT_ALGORITHM,
-          now: float | None = None) -> dict[str, Any]:
+          now: float | None = None, ranks: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The manifest of checkpoint ``step`` whose files are ``{name: (size, hex digest)}``, each
-    digest of ``algorithm``."""
+    digest of ``algorithm``; ``ranks``: ``{name: rank}`` of the files written by the ranks of a
+    sharded save (version 3; none: version 2)."""
+    ranks = ranks or {}
+    entries: dict[str, dict[str, Any]] = {}
+    for name, (size, digest) in files.items():
+        entries[name] = {"size": size, algorithm: digest}
+        if name in ranks:
+            entries[name][RANK_KEY] = ranks[name]
     return {
         "format": FORMAT,
-        "version": VERSION,
+        "version": VERSION if ranks else 2,
         "step": step,
         "time": time.time() if now is None else now,
-        "files": {name: {"size": size, algorithm: digest} for name, (size, digest) in files.items()},
+        "files": entries,
     }
 
 
 def entry_checksum(entry: Mapping[str, Any]) -> tuple[str, str]:
     """``(algorithm, hex digest)`` of a parsed manifest's file entry."""
-    (algorithm,) = (key for key in entry if key != "size")
+    (algorithm,) = (key for key in entry if key not in ("size", RANK_KEY))
     return algorithm, entry[algorithm]
 
 
@@ -169,7 +181,13 @@ def parse(data: bytes, *, path: str, step: int) -> dict[str, Any]:
         size = entry.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise corrupt(f"bad size for {name!r}: {size!r}")
-        algorithms = sorted(key for key in entry if key != "size")
+        if RANK_KEY in entry:
+            rank = entry[RANK_KEY]
+            if version < 3:
+                raise corrupt(f"entry for {name!r} has a {RANK_KEY!r}, which version {version} does not have")
+            if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+                raise corrupt(f"bad {RANK_KEY} for {name!r}: {rank!r}")
+        algorithms = sorted(key for key in entry if key not in ("size", RANK_KEY))
         allowed = ("sha256",) if version == 1 else checksum_lib.ALGORITHMS
         if len(algorithms) != 1 or algorithms[0] not in allowed:
             raise corrupt(f"entry for {name!r} must have 'size' and one checksum of {', '.join(allowed)}; "
@@ -247,12 +265,19 @@ def _read_hashed(storage: Storage, path: str, algorithm: str, limit: int) -> tup
 _PARALLEL_READS = 4
 
 
-def verify_all(storage: Storage, directory: str, manifest: Mapping[str, Any]) -> dict[str, memoryview]:
+def verify_all(storage: Storage, directory: str, manifest: Mapping[str, Any],
+               share: tuple[int, int] | None = None) -> dict[str, memoryview]:
     """Every file listed in ``manifest``, verified (see :func:`read_verified`): ``{name: view}``.
+
+    ``share=(rank, world_size)``: of the files that name the rank that wrote them (a sharded
+    checkpoint's shards), only those with ``rank % world_size == rank``; the other files all.
+    Together, the ranks of a collective restore verify every file once (on the same number of
+    ranks as saved it, each rank the shards it wrote).
 
     Files are read and checked on up to four threads at once (reads and checksums release the
     GIL); the first failure, in the manifest's order, is raised once all are done."""
-    names = list(manifest["files"])
+    names = [name for name, entry in manifest["files"].items()
+             if share is None or RANK_KEY not in entry or entry[RANK_KEY] % share[1] == share[0]]
     if len(names) < 2:
         return {name: read_verified(storage, directory, manifest, name) for name in names}
     with ThreadPoolExecutor(min(_PARALLEL_READS, len(names)), thread_name_prefix="cadence-read") as pool:

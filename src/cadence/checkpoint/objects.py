@@ -58,5 +58,5 @@ def snapshot_objects(step: int, objects: Mapping[str, object]) -> dict[str, obje
         else:
             memory = MemoryWriter(step)
             state = save_object(name, obj, memory)
-            snapshot[name] = Snapshot(memory.files, copy.deepcopy(state))
+            snapshot[name] = Snapshot(memory.files, copy.deepcopy(state), memory.added)
     return snapshot

@@ -19,7 +19,8 @@ files are captured in memory through a writer.
 
 from __future__ import annotations
 
-from typing import IO, Any, ContextManager, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import IO, Any, ContextManager, Mapping, Protocol, runtime_checkable
 
 JSON = Any
 
@@ -37,13 +38,25 @@ class CheckpointWriter(Protocol):
         """A binary file to stream into (hashed while writing), e.g. for ``torch.save``."""
         ...
 
+    def add_files(self, files: Mapping[str, tuple[int, str]], *, rank: int) -> None:
+        """Record files that rank ``rank`` of a sharded save wrote into the checkpoint's
+        directory itself (see :class:`ShardTarget`): ``{name: (size, hex checksum)}``, each
+        checksum of the target's algorithm."""
+        ...
+
 
 class CheckpointReader(Protocol):
     """Handed to ``load_checkpoint``: reads the verified files of one committed checkpoint."""
 
     step: int
     path: str
-    """The checkpoint's location (local path or fsspec URL), for messages."""
+    """The checkpoint's location (local path or fsspec URL): for messages, and for a library
+    that reads the checkpoint's directory itself (torch.distributed.checkpoint), once the
+    manager has verified it."""
+    @property
+    def storage_options(self) -> Mapping[str, Any]:
+        """The fsspec options of the checkpoint's storage (credentials, endpoint), for such a library."""
+        ...
 
     def names(self) -> list[str]:
         """File names listed in the manifest."""
@@ -57,6 +70,46 @@ class CheckpointReader(Protocol):
         """The same bytes without a copy: a read-only view (of the memory-mapped file, for a
         local checkpoint), to be used before ``load_checkpoint`` returns -- e.g. tensors viewing
         it, copied once into the live state."""
+        ...
+
+
+@dataclass(frozen=True)
+class ShardTarget:
+    """Where every rank of a sharded save writes its files: the directory of checkpoint ``step``
+    being committed (its temp dir on local disks), created by the chief and the same on every
+    rank. The files' checksums are of ``algorithm``; ``background``: the save is asynchronous
+    (the files may be written after the save returns, before the chief's commit)."""
+
+    step: int
+    directory: str
+    """A local path or an fsspec URL."""
+    algorithm: str
+    background: bool = False
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class WritesShards(Protocol):
+    """A trainer whose checkpoint is written by every rank (a sharded model's state).
+
+    :meth:`write_shards` is a collective: every rank writes its files into the target's
+    directory (after ``prepare_checkpoint``, before the chief's ``save_checkpoint``), and the
+    chief's ``save_checkpoint`` adds every rank's files to the manifest
+    (:meth:`CheckpointWriter.add_files`)."""
+
+    @property
+    def writes_shards(self) -> bool:
+        """Whether this trainer's checkpoints are sharded (otherwise the chief writes them all)."""
+        ...
+
+    def write_shards(self, target: ShardTarget) -> None:
+        """Collective: write this rank's files into ``target.directory``; with
+        ``target.background``, from a background thread (the previous one waited for first)."""
+        ...
+
+    def wait_for_shards(self) -> None:
+        """Wait for this rank's background shard write; raise its failure
+        (:class:`~cadence.errors.CheckpointError`)."""
         ...
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from cadence.checkpoint.copy import JSONState
 from cadence.checkpoint.manager import CheckpointManager
-from cadence.checkpoint.protocol import CheckpointReader, Stateful
+from cadence.checkpoint.protocol import CheckpointReader, ShardTarget, Stateful, WritesShards
 from cadence.coordination import Coordinator
 from cadence.errors import CheckpointError, TrainingDivergedError
 
@@ -49,14 +49,18 @@ class CheckpointSession:
       on_save: called with a checkpoint's path once it is committed (chief only; for
         asynchronous saves on the calling thread, when the commit is noticed).
       on_load: called with a checkpoint's path after it was restored, on every rank.
+      shards: the trainer when its checkpoints are sharded (``writes_shards``): every rank then
+        writes its files into the checkpoint's directory, which the chief creates
+        (:meth:`CheckpointManager.begin`), before the chief commits (see :meth:`save`).
     """
 
     def __init__(self, manager: CheckpointManager | None, coordinator: Coordinator, *,
-                 on_save: PathHook, on_load: PathHook) -> None:
+                 on_save: PathHook, on_load: PathHook, shards: WritesShards | None = None) -> None:
         self.manager = manager
         self.coordinator = coordinator
         self._on_save = on_save
         self._on_load = on_load
+        self._shards = shards if shards is not None and shards.writes_shards else None
 
     # ------------------------------------------------------------------ restore
 
@@ -82,7 +86,7 @@ class CheckpointSession:
         """
         if self.manager is None:
             return None
-        restored = self.manager.restore(objects, step)
+        restored = self.manager.restore(objects, step, coordinator=self.coordinator)
         if restored is not None:
             self._on_load(self.manager.path(restored))
         return restored
@@ -97,7 +101,7 @@ class CheckpointSession:
         """
         if self.manager is None:
             raise ValueError("rollback needs a checkpoint manager; this controller was built without one")
-        restored = self.manager.restore({"trainer": RollbackTrainer(trainer)})
+        restored = self.manager.restore({"trainer": RollbackTrainer(trainer)}, coordinator=self.coordinator)
         if restored is None:
             raise CheckpointError(f"cannot roll back: no committed checkpoint in {self.manager.directory}")
         self._on_load(self.manager.path(restored))
@@ -107,8 +111,13 @@ class CheckpointSession:
 
     def save(self, step: int, objects: Callable[[], Mapping[str, object]], prepare: Callable[[], None]) -> str | None:
         """Collective: ``prepare()`` on every rank, then the chief commits ``objects()`` at
-        ``step``; every rank returns once it is committed. Saving a step twice writes once.
-        The checkpoint's path; None without a manager."""
+        ``step``; every rank returns once it is committed (an asynchronous save: once it is
+        captured). Saving a step twice writes once. The checkpoint's path; None without a manager.
+
+        A sharded save: the chief creates the checkpoint's directory and tells every rank, every
+        rank writes its files there (``shards.write_shards``), then the chief commits, the
+        manifest listing every rank's files.
+        """
         if self.manager is None:
             return None
         prepare()
@@ -117,6 +126,17 @@ class CheckpointSession:
             # An asynchronous save in flight is waited for by save() anyway: report it first,
             # before the next commit's retention may delete it.
             self.wait_for_commits()
+        if self._shards is not None:
+            target = None
+            if self.coordinator.is_chief:
+                directory = self.manager.begin(step)
+                if directory is not None:
+                    target = ShardTarget(step, directory, self.manager.checksum, self.manager.async_save,
+                                         self.manager.storage.options)
+            target = self.coordinator.broadcast(target)
+            if target is not None:
+                self._shards.write_shards(target)
+        if self.coordinator.is_chief:
             path = self.manager.save(step, objects())
         self.coordinator.barrier()  # no rank goes on before the checkpoint is committed
         self.report_commits()
@@ -222,8 +242,13 @@ class CheckpointSession:
         self.report_commits()
 
     def close(self) -> None:
-        """Wait for a pending asynchronous save (raising its failure) and report the commits."""
+        """Wait for a pending asynchronous save (raising its failure) and report the commits;
+        every rank waits for its own shards of it."""
         if self.manager is None:
             return
-        self.manager.close()
+        try:
+            if self._shards is not None:
+                self._shards.wait_for_shards()
+        finally:
+            self.manager.close()
         self.report_commits()

@@ -19,6 +19,7 @@ from cadence.torch.batch import move_to_device
 from cadence.torch.context import Context
 from cadence.torch.metrics import TorchMetricsReducer, as_reducer
 from cadence.torch.precision import resolve_precision
+from cadence.torch import sharded_checkpoint
 from cadence.torch.sharding import unsharded
 from cadence.torch.state import MODEL_FILE, RNGSnapshot, load_model_safetensors
 from cadence.torch.task import Task
@@ -281,8 +282,14 @@ class TorchEvaluator:
         return result
 
     def load_checkpoint(self, reader: CheckpointReader, state: Mapping[str, Any] | None) -> None:
-        """Load ``model.safetensors`` only (an evaluator-only controller); remember the step."""
+        """Load the model only (an evaluator-only controller): ``model.safetensors``, or the model
+        state of a sharded checkpoint, assembled from every rank's shards (in one process without
+        a process group: the sidecar, ``cadence export``); remember the step."""
         source = getattr(reader, "path", "")
-        load_model_safetensors(self.model, reader.view(MODEL_FILE), source=f"{source}/{MODEL_FILE}" if source else MODEL_FILE)
+        if sharded_checkpoint.is_sharded_checkpoint(reader.names()):
+            sharded_checkpoint.load_model(source, self.model, storage_options=getattr(reader, "storage_options", None))
+        else:
+            load_model_safetensors(self.model, reader.view(MODEL_FILE),
+                                   source=f"{source}/{MODEL_FILE}" if source else MODEL_FILE)
         step = state.get("global_step") if isinstance(state, Mapping) else None
         self._loaded_step = int(step if step is not None else reader.step)

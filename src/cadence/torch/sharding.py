@@ -5,11 +5,11 @@ A sharded model stays the same module object (``fully_shard`` changes it in plac
 trainer and the in-process evaluator share it as they share a DDP-wrapped model's module. Its
 parameters are ``DTensor`` shards; what needs the whole model goes through the helpers here:
 
-* :func:`gather_full_state` (a collective): the full model and optimizer state on rank 0's CPU,
-  the form the non-sharded checkpoint files hold (``model.safetensors`` keys are the same FQNs
-  as without sharding);
-* :func:`load_full_model` / :func:`load_full_optimizer`: every rank loads the full state from the
-  same files and keeps its own shards;
+* checkpoints are sharded (:mod:`cadence.torch.sharded_checkpoint`: every rank writes its own
+  shards through torch.distributed.checkpoint), on a gloo group of their own
+  (:func:`checkpoint_group`);
+* :func:`load_full_model` / :func:`load_full_optimizer`: every rank loads the full state of a
+  checkpoint that is not sharded (``model.safetensors``, e.g. of a DDP run) and keeps its shards;
 * :func:`unsharded` (a collective): every unit's parameters gathered for the duration of an
   evaluation, so that forward runs no collectives (ranks may evaluate different numbers of
   batches: the shards of the validation data are unpadded).
@@ -93,19 +93,13 @@ def default_fsdp_units(model: nn.Module, classes: tuple[type[nn.Module], ...]) -
     return [child for child in model.children() if any(True for _ in child.parameters())]
 
 
-def gather_full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Collective: ``(model_state, optimizer_state)`` in full, on CPU, on rank 0 (empty dicts on
-    the other ranks). The optimizer state is keyed by parameter FQN."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+def checkpoint_group() -> Any:
+    """Collective (every rank calls it at the same point): a new gloo group over all ranks, for
+    the collectives of sharded checkpoint writes -- they may run on a background thread while
+    training runs its own on the default group."""
+    import torch.distributed as dist
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = get_model_state_dict(model, options=options)
-    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
-    return dict(model_state), dict(optimizer_state)
+    return dist.new_group(backend="gloo")
 
 
 def load_full_model(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:

@@ -12,8 +12,8 @@ from typing import Any, Iterable, Iterator, Mapping, TypeGuard
 import torch
 from torch import nn
 
-from cadence.checkpoint.background import Worker
-from cadence.checkpoint.protocol import CheckpointReader, CheckpointWriter, Stateful
+from cadence.checkpoint.background import Pending, Worker, yield_cpu
+from cadence.checkpoint.protocol import CheckpointReader, CheckpointWriter, ShardTarget, Stateful
 from cadence.errors import CheckpointError
 from cadence.torch.batch import move_to_device
 from cadence.torch.context import Context
@@ -34,7 +34,7 @@ from cadence.torch.state import (
     set_rng_state,
     unwrap_model,
 )
-from cadence.torch import sharding, tensor_tree
+from cadence.torch import sharded_checkpoint, sharding, tensor_tree
 from cadence.torch.step_logs import FOLD, ScalarSum, add_extras, split_output
 from cadence.torch.task import Task
 
@@ -60,7 +60,9 @@ class TorchTrainer:
     ``model`` may be DDP-wrapped or sharded by FSDP2 (:func:`cadence.torch.sharding.shard_model`,
     ``trainer.strategy: fsdp``): then gradient accumulation skips the reduce-scatter on all but
     the last micro-batch, clipping uses the global norm of the sharded gradients, and checkpoints
-    hold the full (gathered) state, in the same files as without sharding.
+    are sharded: every rank writes its shards of the model, optimizer and scheduler state through
+    torch.distributed.checkpoint (:meth:`write_shards`; see
+    :mod:`cadence.torch.sharded_checkpoint`), on any number of ranks loadable.
     """
 
     def __init__(
@@ -103,8 +105,10 @@ class TorchTrainer:
         self._batches_consumed = 0  # for replay when the data is not stateful
         self._pending_data_state: dict[str, Any] | None = None
         self._gathered_rng: list[dict[str, Any]] | None = None  # from prepare_checkpoint()
-        self._gathered_state: tuple[dict[str, Any], dict[str, Any]] | None = None  # ditto, when sharded
         self._staging: TrainerSnapshot | None = None  # the last asynchronous snapshot (its tensors are reused)
+        self._shards: Pending | None = None  # the last write_shards(): every rank's files (or failure)
+        self._shard_stager: Any = None  # the CPU copy of the sharded state, reused by each asynchronous save
+        self._shard_group: Any = None  # a gloo group for the shard writes' collectives (created on first use)
 
     # -- protocol ------------------------------------------------------------------------------
 
@@ -318,13 +322,63 @@ class TorchTrainer:
 
     def prepare_checkpoint(self) -> None:
         """Collective, on every rank before the chief's :meth:`save_checkpoint`: gather each
-        rank's RNG state (through ``ctx.coordinator``) for the chief to save; for a sharded
-        model, also the full model and optimizer state, on the chief's CPU."""
+        rank's RNG state (through ``ctx.coordinator``) for the chief to save."""
         own = get_rng_state()
         coord = self.ctx.coordinator
         self._gathered_rng = coord.all_gather(own) if coord is not None and self.ctx.world_size > 1 else [own]
-        if self._sharded:
-            self._gathered_state = sharding.gather_full_state(self.model, self.optimizer)
+
+    # -- sharded checkpoints (WritesShards) ------------------------------------------------------
+
+    @property
+    def writes_shards(self) -> bool:
+        """True for a model sharded by FSDP2 over several ranks: every rank writes its shards."""
+        return self._sharded
+
+    def write_shards(self, target: ShardTarget) -> None:
+        """Collective, on every rank after :meth:`prepare_checkpoint`: write this rank's shards of
+        the model, optimizer and scheduler state into ``target.directory`` through
+        torch.distributed.checkpoint, checksum them, and gather every rank's files for the chief's
+        :meth:`save_checkpoint`. ``target.background``: the state is copied to CPU memory now
+        (into the same memory each time) and written on a background thread, on a process group of
+        its own; the previous background write is waited for first."""
+        self.wait_for_shards()
+        if self._shard_group is None:
+            self._shard_group = sharding.checkpoint_group()
+        state = sharded_checkpoint.trainer_state(self.model, self.optimizer, self.lr_scheduler)
+        if target.background:
+            state, self._shard_stager = sharded_checkpoint.stage(state, self._shard_stager)
+            self._shards = _SHARD_WRITER.submit(self._write_shards_now, state, target, True)
+        else:
+            self._shards = Pending.done(self._write_shards_now(state, target, False))
+
+    def _write_shards_now(self, state: dict[str, Any], target: ShardTarget,
+                          background: bool) -> list[tuple[dict[str, tuple[int, str]] | None, str | None]]:
+        """Write, then gather ``(files, error)`` of every rank (the same list on every rank)."""
+        if background:
+            yield_cpu()
+        files: dict[str, tuple[int, str]] | None = None
+        error = None
+        try:
+            files = sharded_checkpoint.write_shards(state, target.directory, process_group=self._shard_group,
+                                                    algorithm=target.algorithm,
+                                                    storage_options=target.storage_options)
+        except sharded_checkpoint.SaveError as e:  # every rank hears of it through the gather
+            error = sharded_checkpoint.describe(e)
+        gathered: list[Any] = [None] * self.ctx.world_size
+        torch.distributed.all_gather_object(gathered, (files, error), group=self._shard_group)
+        return gathered
+
+    def wait_for_shards(self) -> None:
+        """Wait for this rank's background shard write; raise its failure (or another rank's) as
+        :class:`CheckpointError`."""
+        pending = self._shards
+        if pending is None:
+            return
+        try:
+            _shard_files(pending, self.ctx.rank, own_only=True)
+        except CheckpointError:
+            self._shards = None  # raised once
+            raise
 
     def _rng_states(self) -> list[dict[str, Any]]:
         gathered, self._gathered_rng = self._gathered_rng, None  # used once: never a stale state
@@ -362,32 +416,25 @@ class TorchTrainer:
         return self._staging
 
     def _capture(self, *, copy: bool, reuse: TrainerSnapshot | None = None) -> TrainerSnapshot:
-        gathered, self._gathered_state = self._gathered_state, None  # used once, like the RNG states
-        if self._sharded and gathered is None:
-            raise RuntimeError("a sharded model's checkpoint needs prepare_checkpoint() on all ranks first")
+        state = {"global_step": self._global_step, "rng": self._rng_states(),
+                 "data": copy_module.deepcopy(self._data_state())}
+        if self._sharded:
+            shards, self._shards = self._shards, None
+            if shards is None:
+                raise RuntimeError("a sharded model's checkpoint needs write_shards() on all ranks first")
+            return TrainerSnapshot(None, {}, state, shards=shards)
         torch_state = {
-            "optimizer": gathered[1] if gathered is not None else self.optimizer.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
         }
-        if gathered is not None:
-            # The gathered state is a CPU copy of its own, made for this save: only the scheduler's
-            # (live) state is copied for a snapshot.
-            model = SafetensorsPayload.from_state_dict(gathered[0], copy=False)
-            if copy:
-                torch_state = {**torch_state, "lr_scheduler": clone_tree(torch_state["lr_scheduler"])}
-        else:
-            model = SafetensorsPayload.from_state_dict(
-                unwrap_model(self.model).state_dict(), copy=copy, reuse=reuse.model if reuse is not None else None
-            )
-            if copy:
-                torch_state = clone_tree(torch_state, reuse.torch_state if reuse is not None else None)
-        snapshot = TrainerSnapshot(
-            model,
-            torch_state,
-            {"global_step": self._global_step, "rng": self._rng_states(), "data": copy_module.deepcopy(self._data_state())},
+        model = SafetensorsPayload.from_state_dict(
+            unwrap_model(self.model).state_dict(), copy=copy, reuse=reuse.model if reuse is not None else None
         )
-        if copy and gathered is None:  # CUDA tensors were copied to pinned memory without blocking: the writer waits for them
+        if copy:
+            torch_state = clone_tree(torch_state, reuse.torch_state if reuse is not None else None)
+        snapshot = TrainerSnapshot(model, torch_state, state)
+        if copy:  # CUDA tensors were copied to pinned memory without blocking: the writer waits for them
             snapshot.ready = staged({p.device for p in self.model.parameters()} | {self.ctx.device})
         return snapshot
 
@@ -413,6 +460,30 @@ class TorchTrainer:
         """
         state = dict(state or {})
         source = getattr(reader, "path", "")
+        if sharded_checkpoint.is_sharded_checkpoint(reader.names()):
+            # Collective (DCP) when a process group is up: every rank reads the chunks of its shards.
+            sharded_checkpoint.load_trainer_state(source, self.model, self.optimizer, self.lr_scheduler,
+                                                  storage_options=getattr(reader, "storage_options", None))
+            if self.grad_scaler is not None:
+                log.warning("%s: a sharded checkpoint holds no grad-scaler state: the fp16 loss scale starts afresh",
+                            source)
+        else:
+            self._load_files(reader, source)
+        self._global_step = int(state.get("global_step", reader.step))
+        if restore_data:
+            # Data position: applied when iteration (re)starts, so a running iterator is dropped.
+            self._iterator = None
+            self._batches_consumed = 0
+            self._pending_data_state = state.get("data")
+            # Build the data and restart its iteration now, before the RNG is restored: whatever
+            # randomness that draws (a random split, a DataLoader's seed) cannot shift the stream.
+            self._start_iterator()
+        if restore_rng and state.get("rng") is not None:
+            self._restore_rng(state["rng"], source)
+
+    def _load_files(self, reader: CheckpointReader, source: str) -> None:
+        """Restore the model, optimizer, scheduler and grad scaler from a (not sharded)
+        checkpoint's ``model.safetensors`` and ``optimizer.safetensors`` / ``optimizer.pt``."""
         model_source = f"{source}/{MODEL_FILE}" if source else MODEL_FILE
         if self._sharded:  # each rank keeps its shards of the full tensors
             load_model_safetensors(self.model, reader.view(MODEL_FILE), source=model_source,
@@ -447,17 +518,6 @@ class TorchTrainer:
             self.grad_scaler.load_state_dict(scaler_state)
         elif self.grad_scaler is not None:
             log.warning("%s: no grad-scaler state in the checkpoint: the fp16 loss scale starts afresh", source)
-        self._global_step = int(state.get("global_step", reader.step))
-        if restore_data:
-            # Data position: applied when iteration (re)starts, so a running iterator is dropped.
-            self._iterator = None
-            self._batches_consumed = 0
-            self._pending_data_state = state.get("data")
-            # Build the data and restart its iteration now, before the RNG is restored: whatever
-            # randomness that draws (a random split, a DataLoader's seed) cannot shift the stream.
-            self._start_iterator()
-        if restore_rng and state.get("rng") is not None:
-            self._restore_rng(state["rng"], source)
 
     def _restore_rng(self, saved: Any, source: str) -> None:
         states = [saved] if isinstance(saved, Mapping) else list(saved)  # a dict: before per-rank states
@@ -472,6 +532,12 @@ class TorchTrainer:
                 source or "checkpoint", len(states), rank, world_size, self.ctx.seed, rank, self._global_step,
             )
             seed_everything(seed)
+        if rank == 0 and len(states) != world_size:
+            log.warning(
+                "%s: saved by %d rank(s), resumed on %d: the state is resharded and the data position kept (in "
+                "global samples with a resumable loader), but the run is not promised to be bit-identical to one "
+                "that kept %d rank(s)", source or "checkpoint", len(states), world_size, len(states),
+            )
         if rank == 0 and len(states) > world_size:
             unused = f"rank {world_size}" if len(states) == world_size + 1 else f"ranks {world_size}-{len(states) - 1}"
             log.warning(
@@ -485,16 +551,25 @@ class TrainerSnapshot:
     the optimizer / scheduler / grad-scaler state and the JSON state. ``save_checkpoint(writer)``
     writes it (see :meth:`TorchTrainer.save_checkpoint`)."""
 
-    def __init__(self, model: SafetensorsPayload, torch_state: dict[str, Any], state: dict[str, Any]) -> None:
+    def __init__(self, model: SafetensorsPayload | None, torch_state: dict[str, Any], state: dict[str, Any],
+                 *, shards: Pending | None = None) -> None:
         self.model = model
         self.torch_state = torch_state
         self.state = state
+        self.shards = shards  # a sharded checkpoint: the ranks' write of their files
         self.written = False  # True once save_checkpoint is done with the tensors (then reusable)
         self.ready: Any = None  # set for CUDA state: the device-to-host copies are done once it synchronizes
 
     def save_checkpoint(self, writer: CheckpointWriter) -> dict[str, Any]:
         """Write the model's file here and the optimizer's on a helper thread, at once (writes,
-        checksums and fsyncs release the GIL); return the JSON state."""
+        checksums and fsyncs release the GIL); return the JSON state. A sharded checkpoint: wait
+        for the ranks' write and add every rank's files."""
+        if self.shards is not None:
+            for rank, files in enumerate(_shard_files(self.shards, 0, own_only=False)):
+                writer.add_files(files, rank=rank)
+            self.written = True
+            return self.state
+        assert self.model is not None
         try:
             if self.ready is not None:
                 self.ready.synchronize()
@@ -523,6 +598,22 @@ class TrainerSnapshot:
 
 
 _FILE_WRITER = Worker("cadence-write")  # writes a checkpoint's second file beside the first
+_SHARD_WRITER = Worker("cadence-shards")  # writes this rank's shards of an asynchronous sharded save
+
+
+def _shard_files(pending: Pending, rank: int, *, own_only: bool) -> list[dict[str, tuple[int, str]]]:
+    """The files every rank wrote (``pending``: a shard write's gathered outcome). Raises
+    :class:`CheckpointError` naming the ranks that failed (``own_only``: only for ``rank``'s
+    failure -- another rank's is the chief's to report)."""
+    try:
+        gathered = pending.result()
+    except Exception as e:
+        raise CheckpointError(f"rank {rank} could not write its checkpoint shards: {e}") from e
+    failed = [(r, error) for r, (_, error) in enumerate(gathered) if error is not None and (r == rank or not own_only)]
+    if failed:
+        raise CheckpointError("could not write the checkpoint shards: "
+                              + "; ".join(f"rank {r}: {error}" for r, error in failed))
+    return [files or {} for files, _ in gathered]
 
 
 def _rank_seed(seed: int, rank: int, global_step: int) -> int:
