@@ -25,6 +25,7 @@ from cadence.sanity import sanity_check
 from cadence.schedule import (EvalState, EvalThrottle, check_advance, check_interval, check_loop_settings, crossed,
                               segment_target)
 from cadence.summary import SummaryManager
+from cadence.watchdog import Heartbeat
 
 logger = logging.getLogger("cadence")
 
@@ -62,6 +63,9 @@ class Controller:
       coordinator: how the ranks of a job agree (``None``: one process). The chief alone writes
         checkpoints, ``FINAL`` and summaries; no rank goes on past a save before its commit; a stop
         on any rank is agreed at the end of the loop, so all ranks save and stop at one step.
+      heartbeat: where the controller marks the phase it enters (``restore``, ``train``,
+        ``actions``, ``checkpoint``, ``evaluate``) for a :class:`~cadence.watchdog.Watchdog`
+        (``trainer.hang_timeout``); the runners beat it at each step. ``None``: nobody watches.
 
     Actions and callbacks take part through :mod:`cadence.lifecycle`'s protocols: ``RunAware``
     ones are attached to this controller (a ``RunContext``) once, before the restore, also when
@@ -100,6 +104,7 @@ class Controller:
         restore: bool = True,
         progress: bool | None = None,
         coordinator: Coordinator | None = None,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         if trainer is None and evaluator is None:
             raise ValueError("Controller needs a trainer, an evaluator, or both; got neither")
@@ -129,6 +134,7 @@ class Controller:
         self._step = 0  # global step of an evaluator-only controller (from its checkpoint)
         self._eval_state = EvalState()
         self._save_pending = False
+        self._heartbeat = heartbeat if heartbeat is not None else Heartbeat()
         try:
             for obj in self._components:
                 if isinstance(obj, RunAware):
@@ -136,6 +142,7 @@ class Controller:
             if trainer is not None:
                 self._session.check_branch(restore_step)
             if restore:
+                self._heartbeat.enter("restore")
                 self.restored_step = self.restore(restore_step)
                 if trainer is not None:  # what a killed run summarized past the restored step is redone
                     self._train_summaries.resume_at(self.global_step)
@@ -196,6 +203,7 @@ class Controller:
         """Collective: commit a checkpoint at the current step (the chief writes, every rank
         waits for the commit; a step saved twice is written once); its path, None without a
         manager. ``on_checkpoint_save`` runs for each commit reported so far."""
+        self._heartbeat.enter("checkpoint", self.global_step)
         return self._session.save(self.global_step, self.checkpoint_objects, self.prepare_checkpoint)
 
     def prepare_checkpoint(self) -> None:
@@ -244,10 +252,12 @@ class Controller:
             before = self.global_step
             requested = self._loop_size(before, target)
             start = time.perf_counter()
+            self._heartbeat.enter("train", before)
             logs = dict(trainer.train(requested) or {})
             elapsed = time.perf_counter() - start
             self._session.after_loop()  # an asynchronous save that failed surfaces here
             after = self.global_step
+            self._heartbeat.enter("actions", after)
             exhausted = check_advance(before, after, requested, until_exhausted=until_exhausted)
             if after == before:
                 return True
@@ -305,9 +315,11 @@ class Controller:
         if not isinstance(steps, int) or isinstance(steps, bool) or (steps != -1 and steps < 1):
             raise ValueError(f"evaluate: steps must be -1 (all) or an int >= 1, got {steps!r}")
         start = time.perf_counter()
+        self._heartbeat.enter("evaluate", self.global_step)
         metrics = dict(evaluator.evaluate(steps) or {})
         elapsed = time.perf_counter() - start
         step = self.global_step
+        self._heartbeat.enter("actions", step)
         self._eval_state.last_eval_step = step
         self._eval_summaries.write_summaries(step, metrics)
         self._eval_summaries.flush()

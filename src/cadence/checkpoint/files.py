@@ -60,7 +60,20 @@ class DirectoryWriter:
 
     def add_files(self, files: Mapping[str, tuple[int, str]], *, rank: int) -> None:
         """Record files that rank ``rank`` of a sharded save wrote into this checkpoint's
-        directory itself: ``{name: (size, hex checksum of this writer's algorithm)}``."""
+        directory itself: ``{name: (size, hex checksum of this writer's algorithm)}``.
+
+        A rank that is not an int >= 0, a size that is not one, or a malformed checksum raises
+        ``ValueError`` before any file is recorded (the manifest could not list them: the
+        checkpoint would never verify)."""
+        files = dict(files)
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"checkpoint {self.step}: a rank is an int >= 0, got {rank!r}")
+        for name, (size, digest) in files.items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise ValueError(f"checkpoint {self.step}: bad size {size!r} for {name!r}")
+            problem = checksum_lib.digest_problem(self.algorithm, digest)
+            if problem:
+                raise ValueError(f"checkpoint {self.step}: {problem} for {name!r}")
         for name, (size, digest) in files.items():
             self._claim(name, reserved=(STATE_NAME,))
             self._files[name] = (int(size), str(digest))

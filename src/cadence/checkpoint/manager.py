@@ -243,15 +243,20 @@ class CheckpointManager:
         self._require_writer("save")
         if self._already_saved(step):
             return None
-        work = self._begun.pop(step, None)
-        if work is not None:
-            self._discard(work)
+        self.abandon(step)  # an earlier begin() never saved
         try:
             self._begun[step] = self._new_work_dir(step)
         except BaseException as e:
             raise_if_full(e, self.storage, f"save checkpoint step {step}")
             raise
         return self.storage.url(self._begun[step])
+
+    def abandon(self, step: int) -> None:
+        """Remove the directory :meth:`begin` created for ``step`` (the ranks' write failed);
+        nothing happens when there is none."""
+        work = self._begun.pop(step, None)
+        if work is not None:
+            self._discard(work)
 
     def wait(self) -> None:
         """Block until an asynchronous save in flight is committed; raise its failure if it failed."""
@@ -317,6 +322,8 @@ class CheckpointManager:
             return self.path(step)
         for name, obj in objects.items():
             if not isinstance(obj, (Savable, Stateful)):
+                if begun is not None:
+                    self._discard(begun)  # as after any failed save: nothing left behind
                 raise TypeError(f"cannot checkpoint {name!r}: {type(obj).__name__} has neither save_checkpoint nor state_dict")
         work = begun if begun is not None else final
         try:

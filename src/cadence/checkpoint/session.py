@@ -135,7 +135,12 @@ class CheckpointSession:
                                          self.manager.storage.options)
             target = self.coordinator.broadcast(target)
             if target is not None:
-                self._shards.write_shards(target)
+                try:
+                    self._shards.write_shards(target)
+                except BaseException:
+                    if self.coordinator.is_chief:
+                        self.manager.abandon(step)
+                    raise
         if self.coordinator.is_chief:
             path = self.manager.save(step, objects())
         self.coordinator.barrier()  # no rank goes on before the checkpoint is committed

@@ -167,11 +167,23 @@ class WriterLeaseRecord:
             return True
         except OSError:  # EPERM: it runs, as another user
             return False
-        return False
+        return _zombie(self.pid)
 
     def describe(self, now: float) -> str:
         return (f"pid {self.pid} on host {self.host or '?'} since {_utc(self.since)} "
                 f"(writer lease {self.token}, expires in {max(0.0, self.expires - now):.0f}s)")
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited but is not reaped yet (Linux: state ``Z`` in ``/proc/<pid>/stat``):
+    a killed holder whose parent died too stays one until init reaps it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # "pid (comm) state ...": the command may hold spaces and parentheses; the state follows the last ")".
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"Z"
 
 
 class _Dir:

@@ -261,8 +261,9 @@ class TrainerConfig(_Model):
         description=("Data parallelism over several ranks: `ddp` (a replica of the model on every rank, "
                      "gradients all-reduced) or `fsdp` (FSDP2: parameters, gradients and optimizer state "
                      "sharded over the ranks, in the units `Task.fsdp_units` names; `bf16` all-gathers "
-                     "parameters in bfloat16 and reduces gradients in float32; not with `fp16`). Checkpoints "
-                     "hold the full state either way. One process: no difference."),
+                     "parameters in bfloat16 and reduces gradients in float32; not with `fp16`; checkpoints are "
+                     "sharded: every rank writes its shards, loadable on any number of ranks). One process: "
+                     "no difference."),
     )
     grad_accum_steps: int = Field(
         default=1, ge=1, strict=True, description="Micro-batches whose gradients are accumulated into each optimizer step.",
@@ -287,6 +288,13 @@ class TrainerConfig(_Model):
     in_process_validation: bool = Field(
         default=True,
         description="Evaluate inside `cadence train`; `false`: only train (a sidecar evaluates the checkpoints).",
+    )
+    hang_timeout: float | None = Field(
+        default=None, gt=0, strict=True, allow_inf_nan=False,
+        description=("Seconds without progress (no training step, evaluation batch or checkpoint) after which a "
+                     "rank logs where it is stuck (phase, step, stacks) and exits 124, for the launcher to "
+                     "restart the job from its last checkpoint (`cadence train --max-restarts`); longer than "
+                     "the slowest step, evaluation batch or save. `null`: no watchdog."),
     )
     save_on_preemption: bool = Field(
         default=True,

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset, Subset
 
 from cadence.coordination import Coordinator, LocalCoordinator
 from cadence.storage import Storage
+from cadence.watchdog import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class Context:
     device: torch.device = dataclasses.field(default_factory=_default_device)
     seed: int = 0
     coordinator: Coordinator | None = dataclasses.field(default=None, repr=False, compare=False)
+    heartbeat: Heartbeat | None = dataclasses.field(default=None, repr=False, compare=False)
+    """Beaten by the trainer at each step and the evaluator at each batch, for the run's watchdog
+    (``trainer.hang_timeout``; see :mod:`cadence.watchdog`). None: no watchdog."""
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)

@@ -162,7 +162,10 @@ class TorchEvaluator:
             self.model.eval()
             with torch.no_grad():
                 it = self._eval_iterator() if num_steps != 0 else iter(())
+                heartbeat = self.ctx.heartbeat  # the watchdog's: one beat per batch
                 for batch in it:
+                    if heartbeat is not None:
+                        heartbeat.beats += 1
                     batch = move_to_device(batch, device)
                     with autocast():
                         out = task.validation_step(self.model, batch)

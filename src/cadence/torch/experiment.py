@@ -28,6 +28,7 @@ from cadence.controller import Controller
 from cadence.errors import CheckpointError, ConfigError, WriterLeaseHeldError
 from cadence.lifecycle import RunContext
 from cadence.sidecar import SidecarEvaluator, SidecarResult
+from cadence.watchdog import Heartbeat, Watchdog
 from cadence.torch.context import Context
 from cadence.torch.export_formats import TRACED_FORMATS
 from cadence.torch.signatures import check_signatures, has_export_signatures
@@ -269,13 +270,18 @@ class Run:
     model: Any
     writer_lease: WriterLease | None = None
     """The chief's writer lease on the model dir while it trains; None on other ranks and readers."""
+    watchdog: Watchdog | None = None
+    """This rank's hang watchdog while it trains (``trainer.hang_timeout``); None: off."""
 
     @property
     def model_dir(self) -> str:
         return self.config.require_model_dir()
 
     def release(self) -> None:
-        """Release the writer lease (the next trainer of the model dir may start at once); idempotent."""
+        """Stop the watchdog and release the writer lease (the next trainer of the model dir may
+        start at once); idempotent."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.writer_lease is not None:
             self.writer_lease.release()
 
@@ -302,13 +308,21 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     layout.check_model_dir(cfg.require_model_dir())
     task, ctx, trainer, evaluator = _build_runners_for(cfg, train=train, evaluate=evaluate)
     lease = acquire_writer_lease(cfg, ctx.coordinator) if train else None
+    watchdog = None
+    if train and cfg.trainer.hang_timeout is not None:  # from before the restore (a collective that may hang)
+        ctx.heartbeat = Heartbeat()
+        watchdog = Watchdog(ctx.heartbeat, cfg.trainer.hang_timeout, rank=ctx.rank).start()
     try:
-        return _assemble_run(cfg, task, ctx, trainer, evaluator, lease, train=train, evaluate=evaluate,
-                             restore_step=restore_step, progress=progress)
+        run = _assemble_run(cfg, task, ctx, trainer, evaluator, lease, train=train, evaluate=evaluate,
+                            restore_step=restore_step, progress=progress)
     except BaseException:
+        if watchdog is not None:
+            watchdog.stop()
         if lease is not None:
             lease.release()
         raise
+    run.watchdog = watchdog
+    return run
 
 
 def acquire_writer_lease(cfg: ExperimentConfig, coordinator: Coordinator | None) -> WriterLease | None:
@@ -360,6 +374,7 @@ def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any,
         restore_step=restore_step,
         progress=progress,
         coordinator=ctx.coordinator,
+        heartbeat=ctx.heartbeat,
     )
     return Run(config=cfg, task=task, ctx=ctx, controller=controller, checkpoint_manager=manager, model=model,
                writer_lease=lease)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -90,7 +92,7 @@ def load_trainer_state(directory: str, model: nn.Module, optimizer: torch.optim.
     the checkpoint does not hold this model's or optimizer's state."""
     state = trainer_state(model, optimizer, lr_scheduler)
     has_scheduler = lr_scheduler is not None
-    _load(state, directory, storage_options, allow_partial=not has_scheduler)
+    _load(state, directory, storage_options, allow_partial=not has_scheduler, strict="model")
     try:
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
@@ -106,7 +108,7 @@ def load_model(directory: str, model: nn.Module, *, storage_options: Mapping[str
     process without a process group -- the sidecar, ``cadence export`` -- or a sharded one on
     every rank): each of its tensors is assembled from the shards of every rank that saved it."""
     state = {"model": get_model_state_dict(model)}
-    _load(state, directory, storage_options, allow_partial=True)
+    _load(state, directory, storage_options, allow_partial=True, strict="model")
     try:
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
     except (ValueError, KeyError, RuntimeError) as e:
@@ -143,14 +145,20 @@ def _restore_tuples(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _load(state: dict[str, Any], directory: str, storage_options: Mapping[str, Any] | None,
-          *, allow_partial: bool) -> None:
+          *, allow_partial: bool, strict: str | None = None) -> None:
+    """DCP's load of ``state`` from ``directory``, safely; ``strict``: a key of ``state`` whose
+    entries must be exactly the checkpoint's (as :func:`~cadence.torch.state.load_model_safetensors`)."""
+    reader = _reader(directory, storage_options)
     try:
-        dcp.load(state, storage_reader=_reader(directory, storage_options),
-                 planner=_SafeLoadPlanner(allow_partial_load=allow_partial), no_dist=not _distributed())
+        with warnings.catch_warnings():  # no process group: one process, as asked (DCP warns of it)
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(allow_partial_load=allow_partial, strict=strict),
+                     no_dist=not _distributed())
     except UnsafeCheckpointError:
         raise
     except SaveError as e:  # DCP wraps every rank's failure into a CheckpointException
-        unsafe = _find(e, UnsafeCheckpointError)
+        # DCP turns a failed read of the metadata into an AssertionError naming it: the reader kept it.
+        unsafe = _find(e, UnsafeCheckpointError) or reader.unsafe
         if unsafe is not None:
             raise unsafe from None
         raise CheckpointError(f"{directory}: cannot load the sharded checkpoint: {describe(e)}") from e
@@ -168,6 +176,8 @@ def _failures(error: BaseException) -> list[tuple[int | None, BaseException]]:
         return [(None, error)]
     found: list[tuple[int | None, BaseException]] = []
     for rank, failure in sorted(failures.items()):
+        if isinstance(failure, tuple) and failure:  # DCP's (exception, traceback summary)
+            failure = failure[0]
         exception = getattr(failure, "exception", failure)
         found.append((rank, exception if isinstance(exception, BaseException) else RuntimeError(str(exception))))
     return found
@@ -183,14 +193,24 @@ def _find(error: BaseException, kind: type[BaseException]) -> BaseException | No
     return None
 
 
+def own_failure(error: BaseException, rank: int) -> str:
+    """What of a failed collective DCP save was ``rank``'s own failure (:func:`describe`'s form,
+    without the rank); ``""`` when another rank failed and this one only heard of it."""
+    failures = _failures(error)
+    if all(r is None for r, _ in failures):
+        return describe(error)
+    return "; ".join(_line(failure) for r, failure in failures if r == rank)
+
+
+def _line(failure: BaseException) -> str:
+    lines = str(failure).strip().splitlines()
+    return f"{type(failure).__name__}: {lines[0]}" if lines else type(failure).__name__
+
+
 def describe(error: BaseException) -> str:
     """One line for a failed DCP save or load: each failed rank's error (the first line of each)."""
-    parts = []
-    for rank, failure in _failures(error):
-        lines = str(failure).strip().splitlines()
-        text = f"{type(failure).__name__}: {lines[0]}" if lines else type(failure).__name__
-        parts.append(text if rank is None else f"rank {rank}: {text}")
-    return "; ".join(parts)
+    return "; ".join(_line(failure) if rank is None else f"rank {rank}: {_line(failure)}"
+                     for rank, failure in _failures(error))
 
 
 # -- safe reading -------------------------------------------------------------------------------
@@ -217,8 +237,12 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.source = source
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == _METADATA_MODULE or (module, name) in _ALLOWED:
+        if (module, name) in _ALLOWED:
             return super().find_class(module, name)
+        if module == _METADATA_MODULE and "." not in name:  # a dotted name reaches what the module imports
+            found = getattr(sys.modules.get(module), name, None)
+            if isinstance(found, type) and found.__module__ == _METADATA_MODULE:  # its classes only
+                return found
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise UnsafeCheckpointError(
@@ -233,11 +257,17 @@ class _SafeMetadata:
     path: Any
     fs: Any
     load_id: str
+    unsafe: UnsafeCheckpointError | None = None
+    """The refusal of the last read (DCP's load turns it into an AssertionError of its own)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self.fs.concat_path(self.path, METADATA_FILE)
         with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f, str(path)).load()
+            try:
+                metadata = _MetadataUnpickler(f, str(path)).load()
+            except UnsafeCheckpointError as e:
+                self.unsafe = e
+                raise
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path}: not DCP metadata ({type(metadata).__name__})")
         storage_meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
@@ -253,7 +283,28 @@ class _LocalReader(_SafeMetadata, FileSystemReader):
 class _SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner, except that a non-tensor value (the optimizer's hyper-parameters,
     the scheduler's state) is first unpickled with ``torch.load(weights_only=True)``: only a value
-    that passes is handed on to DCP's own (unrestricted) loading."""
+    that passes is handed on to DCP's own (unrestricted) loading. ``strict``: the top-level key
+    (``"model"``) whose entries must be the checkpoint's, no more, no fewer (a partial load skips
+    what the checkpoint lacks: a model's extra layers would keep their initial weights)."""
+
+    def __init__(self, *args: Any, strict: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.strict = strict
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if self.strict is None or metadata is None:
+            return
+        prefix = f"{self.strict}."
+        wanted = {key for key in self.state_dict if key.startswith(prefix)}
+        saved = {key for key in metadata.state_dict_metadata if key.startswith(prefix)}
+        parts = []
+        for what, keys in (("missing", wanted - saved), ("unexpected", saved - wanted)):
+            if keys:
+                names = sorted(key[len(prefix):] for key in keys)
+                parts.append(f"{what} keys: {', '.join(names[:5])}" + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
+        if parts:
+            raise CheckpointError(f"the {self.strict} state does not match: {'; '.join(parts)}")
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:

@@ -174,6 +174,7 @@ class TorchTrainer:
         # beyond the task's train_step, backward and the optimizer.
         plain = k == 1 and autocast is None and scaler is None and not place
         train_step, forward_backward, step_optimizer = task.train_step, self._forward_backward, optimizer.step
+        heartbeat = self.ctx.heartbeat  # the watchdog's: one beat per step
         # Detached per-micro-batch losses stay on the device until the end (no per-step sync).
         losses: list[torch.Tensor] = []
         extras_acc: dict[str, ScalarSum] = {}
@@ -241,6 +242,8 @@ class TorchTrainer:
                     else:
                         scheduler.step()
                 steps += 1
+                if heartbeat is not None:
+                    heartbeat.beats += 1
                 if len(losses) >= FOLD:  # bound memory on very long loops: one on-device sum
                     losses[:] = [torch.stack(losses).float().sum()]
         finally:
@@ -350,10 +353,12 @@ class TorchTrainer:
             self._shards = _SHARD_WRITER.submit(self._write_shards_now, state, target, True)
         else:
             self._shards = Pending.done(self._write_shards_now(state, target, False))
+            self.wait_for_shards()  # every rank raises a failure of any rank now
 
     def _write_shards_now(self, state: dict[str, Any], target: ShardTarget,
                           background: bool) -> list[tuple[dict[str, tuple[int, str]] | None, str | None]]:
-        """Write, then gather ``(files, error)`` of every rank (the same list on every rank)."""
+        """Write, then gather ``(files, error)`` of every rank (the same list on every rank; the
+        gather completes whatever failed, so no rank is left waiting in a collective)."""
         if background:
             yield_cpu()
         files: dict[str, tuple[int, str]] | None = None
@@ -363,21 +368,21 @@ class TorchTrainer:
                                                     algorithm=target.algorithm,
                                                     storage_options=target.storage_options)
         except sharded_checkpoint.SaveError as e:  # every rank hears of it through the gather
-            error = sharded_checkpoint.describe(e)
+            error = sharded_checkpoint.own_failure(e, self.ctx.rank)  # "": another rank's failure
         gathered: list[Any] = [None] * self.ctx.world_size
         torch.distributed.all_gather_object(gathered, (files, error), group=self._shard_group)
         return gathered
 
     def wait_for_shards(self) -> None:
-        """Wait for this rank's background shard write; raise its failure (or another rank's) as
-        :class:`CheckpointError`."""
+        """Wait for this rank's background shard write; raise a failure of any rank (every rank
+        raises the same :class:`CheckpointError`, once)."""
         pending = self._shards
         if pending is None:
             return
         try:
-            _shard_files(pending, self.ctx.rank, own_only=True)
+            _shard_files(pending, self.ctx.rank)
         except CheckpointError:
-            self._shards = None  # raised once
+            self._shards = None
             raise
 
     def _rng_states(self) -> list[dict[str, Any]]:
@@ -565,7 +570,7 @@ class TrainerSnapshot:
         checksums and fsyncs release the GIL); return the JSON state. A sharded checkpoint: wait
         for the ranks' write and add every rank's files."""
         if self.shards is not None:
-            for rank, files in enumerate(_shard_files(self.shards, 0, own_only=False)):
+            for rank, files in enumerate(_shard_files(self.shards, 0)):
                 writer.add_files(files, rank=rank)
             self.written = True
             return self.state
@@ -601,18 +606,16 @@ _FILE_WRITER = Worker("cadence-write")  # writes a checkpoint's second file besi
 _SHARD_WRITER = Worker("cadence-shards")  # writes this rank's shards of an asynchronous sharded save
 
 
-def _shard_files(pending: Pending, rank: int, *, own_only: bool) -> list[dict[str, tuple[int, str]]]:
-    """The files every rank wrote (``pending``: a shard write's gathered outcome). Raises
-    :class:`CheckpointError` naming the ranks that failed (``own_only``: only for ``rank``'s
-    failure -- another rank's is the chief's to report)."""
+def _shard_files(pending: Pending, rank: int) -> list[dict[str, tuple[int, str]]]:
+    """The files every rank wrote (``pending``: a shard write's gathered outcome, seen from
+    ``rank``). Raises :class:`CheckpointError` naming the ranks that failed."""
     try:
         gathered = pending.result()
     except Exception as e:
         raise CheckpointError(f"rank {rank} could not write its checkpoint shards: {e}") from e
-    failed = [(r, error) for r, (_, error) in enumerate(gathered) if error is not None and (r == rank or not own_only)]
-    if failed:
-        raise CheckpointError("could not write the checkpoint shards: "
-                              + "; ".join(f"rank {r}: {error}" for r, error in failed))
+    failed = [f"rank {r}: {error}" for r, (_, error) in enumerate(gathered) if error]
+    if failed or any(error is not None for _, error in gathered):
+        raise CheckpointError("could not write the checkpoint shards: " + ("; ".join(failed) or "a rank failed"))
     return [files or {} for files, _ in gathered]
 
 
