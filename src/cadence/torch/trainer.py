@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator, Mapping, TypeGuard
 import torch
 from torch import nn
 
-from cadence.checkpoint.background import Pending, Worker, yield_cpu
+from cadence.checkpoint.background import Pending, Worker
 from cadence.checkpoint.protocol import CheckpointReader, CheckpointWriter, ShardTarget, Stateful
 from cadence.errors import CheckpointError
 from cadence.torch.batch import move_to_device
@@ -35,6 +35,7 @@ from cadence.torch.state import (
     unwrap_model,
 )
 from cadence.torch import sharded_checkpoint, sharding, tensor_tree
+from cadence.torch.shard_writes import ShardWrites, files_of
 from cadence.torch.step_logs import FOLD, ScalarSum, add_extras, split_output
 from cadence.torch.task import Task
 
@@ -106,9 +107,7 @@ class TorchTrainer:
         self._pending_data_state: dict[str, Any] | None = None
         self._gathered_rng: list[dict[str, Any]] | None = None  # from prepare_checkpoint()
         self._staging: TrainerSnapshot | None = None  # the last asynchronous snapshot (its tensors are reused)
-        self._shards: Pending | None = None  # the last write_shards(): every rank's files (or failure)
-        self._shard_stager: Any = None  # the CPU copy of the sharded state, reused by each asynchronous save
-        self._shard_group: Any = None  # a gloo group for the shard writes' collectives (created on first use)
+        self._shard_writes = ShardWrites(ctx.rank, ctx.world_size)  # a sharded model's checkpoints
 
     # -- protocol ------------------------------------------------------------------------------
 
@@ -340,50 +339,16 @@ class TorchTrainer:
     def write_shards(self, target: ShardTarget) -> None:
         """Collective, on every rank after :meth:`prepare_checkpoint`: write this rank's shards of
         the model, optimizer and scheduler state into ``target.directory`` through
-        torch.distributed.checkpoint, checksum them, and gather every rank's files for the chief's
-        :meth:`save_checkpoint`. ``target.background``: the state is copied to CPU memory now
-        (into the same memory each time) and written on a background thread, on a process group of
-        its own; the previous background write is waited for first."""
-        self.wait_for_shards()
-        if self._shard_group is None:
-            self._shard_group = sharding.checkpoint_group()
-        state = sharded_checkpoint.trainer_state(self.model, self.optimizer, self.lr_scheduler)
-        if target.background:
-            state, self._shard_stager = sharded_checkpoint.stage(state, self._shard_stager)
-            self._shards = _SHARD_WRITER.submit(self._write_shards_now, state, target, True)
-        else:
-            self._shards = Pending.done(self._write_shards_now(state, target, False))
-            self.wait_for_shards()  # every rank raises a failure of any rank now
-
-    def _write_shards_now(self, state: dict[str, Any], target: ShardTarget,
-                          background: bool) -> list[tuple[dict[str, tuple[int, str]] | None, str | None]]:
-        """Write, then gather ``(files, error)`` of every rank (the same list on every rank; the
-        gather completes whatever failed, so no rank is left waiting in a collective)."""
-        if background:
-            yield_cpu()
-        files: dict[str, tuple[int, str]] | None = None
-        error = None
-        try:
-            files = sharded_checkpoint.write_shards(state, target.directory, process_group=self._shard_group,
-                                                    algorithm=target.algorithm,
-                                                    storage_options=target.storage_options)
-        except sharded_checkpoint.SaveError as e:  # every rank hears of it through the gather
-            error = sharded_checkpoint.own_failure(e, self.ctx.rank)  # "": another rank's failure
-        gathered: list[Any] = [None] * self.ctx.world_size
-        torch.distributed.all_gather_object(gathered, (files, error), group=self._shard_group)
-        return gathered
+        torch.distributed.checkpoint and gather every rank's files for the chief's
+        :meth:`save_checkpoint` (see :class:`~cadence.torch.shard_writes.ShardWrites`: with
+        ``target.background``, from CPU copies on a background thread)."""
+        self._shard_writes.write(sharded_checkpoint.trainer_state(self.model, self.optimizer, self.lr_scheduler),
+                                 target)
 
     def wait_for_shards(self) -> None:
         """Wait for this rank's background shard write; raise a failure of any rank (every rank
         raises the same :class:`CheckpointError`, once)."""
-        pending = self._shards
-        if pending is None:
-            return
-        try:
-            _shard_files(pending, self.ctx.rank)
-        except CheckpointError:
-            self._shards = None
-            raise
+        self._shard_writes.wait()
 
     def _rng_states(self) -> list[dict[str, Any]]:
         gathered, self._gathered_rng = self._gathered_rng, None  # used once: never a stale state
@@ -424,10 +389,7 @@ class TorchTrainer:
         state = {"global_step": self._global_step, "rng": self._rng_states(),
                  "data": copy_module.deepcopy(self._data_state())}
         if self._sharded:
-            shards, self._shards = self._shards, None
-            if shards is None:
-                raise RuntimeError("a sharded model's checkpoint needs write_shards() on all ranks first")
-            return TrainerSnapshot(None, {}, state, shards=shards)
+            return TrainerSnapshot(None, {}, state, shards=self._shard_writes.take())
         torch_state = {
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
@@ -570,7 +532,7 @@ class TrainerSnapshot:
         checksums and fsyncs release the GIL); return the JSON state. A sharded checkpoint: wait
         for the ranks' write and add every rank's files."""
         if self.shards is not None:
-            for rank, files in enumerate(_shard_files(self.shards, 0)):
+            for rank, files in enumerate(files_of(self.shards, 0)):
                 writer.add_files(files, rank=rank)
             self.written = True
             return self.state
@@ -603,20 +565,6 @@ class TrainerSnapshot:
 
 
 _FILE_WRITER = Worker("cadence-write")  # writes a checkpoint's second file beside the first
-_SHARD_WRITER = Worker("cadence-shards")  # writes this rank's shards of an asynchronous sharded save
-
-
-def _shard_files(pending: Pending, rank: int) -> list[dict[str, tuple[int, str]]]:
-    """The files every rank wrote (``pending``: a shard write's gathered outcome, seen from
-    ``rank``). Raises :class:`CheckpointError` naming the ranks that failed."""
-    try:
-        gathered = pending.result()
-    except Exception as e:
-        raise CheckpointError(f"rank {rank} could not write its checkpoint shards: {e}") from e
-    failed = [f"rank {r}: {error}" for r, (_, error) in enumerate(gathered) if error]
-    if failed or any(error is not None for _, error in gathered):
-        raise CheckpointError("could not write the checkpoint shards: " + ("; ".join(failed) or "a rank failed"))
-    return [files or {} for files, _ in gathered]
 
 
 def _rank_seed(seed: int, rank: int, global_step: int) -> int:
