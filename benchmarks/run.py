@@ -1,11 +1,12 @@
 """``make bench``: run every benchmark, write ``results/latest.json`` and ``results/latest.md``.
 
-    python benchmarks/run.py [--only loop,checkpoint,sidecar,resume] [--quick]
+    python benchmarks/run.py [--only loop,checkpoint,sharded,sidecar,resume] [--quick]
 
 ``--only`` updates those entries of ``latest.json`` and keeps the others. ``--quick`` runs the
 benchmarks that have a quick mode (the checkpoint one: two tiny sizes, one repeat, every load
-checked) as a smoke test in well under a minute, and writes ``results/quick.json`` and
-``results/quick.md`` instead, so ``latest`` keeps the real measurements.
+checked; the sharded one: a 6 MiB state on 1, 2 and 3 ranks) as a smoke test in about a minute,
+and writes ``results/quick.json`` and ``results/quick.md`` instead, so ``latest`` keeps the real
+measurements. A full run of ``sharded`` also writes its own ``results/sharded_checkpoint.*``.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ sys.path.insert(0, str(HERE))
 import checkpoint_throughput  # noqa: E402
 import loop_overhead  # noqa: E402
 import resume_cost  # noqa: E402
+import sharded_checkpoint  # noqa: E402
 import sidecar_latency  # noqa: E402
 
 BENCHMARKS = {
     "loop": loop_overhead.run,
     "checkpoint": checkpoint_throughput.run,  # includes the asynchronous save (the former "async" entry)
+    "sharded": sharded_checkpoint.run,
     "sidecar": sidecar_latency.run,
     "resume": resume_cost.run,
 }
@@ -50,10 +53,10 @@ def machine() -> dict:
             "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
-def markdown(results: dict) -> str:
+def markdown(results: dict, reproduce: str = "make bench") -> str:
     m = results["machine"]
     lines = ["# cadence benchmarks\n", (f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, "
-                                        f"{m['date']}. Reproduce: `make bench`.\n")]
+                                        f"{m['date']}. Reproduce: `{reproduce}`.\n")]
     if "loop" in results:
         r = results["loop"]
         lines += [f"## Loop overhead ({r['steps']} steps, batch {r['batch']}, {r['repeats']} interleaved repeats)\n",
@@ -63,6 +66,8 @@ def markdown(results: dict) -> str:
         lines.append(f"\nTarget: {r['target']}.\n")
     if "checkpoint" in results:
         lines += checkpoint_markdown(results["checkpoint"])
+    if "sharded" in results:
+        lines += sharded_markdown(results["sharded"])
     if "sidecar" in results:
         r = results["sidecar"]
         lines += [(f"## Sidecar latency (commit → evaluation starts, {r['checkpoints']} checkpoints, "
@@ -143,6 +148,45 @@ def checkpoint_markdown(r: dict) -> list[str]:
     return lines
 
 
+def _phases(phases: dict, names: tuple[str, ...]) -> str:
+    return " / ".join("—" if phases.get(name) is None else f"{phases[name]:.2f}" for name in names)
+
+
+def sharded_markdown(r: dict) -> list[str]:
+    rows = r["rows"]
+    sizes = sorted({f"{row['state_gib']:.2f}" for row in rows})
+    lines = [(f"## Sharded checkpoint save and load under FSDP2 ({' / '.join(sizes)} GiB: {r['layers']} layers of "
+              f"{r['width']}x{r['width']} float32 + AdamW state; torchrun ranks, gloo, CPU; {r['repeats']} alternating "
+              f"repeats after a warm-up round{', quick' if r.get('quick') else ''})\n"),
+             "| ranks | contender | written GiB | save s | write GiB/s | load s | read GiB/s |",
+             "|---|---|---|---|---|---|---|"]
+    names = {"dcp": "plain DCP (dcp.save / dcp.load)", "cadence": "cadence (CheckpointSession, crc32c)"}
+    for row in rows:
+        for key in ("dcp", "cadence"):
+            c = row["contenders"][key]
+            lines.append(f"| {row['world_size']} | {names[key]} | {c['bytes_written'] / 2**30:.2f} | "
+                         f"{c['save_s_median']:.2f} ({c['save_s_min']:.2f}) | {c['write_gib_per_s']:.2f} | "
+                         f"{c['load_s_median']:.2f} ({c['load_s_min']:.2f}) | {c['read_gib_per_s']:.2f} |")
+    lines += ["\n| ranks | save: cadence / DCP | load: cadence / DCP | checksum share of cadence's save | "
+              "verification share of cadence's load | cadence save: write_shards / DCP write / read-back checksum / "
+              "commit s | cadence load: verify / DCP read s |",
+              "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['world_size']} | {row['save_ratio']:.2f}x | {row['load_ratio']:.2f}x | "
+                     f"{row['checksum_save_share'] * 100:.1f}% | {row['verify_load_share'] * 100:.1f}% | "
+                     f"{_phases(row['phases']['save'], ('write_shards', 'dcp_write', 'checksum', 'commit'))} | "
+                     f"{_phases(row['phases']['load'], ('verify', 'dcp_read'))} |")
+    lines.append("\nSeconds: median (min), wall clock from a barrier of all ranks to one after. Write (read) GiB/s: "
+                 "the bytes of every rank's files together / the median save (load). cadence / DCP: of the median "
+                 "times (> 1: cadence is slower). Shares and phases: the slowest rank's seconds in the phase (median "
+                 "over repeats), as a share of the wall time; the read-back checksum is inside write_shards, the DCP "
+                 "write too; commit is the chief's. Saves fsync every file (both contenders); loads read the files "
+                 "just written, from the page cache (not dropped: no root). On 1 rank the model is sharded over a "
+                 "one-rank group (a cadence run on one process does not shard: it writes safetensors files, see the "
+                 "checkpoint benchmark). The ranks share the machine's cores, OMP_NUM_THREADS=1.\n")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(BENCHMARKS)}")
@@ -167,6 +211,9 @@ def main() -> None:
         results[name] = fn(quick=True) if args.quick and name in quick_ones else fn()
         if name == "checkpoint":
             results.pop("async", None)  # now part of "checkpoint"
+        if name == "sharded" and not args.quick:  # also in a file of its own
+            sharded_checkpoint.write_results(results[name], markdown({"machine": results["machine"], name: results[name]}),
+                                             out_dir / "sharded_checkpoint.md")
         print(f"  done in {time.time() - start:.0f} s", flush=True)
     (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
     (out_dir / f"{stem}.md").write_text(markdown(results))
