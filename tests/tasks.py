@@ -85,3 +85,54 @@ class NoExampleTask(TinyTask):
 
     def example_inputs(self):
         return Task.example_inputs(self)
+
+
+class StatefulLoaderTask(TinyTask):
+    """TinyTask on torchdata's ``StatefulDataLoader`` with worker processes: each rank its shard
+    through a ``StatefulDistributedSampler``, shuffled, and a random augmentation drawn in the
+    workers from a generator the (Stateful) dataset owns."""
+
+    def __init__(self, num_workers: int = 2, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.num_workers = num_workers
+
+    def build_inputs(self, split, ctx):
+        if split != "train":
+            return super().build_inputs(split, ctx)
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+        sampler = StatefulDistributedSampler(self.train_set, num_replicas=ctx.world_size, rank=ctx.rank,
+                                             shuffle=True, seed=ctx.seed, drop_last=True)
+        return StatefulDataLoader(_Jittered(self.train_set, ctx.rank), batch_size=self.batch_size, sampler=sampler,
+                                  num_workers=self.num_workers, drop_last=True)
+
+
+class _Jittered(torch.utils.data.Dataset):
+    """Adds noise to each sample from a generator of its own, one per worker (seeded by rank and
+    worker), saved and restored with the loader's state: torchdata's StatefulDataLoader keeps a
+    *Stateful* dataset's state per worker, while workers' global RNGs are re-seeded on resume."""
+
+    def __init__(self, base: TensorDataset, rank: int) -> None:
+        self.base = base
+        self.rank = rank
+        self._generator: torch.Generator | None = None
+
+    def generator(self) -> torch.Generator:
+        if self._generator is None:
+            info = torch.utils.data.get_worker_info()
+            self._generator = torch.Generator().manual_seed(1000 * (self.rank + 1) + (info.id if info else 0))
+        return self._generator
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        return x + 0.01 * torch.randn(x.shape, generator=self.generator()), y
+
+    def state_dict(self):
+        return {"generator": self.generator().get_state()}
+
+    def load_state_dict(self, state):
+        self.generator().set_state(state["generator"])

@@ -34,7 +34,7 @@ from cadence.torch.state import (
     set_rng_state,
     unwrap_model,
 )
-from cadence.torch import sharded_checkpoint, sharding, tensor_tree
+from cadence.torch import data_state, sharded_checkpoint, sharding, tensor_tree
 from cadence.torch.shard_writes import ShardWrites, files_of
 from cadence.torch.step_logs import FOLD, ScalarSum, add_extras, split_output
 from cadence.torch.task import Task
@@ -106,6 +106,7 @@ class TorchTrainer:
         self._batches_consumed = 0  # for replay when the data is not stateful
         self._pending_data_state: dict[str, Any] | None = None
         self._gathered_rng: list[dict[str, Any]] | None = None  # from prepare_checkpoint()
+        self._gathered_data: list[dict[str, Any] | None] | None = None  # ditto: every rank's data position
         self._staging: TrainerSnapshot | None = None  # the last asynchronous snapshot (its tensors are reused)
         self._shard_writes = ShardWrites(ctx.rank, ctx.world_size)  # a sharded model's checkpoints
 
@@ -292,7 +293,7 @@ class TorchTrainer:
                         "the checkpoint's data position was saved through the train data's state_dict, "
                         f"but the train data ({type(data).__name__}) has no load_state_dict"
                     )
-                data.load_state_dict(pending["state"])
+                data.load_state_dict(data_state.from_json(pending["state"]))
             else:
                 skip = int(pending.get("batches", 0))
         self._iterator = iter(data)
@@ -317,17 +318,20 @@ class TorchTrainer:
             return self._pending_data_state
         data = self._train_data
         if _is_stateful(data):
-            return {"kind": "stateful", "state": data.state_dict()}
+            return {"kind": "stateful", "state": data_state.to_json(data.state_dict())}
         return {"kind": "replay", "batches": self._batches_consumed}
 
     # -- checkpoints ---------------------------------------------------------------------------
 
     def prepare_checkpoint(self) -> None:
         """Collective, on every rank before the chief's :meth:`save_checkpoint`: gather each
-        rank's RNG state (through ``ctx.coordinator``) for the chief to save."""
-        own = get_rng_state()
+        rank's RNG state and train-data position (through ``ctx.coordinator``) for the chief to
+        save."""
+        own = (get_rng_state(), self._data_state())
         coord = self.ctx.coordinator
-        self._gathered_rng = coord.all_gather(own) if coord is not None and self.ctx.world_size > 1 else [own]
+        gathered = coord.all_gather(own) if coord is not None and self.ctx.world_size > 1 else [own]
+        self._gathered_rng = [rng for rng, _ in gathered]
+        self._gathered_data = [data for _, data in gathered]
 
     # -- sharded checkpoints (WritesShards) ------------------------------------------------------
 
@@ -388,6 +392,9 @@ class TorchTrainer:
     def _capture(self, *, copy: bool, reuse: TrainerSnapshot | None = None) -> TrainerSnapshot:
         state = {"global_step": self._global_step, "rng": self._rng_states(),
                  "data": copy_module.deepcopy(self._data_state())}
+        ranks_data, self._gathered_data = self._gathered_data, None  # used once, like the RNG states
+        if ranks_data is not None and any(d != state["data"] for d in ranks_data):
+            state["rank_data"] = ranks_data  # per-rank loader states (a StatefulDataLoader's own shard)
         if self._sharded:
             return TrainerSnapshot(None, {}, state, shards=self._shard_writes.take())
         torch_state = {
@@ -441,7 +448,7 @@ class TorchTrainer:
             # Data position: applied when iteration (re)starts, so a running iterator is dropped.
             self._iterator = None
             self._batches_consumed = 0
-            self._pending_data_state = state.get("data")
+            self._pending_data_state = self._rank_data_state(state, source)
             # Build the data and restart its iteration now, before the RNG is restored: whatever
             # randomness that draws (a random split, a DataLoader's seed) cannot shift the stream.
             self._start_iterator()
@@ -485,6 +492,22 @@ class TorchTrainer:
             self.grad_scaler.load_state_dict(scaler_state)
         elif self.grad_scaler is not None:
             log.warning("%s: no grad-scaler state in the checkpoint: the fp16 loss scale starts afresh", source)
+
+    def _rank_data_state(self, state: Mapping[str, Any], source: str) -> Any:
+        """This rank's data position: its own when the ranks' differ (``rank_data``: a loader
+        whose state is per rank, such as torchdata's ``StatefulDataLoader``), else ``data``."""
+        ranks = state.get("rank_data")
+        if not isinstance(ranks, list) or not ranks:
+            return state.get("data")
+        rank, world_size = self.ctx.rank, self.ctx.world_size
+        if len(ranks) != world_size and rank == 0:
+            log.warning(
+                "%s: the train data's position is per rank (its loader's own state, e.g. a StatefulDataLoader) and was "
+                "saved by %d rank(s), resumed on %d: each rank continues from the saved state of the rank with its "
+                "number (or rank 0's), so samples may be repeated or skipped; a cadence.torch.ResumableLoader keeps "
+                "its position in global samples across world sizes", source or "checkpoint", len(ranks), world_size,
+            )
+        return ranks[rank] if rank < len(ranks) else state.get("data")
 
     def _restore_rng(self, saved: Any, source: str) -> None:
         states = [saved] if isinstance(saved, Mapping) else list(saved)  # a dict: before per-rank states
