@@ -170,18 +170,30 @@ def test_reserved_keys_stay_out_of_jsonl(tmp_path: Path) -> None:
     assert record["step"] == 3 and record["time"] != 1.0
 
 
-def test_fsspec_url_writes_jsonl_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("fsspec")
-    monkeypatch.setattr(summary, "_warned_remote", set())
+def test_fsspec_url_writes_jsonl_and_uploads_events(tmp_path: Path) -> None:
+    import fsspec
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     url = f"memory://cadence-test/{tmp_path.name}/train"
-    with pytest.warns(UserWarning, match="metrics.jsonl only"), SummaryWriter(url) as w:
+    with SummaryWriter(url) as w:
         w.write(1, {"loss": 1.0})
         w.write(2, {"loss": 0.5})
-    with SummaryWriter(url) as w, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        w.flush()  # the event file is uploaded at each flush
+        fs = fsspec.filesystem("memory")
+        assert [p for p in fs.ls(url, detail=False) if "tfevents" in p]
+    with SummaryWriter(url, purge_step=3) as w:
         w.write(3, {"loss": 0.25})
     assert [r["step"] for r in read_metrics(url)] == [1, 2, 3]
     assert [r["loss"] for r in read_metrics(url + "/metrics.jsonl")] == [1.0, 0.5, 0.25]
+    local = tmp_path / "events"
+    local.mkdir()
+    names = [p for p in fs.ls(url, detail=False) if "tfevents" in p]
+    assert len(names) == 2  # one per writer, each uploaded whole
+    for name in names:
+        (local / name.rsplit("/", 1)[-1]).write_bytes(fs.cat_file(name))
+    acc = EventAccumulator(str(local))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 0.5), (3, 0.25)]
 
 
 def test_to_scalar() -> None:

@@ -7,21 +7,32 @@ messages and users (an absolute path on local disks, an fsspec URL elsewhere).
 Local disks (fsspec protocol ``file`` / ``local``) support atomic rename: files are fsynced when
 written and directories after entries are renamed into them. Other stores (``memory://``, object
 stores) have no atomic rename; there :meth:`Storage.write_atomic` is a plain write (object stores
-make a file visible only when its upload completes) and no fsync is needed or possible.
+make a file visible only when its upload completes) and no fsync is needed or possible, and
+:meth:`Storage.create_exclusive` is the store's conditional create (S3: ``If-None-Match: *``).
+
+Object stores are opened with fsspec's listings cache off (``use_listings_cache=False`` unless the
+caller's ``storage_options`` say otherwise): a model dir is shared by processes (trainer, sidecar,
+tools) that must see each other's writes, and a cached listing would hide them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import posixpath
 import secrets
+import time
 from typing import IO, Any, Iterator
 
 import fsspec.core
 
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
+_CACHELESS_EXEMPT = frozenset({None, "file", "local", "memory"})  # no listings cache to turn off
+_CONFLICT_RETRIES = 6
+"""Tries of a conditional create that S3 answers with 409 ConditionalRequestConflict (another
+conditional write of the same key in flight): retried after a short back-off, as AWS advises."""
 
 
 def _temp_suffix() -> str:
@@ -37,7 +48,10 @@ class Storage:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.options: dict[str, Any] = dict(storage_options or {})
-        self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        options = dict(self.options)
+        if fsspec.core.split_protocol(url)[0] not in _CACHELESS_EXEMPT:
+            options.setdefault("use_listings_cache", False)  # other processes' writes must show (module doc)
+        self.fs, root = fsspec.core.url_to_fs(url, **options)
         self.root: str = root.rstrip("/") or "/"
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         self._local = bool(_LOCAL_PROTOCOLS.intersection(protocols))
@@ -204,8 +218,13 @@ class Storage:
         written and fsynced to a temp file that is then hard-linked to ``path`` (``link`` fails
         when ``path`` exists), so the file is never seen partly written. Other stores: their
         ``"xb"`` mode, a conditional create where the store has one (``memory://``; S3's
-        ``If-None-Match`` with an s3fs that supports it); a store without one (``ValueError`` /
-        ``NotImplementedError`` for ``"xb"``) falls back to check-then-write, which is not atomic.
+        ``PutObject`` with ``If-None-Match: *`` through s3fs, the store answering 412 when the
+        object exists; a 409 ``ConditionalRequestConflict`` -- a concurrent conditional write of
+        the key -- is retried). A store without one falls back to check-then-write, which is not
+        atomic: fsspec refusing ``"xb"`` (``ValueError`` / ``NotImplementedError``) or the store
+        answering 501 Not Implemented (``ENOSYS``). An S3-compatible store that ignores the
+        header overwrites: there both racers get True, and only the writer lease keeps writers
+        apart.
         """
         if self._local:
             temp = path + _temp_suffix()
@@ -219,17 +238,25 @@ class Storage:
                     os.remove(temp)
             self.fsync_dir(posixpath.dirname(path))
             return True
-        try:
-            with self.fs.open(path, "xb") as f:
-                f.write(data)
-            return True
-        except FileExistsError:
-            return False
-        except (ValueError, NotImplementedError):
-            if self.exists(path):
+        for attempt in range(_CONFLICT_RETRIES):
+            try:
+                with self.fs.open(path, "xb") as f:
+                    f.write(data)
+                return True
+            except FileExistsError:
                 return False
-            self.write_bytes(path, data)
-            return True
+            except (ValueError, NotImplementedError):
+                break
+            except OSError as e:
+                if e.errno == errno.ENOSYS:
+                    break
+                if _error_code(e) != "ConditionalRequestConflict" or attempt == _CONFLICT_RETRIES - 1:
+                    raise
+                time.sleep(0.05 * 2**attempt)
+        if self.exists(path):
+            return False
+        self.write_bytes(path, data)
+        return True
 
     def rename(self, src: str, dst: str) -> None:
         """Move a file or directory; atomic and durable (parent fsynced) on local disks only.
@@ -289,6 +316,12 @@ class Storage:
         """Make a directory's entries (creations, renames) durable; a no-op off local disks."""
         if self._local and os.name != "nt":
             _fsync_path(path)
+
+
+def _error_code(error: BaseException) -> str | None:
+    """The S3 error code behind an ``OSError`` s3fs translated from a botocore ``ClientError``."""
+    response = getattr(error.__cause__, "response", None)
+    return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
 
 
 def _fsync_path(path: str) -> None:

@@ -11,6 +11,16 @@ Every :meth:`SummaryWriter.write` records the scalar metrics of one step twice:
 :class:`SummaryManager` writes a run's whole output as Orbit's does: a top-level key whose value
 is a mapping (one of several evaluation datasets, say) goes to a subdirectory of its own.
 
+A logdir may be an fsspec URL (``s3://bucket/run/train``). Object stores cannot append, so there
+the writer keeps ``metrics.jsonl``'s content in memory and uploads the whole object at each write
+(one PUT; readers see the previous object or the new one, never a partial line), and the event
+file is written to a local temp directory by the same ``EventFileWriter`` and uploaded whole at
+each :meth:`SummaryWriter.flush` and at :meth:`SummaryWriter.close` (the controller flushes after
+every summary). Why not tensorboard's own remote writing: its ``gfile`` picks, for ``s3://``, its
+boto3-based S3 file system when boto3 is installed and fsspec otherwise -- two code paths with
+their own endpoint settings (``S3_ENDPOINT``) -- while the upload goes through
+:class:`~cadence.storage.Storage` like every other file of the model dir.
+
 NaN and infinities are kept (JSON gets Python's ``NaN`` / ``Infinity`` / ``-Infinity``, which
 :func:`read_metrics` reads back). A restarted run appends to the same ``metrics.jsonl``; a run
 resumed from a checkpoint first drops what a killed run wrote past it
@@ -27,6 +37,8 @@ import math
 import numbers
 import operator
 import os
+import shutil
+import tempfile
 import threading
 import time
 import warnings
@@ -44,7 +56,6 @@ METRICS_FILE = "metrics.jsonl"
 """Name of the JSON-lines file written next to the event files."""
 
 _RESERVED = ("step", "time")
-_warned_remote: set[str] = set()
 _warned_reserved: set[str] = set()
 
 
@@ -160,9 +171,12 @@ def _repair_local_tail(path: str) -> None:
         f.truncate(pos + len(fixed))
 
 
+_EVENTS_PREFIX = "events.out.tfevents."
+
+
 def _has_event_files(path: str) -> bool:
     try:
-        return any(name.startswith("events.out.tfevents.") for name in os.listdir(path))
+        return any(name.startswith(_EVENTS_PREFIX) for name in os.listdir(path))
     except OSError:
         return False
 
@@ -175,8 +189,9 @@ class SummaryWriter:
     """Writes scalar metrics to TensorBoard event files and ``metrics.jsonl`` in ``logdir``.
 
     The directory is created on the first :meth:`write`. ``logdir`` may be an fsspec URL: then
-    only ``metrics.jsonl`` is written (through fsspec) and TensorBoard events are skipped with a
-    one-time warning. Use as a context manager, or call :meth:`close`.
+    ``metrics.jsonl`` is rewritten whole at each write and the event file, written locally, is
+    uploaded at each :meth:`flush` and at :meth:`close` (see the module doc). Use as a context
+    manager, or call :meth:`close`.
 
     ``purge_step`` (a run resumed from a checkpoint): when ``logdir`` holds event files already,
     the new event file starts with a ``SessionLog(status=START)`` event at that step, TensorBoard's
@@ -195,6 +210,8 @@ class SummaryWriter:
         self._jsonl: IO[bytes] | None = None  # local metrics.jsonl, opened on first write
         self._remote: Storage | None = None  # a remote (fsspec) logdir
         self._remote_data: bytearray | None = None  # the remote file's full content
+        self._stage: str | None = None  # a remote logdir's event files, written here and uploaded
+        self._uploaded: dict[str, int] = {}  # staged event file -> its size when last uploaded
 
     @property
     def logdir(self) -> str:
@@ -232,6 +249,7 @@ class SummaryWriter:
                 self._jsonl.flush()
             if self._events is not None:
                 self._events.flush()
+                self._upload_events()
 
     def close(self) -> None:
         """Flush and close the files. Idempotent."""
@@ -242,9 +260,15 @@ class SummaryWriter:
             if self._jsonl is not None:
                 self._jsonl.close()
                 self._jsonl = None
-            if self._events is not None:
-                self._events.close()
-                self._events = None
+            try:
+                if self._events is not None:
+                    self._events.close()
+                    self._events = None
+                    self._upload_events()
+            finally:
+                if self._stage is not None:
+                    shutil.rmtree(self._stage, ignore_errors=True)
+                    self._stage = None
 
     def __enter__(self) -> SummaryWriter:
         return self
@@ -285,38 +309,54 @@ class SummaryWriter:
             self._jsonl = open(path, "ab")  # noqa: SIM115 - closed by close()
         return self._jsonl
 
-    def _append_remote(self, line: bytes) -> None:
-        """Object stores cannot append: keep the whole file and rewrite it on each write."""
-        if self._remote is None or self._remote_data is None:
+    def _remote_storage(self) -> Storage:
+        if self._remote is None:
             self._remote = Storage(self._logdir)
             self._remote.makedirs(self._remote.root)
+        return self._remote
+
+    def _append_remote(self, line: bytes) -> None:
+        """Object stores cannot append: keep the whole file and rewrite it on each write."""
+        remote = self._remote_storage()
+        if self._remote_data is None:
             existing = _read_bytes(self.metrics_path) or b""
             self._remote_data = bytearray(_repair_tail(existing))
         self._remote_data += line
-        self._remote.write_bytes(self._remote.join(METRICS_FILE), bytes(self._remote_data))
+        remote.write_bytes(remote.join(METRICS_FILE), bytes(self._remote_data))
+
+    def _upload_events(self) -> None:
+        """A remote logdir: upload each staged event file that grew since its last upload, whole."""
+        if self._stage is None:
+            return
+        remote = self._remote_storage()
+        for name in sorted(os.listdir(self._stage)):
+            path = os.path.join(self._stage, name)
+            size = os.path.getsize(path)
+            if name.startswith(_EVENTS_PREFIX) and size != self._uploaded.get(name):
+                with open(path, "rb") as f:
+                    remote.write_bytes(remote.join(name), f.read())
+                self._uploaded[name] = size
 
     # -- TensorBoard ---------------------------------------------------------------------------
 
     def _write_events(
         self, step: int, wall_time: float, scalars: Mapping[str, int | float]
     ) -> None:
-        if self._protocol is not None:
-            if self._protocol not in _warned_remote:
-                _warned_remote.add(self._protocol)
-                warnings.warn(
-                    f"{self._protocol}:// log directories get metrics.jsonl only; "
-                    "TensorBoard event files are written for local paths",
-                    stacklevel=3,
-                )
-            return
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         if self._events is None:
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-            restart = self._purge_step is not None and _has_event_files(self._path)
-            self._events = EventFileWriter(self._path)
+            if self._protocol is None:
+                restart = self._purge_step is not None and _has_event_files(self._path)
+                self._events = EventFileWriter(self._path)
+            else:  # written locally, uploaded by flush() and close()
+                remote = self._remote_storage()
+                restart = self._purge_step is not None and any(
+                    name.startswith(_EVENTS_PREFIX) for name in remote.listdir(remote.root))
+                self._stage = tempfile.mkdtemp(prefix="cadence-events-")
+                self._events = EventFileWriter(self._stage)
             if restart:  # before any new event: the reader purges the steps >= purge_step seen so far
                 start = SessionLog(status=SessionLog.START)
                 self._events.add_event(Event(wall_time=wall_time, step=self._purge_step, session_log=start))

@@ -19,8 +19,14 @@ While unexpired -- judged by the **writer's** wall clock -- the lease protects f
 ``after: -1`` protects every checkpoint (a reader that has evaluated nothing yet);
 ``after: null`` protects no range: a reader that only wants the newest checkpoint protects just
 what it reads. Expired leases protect nothing: a reader that died (even by ``kill -9``) stops
-holding checkpoints back at most ``ttl`` seconds later. Clocks of readers and writer are assumed
-roughly in sync; choose ``ttl`` well above their skew.
+holding checkpoints back at most ``ttl`` seconds later (``ttl`` + :data:`CLOCK_SKEW_TOLERANCE`
+for a reader on another host).
+
+Clocks. ``expires`` is the reader's wall clock; the writer compares it with its own. A lease
+written on another host (its ``host`` differs from this one's name) counts
+:data:`CLOCK_SKEW_TOLERANCE` seconds longer (:func:`clock_skew`), and a reader renews every
+``ttl / 4``: so a reader's clock may lag the writer's by up to ``3/4 ttl`` + that tolerance
+before its lease lapses while it lives. Same host, same clock: no tolerance.
 
 What the protocol guarantees. The writer reads the leases, then deletes what is unprotected (the
 manifest first). A step is therefore safe to read when it was protected *before* the reader
@@ -68,6 +74,17 @@ _HOLDER = re.compile(r"[A-Za-z0-9_.-]+")
 _SUFFIX = ".json"
 _TEMP = re.compile(r".+\.tmp-[0-9a-f]+")  # Storage.write_atomic's temp files
 _LEFTOVER_MIN_AGE = 60.0  # a temp or unparsable file younger than this may be a write in flight
+
+CLOCK_SKEW_TOLERANCE = 10.0
+"""Seconds by which the wall clocks of two hosts sharing a model dir may differ: an expiry time
+written on another host is trusted only this much later (readers' leases here, the writer lease
+in :mod:`cadence.checkpoint.writer_lease`)."""
+
+
+def clock_skew(host: str) -> float:
+    """The tolerance to add to an expiry time written on ``host``: 0 for this host (one clock),
+    :data:`CLOCK_SKEW_TOLERANCE` for any other, or an unknown (``""``) one."""
+    return 0.0 if host and host == socket.gethostname() else CLOCK_SKEW_TOLERANCE
 
 
 def check_holder(holder: object) -> str:
@@ -259,9 +276,10 @@ class Leases:
         return sorted(leases, key=lambda lease: lease.holder)
 
     def active(self, now: float | None = None) -> list[Lease]:
-        """The unexpired leases at unix time ``now`` (default: this machine's clock)."""
+        """The unexpired leases at unix time ``now`` (default: this machine's clock); a lease
+        written on another host is given :data:`CLOCK_SKEW_TOLERANCE` more (:func:`clock_skew`)."""
         now = time.time() if now is None else now
-        return [lease for lease in self.read_all() if not lease.expired(now)]
+        return [lease for lease in self.read_all() if not lease.expired(now - clock_skew(lease.host))]
 
     def protected_steps(self, steps: Iterable[int], now: float | None = None) -> set[int]:
         """The steps among ``steps`` protected by an unexpired lease at ``now`` (default: now).
@@ -307,7 +325,7 @@ class Leases:
                 lease = Lease.from_json(self.storage.read_bytes(path), holder)
             except ValueError:
                 return self._old(path, grace, now)
-            return lease.expired(now - grace)
+            return lease.expired(now - grace - clock_skew(lease.host))
         if _TEMP.fullmatch(name) and self._holder_of(name.rsplit(".tmp-", 1)[0]) is not None:
             return self._old(path, grace, now)
         return False  # not ours

@@ -4,6 +4,7 @@ Layout of the managed directory (the model dir's ``checkpoints/``)::
 
     ckpt-<step>/            one committed checkpoint: its files, state.json, MANIFEST.json (last)
     ckpt-<step>.tmp-<hex>/  a checkpoint being written (local disks); invisible, cleaned at start-up
+    ckpt-<step>/.claim      (other stores) who writes ckpt-<step>/: created exclusively before its files
     FINAL                   {"step": N, "time": ...}: training completed at step N
     .leases/                readers' leases (not a checkpoint; see :mod:`cadence.checkpoint.leases`)
 """
@@ -12,8 +13,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import posixpath
 import re
 import secrets
+import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
@@ -44,6 +48,10 @@ CORRUPT_INFIX = ".corrupt-"
 """Between ``ckpt-<step>`` and the time in the name of a checkpoint moved aside as corrupt."""
 _CORRUPT = re.compile(r"ckpt-(0|[1-9][0-9]*)" + re.escape(CORRUPT_INFIX) + r"[0-9TZ]+-[0-9a-f]+")
 _FINAL_TEMP = re.compile(re.escape(FINAL_NAME) + r"\.tmp-[0-9a-f]+")
+CLAIM_NAME = ".claim"
+"""Stores without atomic rename: ``ckpt-<step>/.claim``, created exclusively by the writer about to
+write the step's files there (who, where, its writer-lease token). Not in the manifest; a second
+writer finding another's claim writes nothing (see :meth:`CheckpointManager._save_now`)."""
 STALE_LEASE_GRACE = 3600.0
 """Seconds a lease must have been expired before the writer's start-up clean-up removes its file."""
 
@@ -142,6 +150,7 @@ class CheckpointManager:
         self._just_committed: list[tuple[int, str]] = []  # appended by the saving thread, taken by take_committed()
         self._committed_here: set[int] = set()  # steps this manager committed: known good
         self._begun: dict[int, str] = {}  # step -> its work dir, from begin() until save()
+        self._writer_id = secrets.token_hex(8)  # names this manager's claims (CLAIM_NAME)
         self.storage = Storage(directory, storage_options)
         self.leases = Leases(directory, storage_options=storage_options)
         if writer:
@@ -256,7 +265,7 @@ class CheckpointManager:
         nothing happens when there is none."""
         work = self._begun.pop(step, None)
         if work is not None:
-            self._discard(work)
+            self._discard_failed(work, self._dir(step))
 
     def wait(self) -> None:
         """Block until an asynchronous save in flight is committed; raise its failure if it failed."""
@@ -299,8 +308,19 @@ class CheckpointManager:
         The commit follows the design's protocol: on local disks files go into
         ``ckpt-N.tmp-<hex>/`` and are fsynced, the directory is renamed to ``ckpt-N/`` (parent
         fsynced) and ``MANIFEST.json`` is written last (temp file + rename). On stores without
-        atomic rename files go straight into ``ckpt-N/``, the manifest still last. Until the
-        manifest exists the checkpoint is invisible to :meth:`steps` and :meth:`restore`.
+        atomic rename files go straight into ``ckpt-N/`` and the manifest, still last, is a
+        conditional create (:meth:`~cadence.storage.Storage.create_exclusive`; S3
+        ``If-None-Match: *``): a step is committed at most once, and a writer that finds a
+        manifest already there (another writer committed the step meanwhile) raises
+        :class:`CheckpointError` without replacing it. Until the manifest exists the checkpoint
+        is invisible to :meth:`steps` and :meth:`restore`.
+
+        There, before writing, the writer creates ``ckpt-N/.claim`` (:data:`CLAIM_NAME`)
+        exclusively: a second writer finding another's claim raises :class:`CheckpointError` having
+        written nothing, so the first writer's files are never overwritten. A claim of this manager
+        (an earlier failed attempt) or of a writer holding an older writer-lease token than
+        ``fence`` (fenced off) is replaced, with what that attempt left; the writer's start-up
+        clean-up removes uncommitted ``ckpt-N/`` dirs, claims included.
 
         A step started with :meth:`begin` is committed from the directory it created, where the
         ranks of a sharded save wrote their files (added to the manifest by the objects, see
@@ -309,7 +329,8 @@ class CheckpointManager:
         If ``ckpt-N`` is already committed and verifies, nothing is written and its path is
         returned; one that does not verify is moved aside (:meth:`quarantine`) and saved anew. If
         saving raises, what was written is removed and the exception propagates: no checkpoint
-        appears.
+        appears. A committed checkpoint (one with a manifest: another writer's) is never removed
+        on that path.
         """
         step = _check_step(step)
         self._require_writer("save")
@@ -318,25 +339,28 @@ class CheckpointManager:
         if self._already_saved(step):
             logger.debug("checkpoint %s is already committed; not saving again", self.path(step))
             if begun is not None:
-                self._discard(begun)
+                self._discard_failed(begun, final)
             return self.path(step)
         for name, obj in objects.items():
             if not isinstance(obj, (Savable, Stateful)):
                 if begun is not None:
-                    self._discard(begun)  # as after any failed save: nothing left behind
+                    self._discard_failed(begun, final)  # as after any failed save: nothing left behind
                 raise TypeError(f"cannot checkpoint {name!r}: {type(obj).__name__} has neither save_checkpoint nor state_dict")
         work = begun if begun is not None else final
+        owned = begun is not None  # work is this save's to remove on failure (not another writer's)
         try:
             if begun is None:
                 work = self._new_work_dir(step)
+                owned = True
             files, ranks = self._write_files(work, step, objects)
             if work != final:
                 self.storage.rename(work, final)
             document = manifest_lib.build(step, files, algorithm=self.checksum, ranks=ranks)
             self._require_writer(f"commit checkpoint {self.path(step)}")  # the fence, right before the commit
-            self.storage.write_atomic(self.storage.join(f"ckpt-{step}", MANIFEST_NAME), manifest_lib.encode(document))
+            self._commit_manifest(step, manifest_lib.encode(document))
         except BaseException as e:
-            self._discard(work, final)
+            if owned:
+                self._discard_failed(work, final)
             raise_if_full(e, self.storage, f"save checkpoint step {step}")
             raise
         logger.info("saved checkpoint %s", self.path(step))
@@ -345,14 +369,81 @@ class CheckpointManager:
         self._apply_retention(step)
         return self.path(step)
 
+    def _commit_manifest(self, step: int, data: bytes) -> None:
+        """Write ``ckpt-<step>/MANIFEST.json``, the commit. Local disks: temp file + rename (the
+        directory was just renamed into place, which fails when another writer's is there).
+        Other stores: a conditional create, so a manifest is never replaced."""
+        path = self.storage.join(f"ckpt-{step}", MANIFEST_NAME)
+        if self.storage.atomic_rename:
+            self.storage.write_atomic(path, data)
+        elif not self.storage.create_exclusive(path, data):
+            raise CheckpointError(f"checkpoint {self.path(step)} was committed by another writer while this one "
+                                  "wrote it; its manifest is left as it is (two writers on one model dir?)")
+
     def _new_work_dir(self, step: int) -> str:
-        """An empty directory to write checkpoint ``step`` into: a new temp dir, or (without
-        atomic renames) ``ckpt-N/`` itself, emptied of an earlier attempt's leftovers."""
+        """The directory to write checkpoint ``step`` into: a new, empty temp dir (local disks,
+        after removing an uncommitted ``ckpt-N/`` an earlier attempt left), or ``ckpt-N/`` itself,
+        claimed for this writer (:meth:`_claim`; a file an earlier attempt left there and this one
+        does not write is not in the manifest, so never read); :class:`CheckpointError` when
+        another writer committed it meanwhile or is writing it."""
         final = self._dir(step)
-        work = self.storage.join(f"ckpt-{step}.tmp-{secrets.token_hex(6)}") if self.storage.atomic_rename else final
-        self.storage.rmtree(final)  # an uncommitted leftover of an earlier attempt
-        self.storage.makedirs(work)
-        return work
+        if self.storage.atomic_rename:
+            work = self.storage.join(f"ckpt-{step}.tmp-{secrets.token_hex(6)}")
+            self.storage.rmtree(final)  # an uncommitted leftover of an earlier attempt
+            self.storage.makedirs(work)
+            return work
+        if self._has_manifest(f"ckpt-{step}"):
+            raise CheckpointError(f"checkpoint {self.path(step)} was committed by another writer meanwhile; "
+                                  "not writing it again (two writers on one model dir?)")
+        self._claim(step)
+        return final
+
+    def _claim(self, step: int) -> None:
+        """Create ``ckpt-<step>/.claim`` exclusively; replace a stale one (this manager's, or of a
+        writer with an older writer-lease token: fenced off) with its attempt's leftovers; raise
+        :class:`CheckpointError` when another writer's is there."""
+        final = self._dir(step)
+        path = self.storage.join(f"ckpt-{step}", CLAIM_NAME)
+        record = {"writer": self._writer_id, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+                  "token": self.fence.token if self.fence is not None else None}
+        data = (json.dumps(record) + "\n").encode()
+        self.storage.makedirs(final)
+        for _ in range(2):
+            if self.storage.create_exclusive(path, data):
+                return
+            try:
+                holder = json.loads(self.storage.read_bytes(path))
+            except FileNotFoundError:
+                continue  # its writer gave up meanwhile
+            except (OSError, ValueError):
+                holder = None
+            if not isinstance(holder, dict) or not self._stale_claim(holder):
+                who = (f"pid {holder.get('pid')} on host {holder.get('host')}" if isinstance(holder, dict)
+                       else "an unknown writer")
+                raise CheckpointError(f"checkpoint {self.path(step)} is being written by {who} (its claim "
+                                      f"{self.storage.url(path)}); not writing it twice (two writers on one model dir?)")
+            self.storage.rmtree(final)  # this manager's failed attempt, or a fenced-off writer's
+        raise CheckpointError(f"could not claim checkpoint {self.path(step)}: another writer keeps claiming it")
+
+    def _stale_claim(self, holder: dict[str, Any]) -> bool:
+        if holder.get("writer") == self._writer_id:
+            return True
+        token = holder.get("token")
+        return (self.fence is not None and isinstance(token, int) and not isinstance(token, bool)
+                and token < self.fence.token)
+
+    def _discard_failed(self, work: str, final: str) -> None:
+        """Remove what a failed save wrote: its work dir, and ``final`` unless it is committed (a
+        manifest there is another writer's commit; when that cannot be told, it is left to the
+        next start's clean-up)."""
+        if work != final:
+            self._discard(work)
+        try:
+            committed = self.storage.exists(posixpath.join(final, MANIFEST_NAME))
+        except Exception:  # noqa: BLE001 - unknown: keep it
+            committed = True
+        if not committed:
+            self._discard(final)
 
     def _write_files(self, directory: str, step: int,
                      objects: Mapping[str, object]) -> tuple[dict[str, tuple[int, str]], dict[str, int]]:

@@ -37,8 +37,14 @@ The file with the highest token is the **current** lease. The contract:
 * **Release** (:meth:`WriterLease.release`): mark the holder's file released; the next trainer
   acquires at once.
 
-Clocks of hosts sharing a model dir are assumed roughly in sync; choose ``ttl`` well above their
-skew. Ranks of one job share the job's lease: only the chief acquires it and commits.
+Clocks. ``expires`` is the holder's wall clock, read by another process. On the holder's own
+host that is one clock. A lease written on another host counts as held until ``expires`` +
+:data:`~cadence.checkpoint.leases.CLOCK_SKEW_TOLERANCE` (10 s) by the reader's clock, while the
+holder fences itself by its own monotonic clock ``ttl`` after its last renewal: a newcomer whose
+clock runs up to that tolerance ahead of the holder's still takes over only after the holder has
+stopped committing. A larger skew lets a newcomer take over up to (skew - tolerance) seconds
+before the holder stops, whatever the ``ttl``: keep the hosts' clocks synchronized (NTP).
+Ranks of one job share the job's lease: only the chief acquires it and commits.
 Readers (sidecars, ``evaluate``, ``export``, ``ls``) never need it.
 """
 
@@ -56,6 +62,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from cadence import layout
+from cadence.checkpoint.leases import clock_skew
 from cadence.errors import WriterLeaseHeldError, WriterLeaseLostError
 from cadence.storage import Storage
 
@@ -147,8 +154,9 @@ class WriterLeaseRecord:
                    renewed=number("renewed"), expires=float(expires), released=released)
 
     def held(self, now: float) -> bool:
-        """Not released and not expired at unix time ``now``."""
-        return not self.released and now < self.expires
+        """Not released and not expired at unix time ``now`` (this host's clock): ``expires``, plus
+        :data:`~cadence.checkpoint.leases.CLOCK_SKEW_TOLERANCE` when written on another host."""
+        return not self.released and now < self.expires + clock_skew(self.host)
 
     def replaceable(self) -> bool:
         """True when this process may take the lease over although it is held (see the module
@@ -171,7 +179,7 @@ class WriterLeaseRecord:
 
     def describe(self, now: float) -> str:
         return (f"pid {self.pid} on host {self.host or '?'} since {_utc(self.since)} "
-                f"(writer lease {self.token}, expires in {max(0.0, self.expires - now):.0f}s)")
+                f"(writer lease {self.token}, expires in {max(0.0, self.expires + clock_skew(self.host) - now):.0f}s)")
 
 
 def _zombie(pid: int) -> bool:
@@ -276,7 +284,9 @@ class WriterLease:
         self._dir = directory
         self._record = record
         self.ttl = ttl
-        self._renewed_at = time.monotonic()  # of the last successful write, by this process's clock
+        # When the last successful write's ``expires`` was computed, by this process's monotonic clock
+        # (not when the write returned: on an object store that can be much later).
+        self._renewed_at = time.monotonic() - max(0.0, time.time() - record.renewed)
         self._lost: str | None = None  # why it is lost, once known
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -398,10 +408,10 @@ class WriterLease:
                         logger.error("%s: lost the writer lease: %s; the next commit will fail",
                                      self._dir.model_dir, self._lost)
                         return
-                    now = time.time()
+                    started, now = time.monotonic(), time.time()
                     self._record = replace(self._record, renewed=now, expires=now + self.ttl)
                     self._dir.storage.write_atomic(self._dir.path(self.token), self._record.to_json())
-                    self._renewed_at = time.monotonic()
+                    self._renewed_at = started  # the ttl counts from when expires was computed
                 except Exception as e:  # noqa: BLE001 - retried next period; check() fences by ttl
                     logger.warning("could not renew the writer lease of %s (retrying in %gs): %s",
                                    self._dir.model_dir, period, e)
