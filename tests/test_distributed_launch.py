@@ -1,5 +1,6 @@
 """``cadence train --nproc N``: the launcher command, a 2-rank run through torch's launcher
-(rank-prefixed output, one reporting rank), and a rank killed with SIGKILL ending the job."""
+(rank-prefixed output, one reporting rank), a rank killed with SIGKILL ending the job, and the
+one-line error naming the failed rank (restarts: tests/test_elastic.py)."""
 
 from __future__ import annotations
 
@@ -39,17 +40,17 @@ def test_the_launcher_command():
     standalone = command(["--log-level", "debug", "train", "c.yaml", "--nproc", "2", "--model-dir", "m",
                           "--set", "a=1", "--set", "b=2", "--no-progress"])
     assert standalone == [
-        "PY", "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1", "--standalone",
+        "PY", "-m", "cadence.torchrun", "--nproc-per-node", "2", "--nnodes", "1", "--standalone",
         "--max-restarts", "0", "--tee", "3",
         "-m", "cadence", "--log-level", "debug", "train", "c.yaml", "--model-dir", "m", "--set", "a=1",
         "--set", "b=2", "--no-progress",
     ]
     nodes = command(["train", "c.yaml", "--nproc", "8", "--nnodes", "2", "--node-rank", "1",
-                     "--rdzv-endpoint", "host0:29400", "--rdzv-id", "job7"])
+                     "--rdzv-endpoint", "host0:29400", "--rdzv-id", "job7", "--max-restarts", "3"])
     assert nodes[:nodes.index("-m", 3)] == [
-        "PY", "-m", "torch.distributed.run", "--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1",
+        "PY", "-m", "cadence.torchrun", "--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "host0:29400", "--rdzv-id", "job7",
-        "--max-restarts", "0", "--tee", "3",
+        "--max-restarts", "3", "--tee", "3",
     ]
     assert nodes[nodes.index("-m", 3):] == ["-m", "cadence", "--log-level", "INFO", "train", "c.yaml"]
 
@@ -58,10 +59,10 @@ def test_the_launcher_flags_exist_in_this_torch():
     from torch.distributed.run import get_args_parser
 
     flags = command(["train", "c.yaml", "--nproc", "2", "--nnodes", "2", "--node-rank", "0",
-                     "--rdzv-endpoint", "h:1", "--rdzv-id", "x"])
-    args = get_args_parser().parse_args(flags[3:])
+                     "--rdzv-endpoint", "h:1", "--rdzv-id", "x", "--max-restarts", "2"])
+    args = get_args_parser().parse_args(flags[3:])  # `python -m cadence.torchrun` passes them to torch's main
     assert (args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_backend) == ("2", "2", 0, "c10d")
-    assert (args.rdzv_endpoint, args.rdzv_id, args.max_restarts, args.tee, args.module) == ("h:1", "x", 0, "3", True)
+    assert (args.rdzv_endpoint, args.rdzv_id, args.max_restarts, args.tee, args.module) == ("h:1", "x", 2, "3", True)
     assert args.training_script == "cadence"
 
 
@@ -71,6 +72,8 @@ def test_the_launcher_flags_exist_in_this_torch():
     (["--nproc", "0"], "--nproc: must be >= 1"),
     (["--nproc", "2", "--node-rank", "3"], "--node-rank: must be in [0, 1)"),
     (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "nohost"], "expected HOST:PORT"),
+    (["--max-restarts", "2"], "need --nproc"),
+    (["--nproc", "2", "--max-restarts", "-1"], "--max-restarts: must be >= 0"),
 ])
 def test_bad_launch_arguments_exit_2(argv, message, tmp_path, capsys):
     assert cli.main(["train", str(config(tmp_path, tmp_path / "pids")), *argv]) == 2
@@ -133,7 +136,9 @@ def test_a_killed_rank_ends_the_job_and_is_named(tmp_path):
     root_cause = out[out.index("Root Cause (first observed failure)"):]
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), out
     assert "Signal 9 (SIGKILL)" in root_cause, out
-    assert "torchrun's report above names the failed rank" in out
+    assert out.strip().splitlines()[-1].startswith(  # and cadence's own one-line error
+        f"cadence: failed: rank 1 (local rank 1, pid {victim}) was killed by SIGKILL; "), out[-3000:]
+    assert "the job was not restarted (--max-restarts 0;" in out.strip().splitlines()[-1]
     with pytest.raises(ProcessLookupError):  # the agent stopped the other rank
         os.kill(other, 0)
 
@@ -149,6 +154,7 @@ def test_a_rank_raising_ends_the_job_with_its_error_and_rank(tmp_path):
     assert re.search(r"^\[rank1\]:.*RuntimeError: planted failure on rank 1", out, re.M), out
     root_cause = out[out.index("Root Cause (first observed failure)"):]
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*1 ", root_cause), out  # not a SIGABRT
+    assert re.search(r"^cadence: failed: rank 1 \(local rank 1, pid \d+\) exited with status 1; ", out, re.M), out
 
 
 def test_train_under_an_external_torchrun(tmp_path):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from cadence.controller import Controller
-from cadence.watchdog import HANG_EXIT_CODE, Heartbeat, Watchdog
+from cadence.watchdog import HANG_EXIT_CODE, Heartbeat, Watchdog, unwatched
 from fakes import FakeTrainer
 
 
@@ -75,3 +75,31 @@ def test_the_controller_marks_its_phases_on_the_heartbeat():
     assert phases == [("train", 0), ("train", 5)]
     assert heartbeat.phase == "actions" and heartbeat.step == 10
     assert heartbeat.beats >= 5  # restore, and per loop: train and actions
+
+
+def test_the_report_names_the_step_being_run_not_the_loop_start():
+    heartbeat, reports = Heartbeat(), []
+    heartbeat.enter("train", 100)
+    for _ in range(7):  # the trainer's beats: one per step
+        heartbeat.beats += 1
+    with Watchdog(heartbeat, 0.1, on_hang=reports.append, poll=0.02):
+        time.sleep(0.3)
+    assert "in phase 'train' at step 107;" in reports[0]
+    heartbeat.enter("evaluate", 107)
+    heartbeat.beats += 3  # the evaluator's: one per batch
+    assert heartbeat.position() == "at step 107, after 3 evaluation batches"
+    heartbeat.enter("checkpoint", 107)
+    assert heartbeat.position() == "at step 107"
+
+
+def test_building_the_inputs_is_not_timed():
+    """A Task building its inputs on first use (a download) is slow, not stuck."""
+    heartbeat, reports = Heartbeat(), []
+    with Watchdog(heartbeat, 0.1, on_hang=reports.append, poll=0.02):
+        with unwatched(heartbeat):
+            time.sleep(0.4)
+        assert reports == [] and heartbeat.paused == 0 and heartbeat.beats == 0
+        time.sleep(0.3)  # stuck afterwards: timed again
+    assert len(reports) == 1
+    with unwatched(None):  # no watchdog
+        pass

@@ -12,6 +12,7 @@ through :mod:`faulthandler`), then ends the process with :data:`HANG_EXIT_CODE`.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -19,11 +20,11 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from typing import Callable, Iterator
 
 logger = logging.getLogger("cadence")
 
-__all__ = ["HANG_EXIT_CODE", "Heartbeat", "Watchdog"]
+__all__ = ["HANG_EXIT_CODE", "Heartbeat", "Watchdog", "unwatched"]
 
 HANG_EXIT_CODE = 124
 """The exit status of a rank ended by its watchdog (as ``timeout(1)``'s)."""
@@ -32,12 +33,14 @@ HANG_EXIT_CODE = 124
 class Heartbeat:
     """Progress marks of a run: its phase, its global step and a count of beats."""
 
-    __slots__ = ("phase", "step", "beats")
+    __slots__ = ("phase", "step", "beats", "entered", "paused")
 
     def __init__(self) -> None:
         self.phase = "starting"
         self.step = 0
         self.beats = 0
+        self.entered = 0  # the beat count when the phase was entered
+        self.paused = 0  # > 0: inside work the watchdog does not time (see unwatched)
 
     def enter(self, phase: str, step: int | None = None) -> None:
         """The run enters ``phase`` (at ``step``): a beat too."""
@@ -45,6 +48,17 @@ class Heartbeat:
         if step is not None:
             self.step = step
         self.beats += 1
+        self.entered = self.beats
+
+    def position(self) -> str:
+        """Where the run is, for a report: ``at step N`` -- in ``train`` the step of the loop's
+        start plus the steps done since (one beat each), in ``evaluate`` with the batches done."""
+        done = max(0, self.beats - self.entered)
+        if self.phase == "train":
+            return f"at step {self.step + done}"
+        if self.phase == "evaluate":
+            return f"at step {self.step}, after {done} evaluation batch{'' if done == 1 else 'es'}"
+        return f"at step {self.step}"
 
     def beat(self) -> None:
         """One unit of progress (a training step, an evaluation batch)."""
@@ -102,21 +116,45 @@ class Watchdog:
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "  (the thread has ended)\n"
         hb = self.heartbeat
         return (f"rank {self.rank}: no progress for {idle:.0f} s (trainer.hang_timeout={self.timeout:g}) in "
-                f"phase {hb.phase!r} at step {hb.step}; ending this rank (exit {HANG_EXIT_CODE}) so that the job "
+                f"phase {hb.phase!r} {hb.position()}; ending this rank (exit {HANG_EXIT_CODE}) so that the job "
                 f"can restart from its last checkpoint. {self._watched.name} is at:\n{stack}")
 
     def _watch(self) -> None:
         last, since = self.heartbeat.beats, time.monotonic()
         while not self._stop.wait(self._poll):
             beats, now = self.heartbeat.beats, time.monotonic()
-            if beats != last:
+            if beats != last or self.heartbeat.paused:
                 last, since = beats, now
             elif now - since >= self.timeout:
                 self._on_hang(self.report(now - since))
                 return
 
 
+@contextlib.contextmanager
+def unwatched(heartbeat: Heartbeat | None) -> Iterator[None]:
+    """Work that the watchdog does not time, however long it takes: the Task building its inputs
+    (a download, a dataset cache, on first use: possibly after the watchdog started). The timeout
+    runs again from its end (no beat: the beats count the steps of a report's position).
+    ``heartbeat`` None: no watchdog, nothing to do."""
+    if heartbeat is None:
+        yield
+        return
+    heartbeat.paused += 1
+    try:
+        yield
+    finally:
+        heartbeat.paused -= 1
+
+
+EXIT_GRACE = 10.0
+"""Seconds the report may take before the process ends anyway (writing it can block too: a stuck
+thread may hold the logging handler's lock, or stderr may be a full pipe)."""
+
+
 def _exit_on_hang(report: str) -> None:
+    deadline = threading.Timer(EXIT_GRACE, os._exit, (HANG_EXIT_CODE,))
+    deadline.daemon = True
+    deadline.start()
     logger.error("%s", report)
     try:
         sys.stderr.write("cadence: all threads of the hung rank:\n")
