@@ -74,6 +74,12 @@ class Callback:
         :class:`~cadence.actions.SaveCheckpointIfPreempted` once its checkpoint is committed).
         Not called when training ends with any other exception."""
 
+    def on_train_logs(self, logs: dict[str, Any], step: int) -> None:
+        """Called after each inner loop whose training summaries are due (every loop, or each
+        ``summary_interval`` steps: when TensorBoard and ``metrics.jsonl`` get them), with the
+        loop's output (losses, ``steps_per_second``) and the global step, on every rank (rank 0's
+        summaries are the ones written)."""
+
     def on_checkpoint_save(self, checkpoint_dir: str) -> None:
         """Called after a checkpoint was committed (its ``MANIFEST.json`` written), with its
         directory (a local path or an fsspec URL).

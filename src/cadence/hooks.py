@@ -51,6 +51,10 @@ class CallbackHooks:
         for callback in self.callbacks:
             callback.on_train_end()
 
+    def train_logs(self, logs: dict[str, Any], step: int) -> None:
+        for callback in self.callbacks:
+            callback.on_train_logs(logs, step)
+
     def checkpoint_save(self, checkpoint_dir: str) -> None:
         for callback in self.callbacks:
             callback.on_checkpoint_save(checkpoint_dir)
