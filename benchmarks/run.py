@@ -1,10 +1,11 @@
 """``make bench``: run every benchmark, write ``results/latest.json`` and ``results/latest.md``.
 
-    python benchmarks/run.py [--only loop,checkpoint,sharded,sidecar,resume] [--quick]
+    python benchmarks/run.py [--only loop,checkpoint,sharded,sidecar,resume,goodput] [--quick]
 
 ``--only`` updates those entries of ``latest.json`` and keeps the others. ``--quick`` runs the
 benchmarks that have a quick mode (the checkpoint one: two tiny sizes, one repeat, every load
-checked; the sharded one: a 6 MiB state on 1, 2 and 3 ranks) as a smoke test in about a minute,
+checked; the sharded one: a 6 MiB state on 1, 2 and 3 ranks; goodput: 150 steps with and without
+kills) as a smoke test in about two minutes,
 and writes ``results/quick.json`` and ``results/quick.md`` instead, so ``latest`` keeps the real
 measurements. A full run of ``sharded`` also writes its own ``results/sharded_checkpoint.*``.
 """
@@ -24,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import checkpoint_throughput  # noqa: E402
+import goodput  # noqa: E402
 import loop_overhead  # noqa: E402
 import resume_cost  # noqa: E402
 import sharded_checkpoint  # noqa: E402
@@ -35,6 +37,7 @@ BENCHMARKS = {
     "sharded": sharded_checkpoint.run,
     "sidecar": sidecar_latency.run,
     "resume": resume_cost.run,
+    "goodput": goodput.run,  # 2 ranks killed every N s vs. no faults (--quick: 150 steps)
 }
 
 
@@ -82,6 +85,8 @@ def markdown(results: dict, reproduce: str = "make bench") -> str:
         lines += [f"| {row['position']:,} | {row['cadence_to_first_step_s']:.3f} | {row['cadence_seek_s']:.3f} | "
                   f"{row['replay_to_first_step_s']:.3f} | {row['replay_seek_s']:.3f} |" for row in r["rows"]]
         lines.append(f"\nTarget: {r['target']}.\n")
+    if "goodput" in results:
+        lines += goodput.markdown_lines(results["goodput"])
     return "\n".join(lines)
 
 

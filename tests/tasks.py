@@ -87,6 +87,13 @@ class NoExampleTask(TinyTask):
         return Task.example_inputs(self)
 
 
+class NoSchedulerTask(TinyTask):
+    """TinyTask without an LR scheduler of its own (for ``trainer.lr_schedule``)."""
+
+    def build_lr_scheduler(self, optimizer):
+        return None
+
+
 class StatefulLoaderTask(TinyTask):
     """TinyTask on torchdata's ``StatefulDataLoader`` with worker processes: each rank its shard
     through a ``StatefulDistributedSampler``, shuffled, and a random augmentation drawn in the

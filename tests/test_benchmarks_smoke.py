@@ -64,3 +64,25 @@ def test_sharded_checkpoint_benchmark_quick(tmp_path, monkeypatch):
     bench_run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_run)
     assert bench_run.BENCHMARKS["sharded"] is sharded_checkpoint.run  # part of `make bench`
+
+
+def test_goodput_benchmark_quick(tmp_path, monkeypatch):
+    """The goodput benchmark's quick mode: a 2-rank run without faults and one whose ranks are
+    SIGKILLed every few seconds both finish, with bit-identical weights (checked by the benchmark),
+    and the table renders."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import goodput
+
+    result = goodput.run(quick=True, root=str(tmp_path))
+    clean, faulty = result["clean"], result["faulty"]
+    assert result["identical_weights"] and clean["restarts"] == 0 and clean["lost_steps"] == 0
+    assert faulty["kills"] and faulty["restarts"] == len(faulty["kills"])
+    assert clean["steps_kept"] == faulty["steps_kept"] == result["steps"] <= faulty["steps_run"]
+    assert 0 < faulty["goodput"] < clean["goodput"] < 1
+    assert list(tmp_path.iterdir()) == []  # the runs' directories were deleted
+    text = "\n".join(goodput.markdown_lines(result))
+    assert "## Goodput under failures" in text and "| a rank killed every 6 s |" in text
+    spec = importlib.util.spec_from_file_location("cadence_benchmarks_run", BENCHMARKS / "run.py")
+    bench_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_run)
+    assert bench_run.BENCHMARKS["goodput"] is goodput.run  # part of `make bench`

@@ -115,11 +115,14 @@ def test_fsdp_on_two_processes_writes_sharded_checkpoints_with_the_single_proces
 
 
 @pytest.mark.slow
-def test_the_sidecar_evaluates_every_checkpoint(tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--nproc", "2", "--set", "trainer.strategy=fsdp")], ids=["one", "fsdp2"])
+def test_the_sidecar_evaluates_every_checkpoint(tmp_path, extra):
     model_dir = tmp_path / "sidecar"
-    proc = cadence("launch", str(CONFIG), "--sidecar", "--model-dir", str(model_dir), *sets(*SHORT))
+    proc = cadence("launch", str(CONFIG), "--sidecar", "--model-dir", str(model_dir), *sets(*SHORT), *extra)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = read_metrics(model_dir / "eval" / "evaluations.jsonl")
     assert [(r["step"], r["status"]) for r in rows] == [(20, "evaluated"), (40, "evaluated")]
     assert json.loads((model_dir / "best" / "best.json").read_text())["metric"] == "accuracy"
+    sharded = (model_dir / "checkpoints" / "ckpt-40" / "__1_0.distcp").exists()
+    assert sharded == bool(extra)  # with --nproc 2 and fsdp, rank 1 wrote its shards
     verified(model_dir)

@@ -458,6 +458,20 @@ def test_yaml_1_2_booleans_so_export_on_is_a_key(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, cfg.to_yaml())).export == cfg.export
 
 
+@pytest.mark.parametrize("word", ["yes", "no", "on", "off", "1", "'true'"])
+def test_only_true_and_false_are_booleans_in_every_boolean_setting(tmp_path: Path, word: str) -> None:
+    from cadence.docgen import config_sections
+
+    booleans = [f"{section.path}.{name}" for section in config_sections()
+                for name, info in section.model.model_fields.items() if info.annotation is bool]
+    assert {"trainer.save_on_preemption", "checkpoint.async_save", "trainer.early_stopping.higher_is_better"} <= set(
+        booleans)
+    config = write(tmp_path, VALID + "  early_stopping: {metric: accuracy}\n  best_checkpoint: {metric: accuracy}\n")
+    for key in booleans:
+        message = error_of(config, (f"{key}={word}",))
+        assert f"{key}: expected true or false" in message, message
+
+
 def test_export_on_best_needs_best_checkpoint(tmp_path: Path) -> None:
     message = error_of(write(tmp_path, VALID + "export: {on: best}\n"))
     assert "export.on is 'best' but trainer.best_checkpoint is not set" in message

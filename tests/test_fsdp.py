@@ -111,3 +111,21 @@ def test_an_unsupported_strategy_setting_is_a_one_line_config_error(tmp_path, se
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("on", ["best", "final"])
+def test_fsdp_exports_the_gathered_model_equal_to_its_checkpoint(tmp_path, on):
+    import yaml
+
+    config = tiny_config(tmp_path, steps=16, strategy="fsdp", best_checkpoint={"metric": "accuracy"})
+    cfg = yaml.safe_load(config.read_text())
+    cfg["export"] = {"on": on, "formats": ["safetensors", "torch_export"]}
+    config.write_text(yaml.safe_dump(cfg))
+    run = tmp_path / "run"
+    train(config, run)
+    exports = sorted((run / "export" / on).iterdir())
+    assert exports, "nothing exported"
+    step = int(exports[-1].name)
+    exported = checkpoint_weights(exports[-1])  # export/<on>/<step>/model.safetensors
+    assert same_weights(exported, weights(run, step))  # the full model, gathered from the shards
+    assert (exports[-1] / "model.pt2").exists()

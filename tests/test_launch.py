@@ -339,3 +339,5 @@ def test_sidecar_commands() -> None:
         sys.executable, "-m", "cadence", "train", "c.yaml", "--model-dir", "m"]
     with pytest.raises(ConfigError, match="model_dir: not set"):
         sidecar_commands("c.yaml", "", [])
+    sharded = sidecar_commands("c.yaml", "m", [], python="py", nproc=2)
+    assert sharded["trainer"][-2:] == ["--nproc", "2"] and "--nproc" not in sharded["sidecar"]

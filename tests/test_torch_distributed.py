@@ -378,7 +378,8 @@ def test_elastic_resume_2_to_1_and_2_to_3_restores_the_saved_ranks_and_seeds_the
     assert one[0]["randoms"] == saved[0]["randoms"]
     assert any("that of rank 1 is not used" in m for m in one[0]["warnings"])
     assert [three[r]["randoms"] for r in (0, 1)] == [saved[r]["randoms"] for r in (0, 1)]
-    assert three[0]["warnings"] == three[1]["warnings"] == []
+    assert three[1]["warnings"] == []  # rank 0 says once that the world size changed
+    assert len(three[0]["warnings"]) == 1 and "not promised to be bit-identical" in three[0]["warnings"][0]
     assert any("none for rank 2 of 3" in m for m in three[2]["warnings"])
     seed_everything(_rank_seed(5, 2, 3))  # (seed, rank, global step)
     assert three[2]["randoms"] == [*torch.rand(3).tolist(), random.random(), float(np.random.rand())]

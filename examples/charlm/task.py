@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from cadence.metrics import Mean
-from cadence.torch import Context, ResumableLoader, Task
+from cadence.torch import Context, ExportSpec, ResumableLoader, Task
 
 VOCAB = "0123456789+=;"
 CHAR_ID = {c: i for i, c in enumerate(VOCAB)}
@@ -47,9 +47,9 @@ def make_corpus(n: int, seq_len: int, seed: int, max_operand: int = 99) -> Tenso
 
 
 class CharTransformer(nn.Module):
-    """Token and position embeddings, causal ``nn.TransformerEncoderLayer``s, a linear head."""
+    """Token and position embeddings, causal ``nn.TransformerEncoderLayer``s, a linear head.
 
-    causal_mask: torch.Tensor  # a buffer (not saved): -inf above the diagonal
+    Any sequence length up to ``seq_len`` (the positions it has embeddings for)."""
 
     def __init__(self, vocab: int, seq_len: int, d_model: int, heads: int, layers: int, ff: int,
                  dropout: float) -> None:
@@ -62,12 +62,13 @@ class CharTransformer(nn.Module):
         )
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab)
-        self.register_buffer("causal_mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]
         h = self.embed(x) + self.position(torch.arange(t, device=x.device))
-        mask = self.causal_mask[:t, :t]
+        # -inf above the diagonal, made for this length (not sliced from a buffer of the longest:
+        # torch.export would then fix the length, and the export could not run shorter sequences)
+        mask = torch.triu(torch.full((t, t), float("-inf"), device=x.device), diagonal=1)
         for layer in self.layers:
             h = layer(h, src_mask=mask, is_causal=True)
         # (batch, time, vocab) logits. Not self.head(h): nn.Linear on a 3-d input returns a view,
@@ -97,6 +98,15 @@ class CharLMTask(Task):
             return ResumableLoader(self.train_set, self.batch_size, shuffle=True, seed=ctx.seed,
                                    rank=ctx.rank, world_size=ctx.world_size, drop_last=ctx.world_size > 1)
         return DataLoader(ctx.wrap_dataset(self.val_set), batch_size=128)
+
+    def example_inputs(self) -> tuple[torch.Tensor]:
+        """A batch of token ids, for the exports that trace the model (torch.export, ONNX)."""
+        return (self.val_set.tensors[0][:2],)
+
+    def export_spec(self) -> ExportSpec:
+        # Batch and sequence length dynamic: the exports run any batch of up to seq_len characters.
+        return ExportSpec(dynamic_dims=[{0: "batch", 1: ("seq", 1, self.seq_len)}],
+                          input_names=["tokens"], output_names=["logits"])
 
     def train_step(self, model: nn.Module, batch) -> torch.Tensor:
         x, y, _ = batch

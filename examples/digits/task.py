@@ -29,10 +29,10 @@ def load_digits_split(seed: int = 0, validation_fraction: float = 0.2):
 
 class DigitsTask(Task):
     def __init__(self, hidden: int = 128, dropout: float = 0.1, lr: float = 3e-3,
-                 weight_decay: float = 1e-4, batch_size: int = 64) -> None:
+                 weight_decay: float = 1e-4, global_batch_size: int = 64) -> None:
         super().__init__()
         self.hidden, self.dropout, self.lr = hidden, dropout, lr
-        self.weight_decay, self.batch_size = weight_decay, batch_size
+        self.weight_decay, self.global_batch_size = weight_decay, global_batch_size
         self.train_set, self.val_set = load_digits_split()
 
     def build_model(self) -> nn.Module:
@@ -47,8 +47,12 @@ class DigitsTask(Task):
         if split == "train":
             # Endless, shuffled, resumable mid-epoch, sharded over ranks: the data position is
             # checkpointed in global samples, so a run can resume on another number of processes.
-            return ResumableLoader(self.train_set, self.batch_size, shuffle=True, seed=ctx.seed,
-                                   rank=ctx.rank, world_size=ctx.world_size, drop_last=ctx.world_size > 1)
+            # The config gives the global batch: each of N ranks loads 1/N of it, so every step
+            # trains on the same samples with --nproc N as with one process (drop_last on any
+            # number of ranks: the same epochs, without a smaller last batch).
+            batch = ctx.per_rank_batch(self.global_batch_size, name="task.params.global_batch_size")
+            return ResumableLoader(self.train_set, batch, shuffle=True, seed=ctx.seed,
+                                   rank=ctx.rank, world_size=ctx.world_size, drop_last=True)
         # Each rank evaluates its own unpadded shard; the metrics are reduced exactly across ranks.
         return DataLoader(ctx.wrap_dataset(self.val_set), batch_size=256)
 

@@ -1,6 +1,6 @@
 """The ``cadence`` command.
 
-    cadence train CONFIG [--model-dir DIR] [--set key=value ...] [--nproc N [--nnodes M --rdzv-endpoint H:P]]
+    cadence train CONFIG [--model-dir DIR] [--set key=value ...] [--nproc N [--max-restarts K] [--nnodes M ...]]
     cadence evaluate CONFIG --model-dir DIR [--checkpoint STEP] [--set key=value ...]
     cadence evaluate CONFIG --model-dir DIR --continuous [--mode every|latest] [--timeout S] ...
     cadence export MODEL_DIR [--checkpoint best|latest|STEP] --format FORMAT [--out DIR]
@@ -17,25 +17,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import logging
+import os
 import sys
+import sysconfig
 from typing import Any, Sequence
 
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
-from rich.table import Table
 
 from cadence import __version__, layout
 from cadence.config.schema import EXPORT_FORMATS, ExperimentConfig
 from cadence.errors import CadenceError, ConfigError
-from cadence.progress import format_size, format_value
+from cadence.progress import format_value
 from cadence.summary import json_value
 from cadence.torchrun import (  # noqa: F401  (torchrun_command: part of the CLI's API)
     end_distributed,
     env_rank,
+    log_restart,
     torchrun_command,
     train_with_torchrun,
     wants_torchrun,
@@ -79,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="the c10d rendezvous every node joins (default: a standalone job on this machine)")
     multi.add_argument("--rdzv-id", default=None, metavar="ID",
                        help="the job's id at the rendezvous, the same on every node (default: torchrun's)")
+    multi.add_argument("--max-restarts", type=int, default=None, metavar="K",
+                       help="when a rank fails (killed, crashed, or ended by its hang watchdog: trainer.hang_timeout), "
+                            "stop the others and restart the whole job from its latest checkpoint, up to K times "
+                            "(torchrun's elastic agent; default 0: a failed rank ends the job)")
 
     evaluate = sub.add_parser("evaluate", help="evaluate a checkpoint; print its metrics as JSON")
     add_config_args(evaluate, model_dir_required=True)
@@ -93,6 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-evaluations", type=int, default=None, metavar="N",
                           help="with --continuous: stop after N evaluations (sidecar.max_evaluations)")
     evaluate.add_argument("--name", default=None, help="with --continuous: write to eval_<name>/ (sidecar.name)")
+    evaluate.add_argument("--nproc", type=int, default=None, metavar="N",
+                          help="evaluate the checkpoint on N processes of this machine (the data sharded, the "
+                               "metrics reduced exactly); not with --continuous")
 
     launch = sub.add_parser("launch", help="train with a sidecar evaluator, as two processes on this machine")
     add_config_args(launch, model_dir_required=False)
@@ -100,6 +108,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="start the trainer and a continuous evaluator; stream both with a prefix")
     launch.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
                         help="seconds between SIGTERM and SIGKILL when stopping them (default 30)")
+    launch.add_argument("--nproc", type=int, default=None, metavar="N",
+                        help="train on N processes of this machine (cadence train --nproc N); the sidecar is one more")
 
     export = sub.add_parser("export", help="export a checkpoint as inference artefacts")
     export.add_argument("model_dir", help="model directory (its config.yaml builds the model)")
@@ -126,6 +136,9 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--verify", action="store_true",
                     help="read every checkpoint's files against its manifest and mark those that do not match "
                          "(exit 1 if any)")
+    ls.add_argument("--json", action="store_true",
+                    help="print the listing as one JSON object (every checkpoint with its time, size, marks and "
+                         "eval metrics; the best checkpoint) instead of a table")
 
     report = sub.add_parser("report", help="write a self-contained HTML run report (and a PNG of the plots)")
     report.add_argument("model_dir", help="model directory (local path or fsspec URL)")
@@ -136,8 +149,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace):
     from cadence.config import load_config
+    from cadence.config.loading import check_own_model_dir
 
-    return load_config(args.config, overrides=args.overrides, model_dir=args.model_dir)
+    cfg = load_config(args.config, overrides=args.overrides, model_dir=args.model_dir)
+    explicit = args.model_dir is not None or any(o.split("=", 1)[0].strip() == "model_dir" for o in args.overrides)
+    if not explicit:  # a moved model dir's own config.yaml must not start a new run elsewhere
+        check_own_model_dir(cfg, args.config)
+    return cfg
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
@@ -147,6 +165,8 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     if rank != 0:  # one process reports: the other ranks log warnings and errors only
         root = logging.getLogger()
         root.setLevel(max(root.getEffectiveLevel(), logging.WARNING))
+    else:
+        log_restart()  # a torchrun job restarted after a failure (--max-restarts)
     cfg = _claim_model_dir(args, _load(args), check=False) if rank == 0 else _load(args)
     from cadence.cluster import resolve_role
     from cadence.sidecar import SidecarResult
@@ -205,17 +225,60 @@ def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     sidecar_flags = {"sidecar.mode": args.mode, "sidecar.timeout": args.timeout,
                      "sidecar.max_evaluations": args.max_evaluations, "sidecar.name": args.name}
     given = [flag for flag, value in sidecar_flags.items() if value is not None]
+    if args.continuous and args.nproc is not None:
+        raise ConfigError("--nproc and --continuous exclude each other (the sidecar is one process)")
     if args.continuous:
         args.overrides += [f"{flag}={json.dumps(sidecar_flags[flag])}" for flag in given]
         return _cmd_sidecar(args, console)
     if given:
         raise ConfigError(f"--mode, --timeout, --max-evaluations and --name need --continuous (got {', '.join(given)})")
     cfg = _load(args)
+    if args.nproc is not None:
+        return _evaluate_with_torchrun(args, cfg, console)
+    if env_rank() != 0:  # under torchrun one process reports: the others log warnings and errors only
+        root = logging.getLogger()
+        root.setLevel(max(root.getEffectiveLevel(), logging.WARNING))
     from cadence.torch.experiment import run_evaluation
 
     step, metrics = run_evaluation(cfg, args.checkpoint)
-    print(json.dumps({"step": step, **{k: json_value(v) for k, v in metrics.items()}}))
+    result = json.dumps({"step": step, **{k: json_value(v) for k, v in metrics.items()}})
+    if env_rank() == 0:  # under torchrun: one line, from the chief
+        target = os.environ.pop(_RESULT_ENV, None)
+        if target:  # cadence evaluate --nproc prints it, without torchrun's rank prefix
+            with open(target, "w") as f:
+                f.write(result)
+        else:
+            print(result)
     return 0
+
+
+_RESULT_ENV = "CADENCE_EVALUATE_RESULT"
+"""Where the chief of ``cadence evaluate --nproc N`` writes its JSON line for the launcher to print."""
+
+
+def _evaluate_with_torchrun(args: argparse.Namespace, cfg: Any, console: Console) -> int:
+    """``cadence evaluate --nproc N``: the evaluation on N processes through torch's launcher;
+    the chief's JSON line printed here."""
+    import tempfile
+
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
+    if os.environ.get("TORCHELASTIC_RUN_ID") or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise ConfigError("--nproc: this process already runs under torchrun; leave --nproc out")
+    for name in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts"):
+        setattr(args, name, None)
+    extra = ["--checkpoint", str(args.checkpoint)] if args.checkpoint is not None else []
+    fd, result = tempfile.mkstemp(prefix="cadence-evaluate-", suffix=".json")
+    os.close(fd)
+    try:
+        code = train_with_torchrun(args, cfg, console, command="evaluate", extra=extra,
+                                   env_extra={_RESULT_ENV: result})
+        if code == 0:
+            with open(result) as f:
+                print(f.read())
+    finally:
+        os.unlink(result)
+    return code
 
 
 def _cmd_sidecar(args: argparse.Namespace, console: Console) -> int:
@@ -239,6 +302,8 @@ def _sidecar_done(result: Any, console: Console) -> int:
 def _cmd_launch(args: argparse.Namespace, console: Console) -> int:
     if not args.sidecar:
         raise ConfigError("launch: nothing to launch; add --sidecar")
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
     cfg = _load(args)  # a bad config fails here (exit 2), before anything starts
     model_dir = cfg.require_model_dir()
     from cadence.checkpoint.leases import Leases
@@ -251,7 +316,7 @@ def _cmd_launch(args: argparse.Namespace, console: Console) -> int:
     def sidecar_ready() -> bool:  # its lease protects every checkpoint from the trainer's retention
         return any(lease.holder == holder for lease in leases.active())
 
-    codes = launch(sidecar_commands(args.config, model_dir, args.overrides), env={"COLUMNS": "120"},
+    codes = launch(sidecar_commands(args.config, model_dir, args.overrides, nproc=args.nproc), env={"COLUMNS": "120"},
                    stop_others_on_failure=["trainer"], grace_s=args.grace,
                    start_when={"trainer": sidecar_ready})
     for name, code in codes.items():
@@ -275,58 +340,18 @@ def _cmd_export(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_ls(args: argparse.Namespace, console: Console) -> int:
-    from cadence import layout
-    from cadence.checkpoint import CheckpointManager
-    from cadence.errors import CorruptCheckpointError
-    from cadence.storage import Storage
-    from cadence.summary import read_metrics
+    import shutil
 
-    model_dir = layout.check_model_dir(args.model_dir, must_exist=True)
-    manager = CheckpointManager(layout.checkpoints_dir(model_dir), writer=False)
-    steps = manager.steps()
-    if not steps:
-        console.print(f"no committed checkpoints in {layout.checkpoints_dir(model_dir)}")
-        return 0
-    evals: dict[int, dict[str, Any]] = {}
-    eval_dir = layout.eval_dir(model_dir)
-    if Storage(eval_dir).exists(eval_dir):
-        for row in read_metrics(eval_dir):
-            evals[int(row["step"])] = row
-    metric_names = sorted({k for row in evals.values() for k in row if k not in ("step", "time")})
-    final = manager.final_step()
+    from cadence.listing import format_table, list_checkpoints
 
-    table = Table(title=f"checkpoints in {layout.checkpoints_dir(model_dir)}")
-    table.add_column("step", justify="right")
-    table.add_column("committed")
-    table.add_column("size", justify="right")
-    for name in metric_names:
-        table.add_column(name, justify="right")
-    table.add_column("")
-    corrupt = 0
-    for step in steps:
-        row = evals.get(step, {})
-        notes = [n for n, on in (("final", step == final), ("latest", step == steps[-1])) if on]
-        try:
-            info = manager.info(step)
-        except CorruptCheckpointError as e:  # its manifest cannot be read (invalid, or a symbolic link)
-            corrupt += 1
-            table.add_row(str(step), "?", "?", *(format_value(row.get(m, "")) for m in metric_names),
-                          ", ".join([*notes, f"CORRUPT: {e.reason}"]))
-            continue
-        when = datetime.datetime.fromtimestamp(info["time"]).strftime("%Y-%m-%d %H:%M:%S")
-        if args.verify:
-            try:
-                manager.read(step)
-                notes.append("verified")
-            except CorruptCheckpointError as e:
-                corrupt += 1
-                notes.append(f"CORRUPT: {e.reason}")
-        table.add_row(str(step), when, format_size(info["size"]), *(format_value(row.get(m, "")) for m in metric_names),
-                      ", ".join(notes))
-    Console().print(table)
-    for name in manager.quarantined():
-        print(f"moved aside (did not verify): {layout.join(layout.checkpoints_dir(model_dir), name)}")
-    return 1 if corrupt else 0
+    listing = list_checkpoints(args.model_dir, verify=args.verify)
+    if args.json:
+        print(json.dumps(listing, indent=1))
+    elif not listing["checkpoints"]:  # nothing to list: a note, on stderr
+        console.print(format_table(listing), highlight=False, soft_wrap=True)
+    else:
+        print(format_table(listing, width=shutil.get_terminal_size().columns))
+    return 1 if listing["corrupt"] else 0
 
 
 def _cmd_report(args: argparse.Namespace, console: Console) -> int:
@@ -385,6 +410,21 @@ COMMANDS = {"train": _cmd_train, "evaluate": _cmd_evaluate, "launch": _cmd_launc
             "ls": _cmd_ls, "report": _cmd_report, "smoke": _cmd_smoke}
 
 
+_CHATTY_LIBRARIES = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3")
+"""Loggers kept at WARNING unless ``--log-level debug``: their INFO lines are noise to a user."""
+
+
+_INSTALLED = tuple({os.path.realpath(p) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])})
+
+
+def _quiet_third_party(record: logging.LogRecord) -> bool:
+    """Installed libraries' records below WARNING are dropped (onnxscript's INFO lines on every
+    ONNX export, ...) unless ``--log-level debug``; cadence's and the user's own code's pass."""
+    if record.levelno >= logging.WARNING or record.name == "cadence" or record.name.startswith("cadence."):
+        return True
+    return not os.path.realpath(record.pathname).startswith(_INSTALLED)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     err = Console(stderr=True)
@@ -392,6 +432,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(message)s", datefmt="[%X]",
         handlers=[RichHandler(console=err, show_path=False, rich_tracebacks=False)], force=True,
     )
+    if logging.getLogger().level > logging.DEBUG:  # object-store clients' INFO lines ("Found credentials ...")
+        for name in _CHATTY_LIBRARIES:
+            logging.getLogger(name).setLevel(logging.WARNING)
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_quiet_third_party)
     try:
         return COMMANDS[args.command](args, err)
     except CadenceError as exc:  # one line, never wrapped; escaped: "[x]" in a message is text, not markup

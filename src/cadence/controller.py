@@ -265,6 +265,7 @@ class Controller:
             if self.summary_interval is None or crossed(before, after, self.summary_interval):
                 self._train_summaries.write_summaries(after, logs)
                 self._train_summaries.flush()
+                self._hooks.train_logs(logs, after)
             progress.update(after, {k: v for k, v in logs.items() if k != "steps_per_second"})
             with self._session.commit_on_error(lambda: self.global_step, self.checkpoint_objects,
                                                self.prepare_checkpoint, "a train action"):

@@ -43,9 +43,12 @@ def sidecar_commands(
     model_dir: str,
     overrides: Sequence[str] = (),
     python: str = sys.executable,
+    *,
+    nproc: int | None = None,
 ) -> dict[str, list[str]]:
     """The two commands of ``cadence launch CONFIG --sidecar``: a continuous evaluator, and a
-    trainer that does not validate in-process, on the same model dir (in that order).
+    trainer that does not validate in-process, on the same model dir (in that order); ``nproc``:
+    the trainer runs on that many processes (``cadence train --nproc``; the sidecar stays one).
 
     Raises:
       ConfigError: ``model_dir`` is empty (both processes must agree on it).
@@ -57,7 +60,8 @@ def sidecar_commands(
     return {  # the sidecar first: the trainer may start once it holds its lease
         "sidecar": [python, "-m", "cadence", "evaluate", *common, "--continuous"],
         "trainer": [python, "-m", "cadence", "train", *common,
-                    "--set", "trainer.in_process_validation=false", "--no-progress"],
+                    "--set", "trainer.in_process_validation=false", "--no-progress",
+                    *(["--nproc", str(nproc)] if nproc is not None else [])],
     }
 
 

@@ -56,7 +56,9 @@ class BestCheckpointExporter:
       metric: the eval metric (a key, ``"a/b"`` for a nested one, or a callable).
       higher_is_better: direction of improvement.
       export_fn: called as ``export_fn(step, record)`` after a new best is committed, e.g. to
-        write inference artefacts to ``export/best/<step>/``.
+        write inference artefacts to ``export/best/<step>/``; on every rank (the decision is
+        the same on all): a sharded model's export gathers its state, a collective, and the
+        chief writes.
     """
 
     def __init__(
@@ -147,8 +149,8 @@ class BestCheckpointExporter:
                     self.manager.delete(old)
             self._write_best_json(record)
             logger.info("new best %s=%.6g at step %d: %s", record["metric"], value, step, path)
-            if self.export_fn is not None:
-                self.export_fn(step, record)
+        if self.export_fn is not None:
+            self.export_fn(step, record)
         self._best.commit(metrics)
         self.record = record
         run.coordinator.barrier()

@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["CLASS_SPEC_FORM", "check_class_spec", "resolve_class_path"]
+__all__ = ["CLASS_SPEC_FORM", "check_class_spec", "portable_class_path", "resolve_class_path"]
 
 CLASS_SPEC_FORM = "'module:ClassName' or 'path/to/file.py:ClassName'"
 """The accepted forms, in words, for messages."""
@@ -37,3 +37,18 @@ def resolve_class_path(spec: str, config_dir: str | Path | None = None) -> str:
         base = Path(config_dir) if config_dir is not None else Path.cwd()
         path = base / path
     return f"{os.path.abspath(path)}:{cls}"
+
+
+def portable_class_path(spec: str, directory: str | Path) -> str:
+    """A resolved class spec as a config file in the local ``directory`` should record it: a
+    ``file.py`` path relative to ``directory`` when the file and ``directory`` both lie inside the
+    current working directory (the project the run was started from), so that moving the project
+    -- code and model dirs together -- keeps the config working; otherwise (code or model dir
+    elsewhere) unchanged: absolute. ``module:Class`` specs and URLs are always unchanged."""
+    module, _, cls = spec.rpartition(":")
+    if not module.endswith(".py") or "://" in module or not os.path.isabs(module):
+        return spec
+    cwd = os.path.realpath(os.getcwd())
+    code, target = os.path.realpath(module), os.path.realpath(directory)
+    inside = all(os.path.commonpath([cwd, path]) == cwd for path in (code, target))
+    return f"{os.path.relpath(code, target)}:{cls}" if inside else spec

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cadence.config.class_paths import resolve_class_path
+from cadence.config.class_paths import portable_class_path, resolve_class_path
 from cadence.config.errors import moved_key_errors, validation_message
 from cadence.config.overrides import apply_overrides
 from cadence.config.schema import ExperimentConfig
@@ -24,7 +24,7 @@ from cadence.config.yaml_io import Loc, parse_yaml, read_text
 from cadence.errors import ConfigError
 from cadence.storage import Storage
 
-__all__ = ["config_from_dict", "load_config", "save_config"]
+__all__ = ["check_own_model_dir", "config_from_dict", "load_config", "save_config"]
 
 
 def _describe_type(value: Any) -> str:
@@ -109,7 +109,44 @@ def load_config(
 
 
 def save_config(cfg: ExperimentConfig, path_or_url: str | Path) -> None:
-    """Write ``cfg.to_yaml()`` to a local path or an fsspec URL, creating parents; atomic on local disks."""
-    storage = Storage(os.fspath(path_or_url))
+    """Write the resolved config (:meth:`ExperimentConfig.to_dict`) as YAML to a local path or an
+    fsspec URL, creating parents; atomic on local disks. In a local file, a ``file.py:Class`` whose
+    file and the written file both lie inside the working directory is written relative to the
+    written file (:func:`~cadence.config.class_paths.portable_class_path`); else absolute."""
+    from cadence.config.yaml_io import dump_yaml
+
+    target = os.fspath(path_or_url)
+    data = cfg.to_dict()
+    if "://" not in target or target.startswith("file://"):
+        directory = os.path.dirname(os.path.abspath(target.removeprefix("file://")))
+        for entry in (data["task"], *data["callbacks"]):
+            entry["class"] = portable_class_path(entry["class"], directory)
+    storage = Storage(target)
     storage.makedirs(posixpath.dirname(storage.root))
-    storage.write_atomic(storage.root, cfg.to_yaml().encode("utf-8"))
+    storage.write_atomic(storage.root, dump_yaml(data).encode("utf-8"))
+
+
+def check_own_model_dir(cfg: ExperimentConfig, config_path: str | Path) -> None:
+    """ConfigError when ``config_path`` is the ``config.yaml`` of a local model dir (it has a
+    ``checkpoints/`` beside it) whose ``model_dir`` names another directory: the model dir was
+    moved (or the relative ``model_dir`` resolves against another working directory), and training
+    from it would start a new run there. The message says to pass ``--model-dir``."""
+    from cadence import layout
+
+    source = os.fspath(config_path)
+    if "://" in source and not source.startswith("file://"):
+        return
+    path = Path(source.removeprefix("file://"))
+    own = path.parent
+    if path.name != layout.CONFIG or not (own / layout.CHECKPOINTS).is_dir() or not cfg.model_dir:
+        return
+    if "://" in cfg.model_dir and not cfg.model_dir.startswith("file://"):
+        return
+    named = Path(cfg.model_dir.removeprefix("file://")).expanduser()
+    if os.path.realpath(named) != os.path.realpath(own):
+        raise ConfigError(
+            f"{source} is the config of the model dir {own}, but its model_dir is {cfg.model_dir} "
+            f"({os.path.abspath(named)} from here): the model dir was moved, or model_dir is relative to "
+            f"another working directory; pass --model-dir {own} to continue it (or --model-dir "
+            f"{cfg.model_dir} to write there)"
+        )

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, field_validator, model_validator
 
 from cadence import layout
 from cadence.actions.export_files import DEFAULT_MAX_EXPORTS
@@ -35,12 +35,16 @@ __all__ = [
     "ExperimentConfig",
     "ExportConfig",
     "ExportFormat",
+    "LRScheduleConfig",
+    "LoggersConfig",
+    "MLflowConfig",
     "Precision",
     "Strategy",
     "RecoveryConfig",
     "SidecarConfig",
     "TaskConfig",
     "TrainerConfig",
+    "WandbConfig",
     "resolve_task_class",
 ]
 
@@ -128,7 +132,8 @@ class BestCheckpointConfig(_Model):
     """Keep the best checkpoint so far in `MODEL_DIR/best/` (with `best.json`)."""
 
     metric: str = Field(description="The eval metric to compare (a key, or `a/b` for a nested one).")
-    higher_is_better: bool = Field(default=True, description="`true`: larger is better (accuracy); `false`: smaller (loss).")
+    higher_is_better: StrictBool = Field(
+        default=True, description="`true`: larger is better (accuracy); `false`: smaller (loss).")
 
 
 class EarlyStoppingConfig(_Model):
@@ -137,7 +142,7 @@ class EarlyStoppingConfig(_Model):
     metric: str = Field(description="The eval metric to watch.")
     patience: int = Field(ge=1, strict=True, description="Evaluations without improvement before stopping.")
     min_delta: float = Field(default=0.0, ge=0, description="An improvement must exceed this much.")
-    higher_is_better: bool = Field(default=True, description="`true`: larger is better; `false`: smaller.")
+    higher_is_better: StrictBool = Field(default=True, description="`true`: larger is better; `false`: smaller.")
 
 
 class RecoveryConfig(_Model):
@@ -168,6 +173,30 @@ class ExportConfig(_Model):
     )
     max_to_keep: int | None = Field(
         default=DEFAULT_MAX_EXPORTS, ge=0, strict=True, description="Newest exports kept; `null` keeps all."
+    )
+
+
+LRScheduleKind = Literal["warmup_cosine", "warmup_linear", "warmup_constant"]
+LR_SCHEDULE_KINDS: tuple[str, ...] = get_args(LRScheduleKind)
+"""The learning-rate schedules ``trainer.lr_schedule.kind`` names (built by ``cadence.torch.lr_schedule``)."""
+
+
+class LRScheduleConfig(_Model):
+    """A learning-rate schedule built by cadence (for a Task whose `build_lr_scheduler` returns `None`):
+    the optimizer's learning rate times a factor, stepped once per optimizer step. The factor rises
+    linearly over `warmup_steps` (step `k` of them trains at `k / warmup_steps`), then decays from 1 to
+    `min_lr_ratio` at `trainer.train_steps`: along a half cosine (`warmup_cosine`), a line
+    (`warmup_linear`), or stays at 1 (`warmup_constant`)."""
+
+    kind: LRScheduleKind = Field(
+        description="The shape after the warmup: `warmup_cosine`, `warmup_linear` or `warmup_constant`.",
+    )
+    warmup_steps: int = Field(
+        default=0, ge=0, strict=True, description="Optimizer steps of linear warmup from the start; `0`: none.",
+    )
+    min_lr_ratio: float = Field(
+        default=0.0, ge=0, le=1, allow_inf_nan=False,
+        description="The factor reached at `trainer.train_steps` (a fraction of the optimizer's learning rate).",
     )
 
 
@@ -272,6 +301,13 @@ class TrainerConfig(_Model):
         default=None, gt=0, strict=True, allow_inf_nan=False,
         description="Clip the global gradient norm to this value; `null`: no clipping.",
     )
+    lr_schedule: LRScheduleConfig | None = Field(
+        default=None,
+        description=("A learning-rate schedule built by cadence, e.g. `{kind: warmup_cosine, warmup_steps: 100, "
+                     "min_lr_ratio: 0.1}`: decays over `train_steps` (which must be set); for a Task whose "
+                     "`build_lr_scheduler` returns `None` (giving both is an error). Its state is checkpointed "
+                     "like any scheduler's. `null`: none."),
+    )
     device: str = Field(
         default="auto", json_schema_extra={"expected": DEVICE_FORM},
         description="`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`.",
@@ -285,7 +321,7 @@ class TrainerConfig(_Model):
     recovery: RecoveryConfig | None = Field(
         default=None, description="Roll back on a diverged loss; `null`: off (a NaN loss is only logged)."
     )
-    in_process_validation: bool = Field(
+    in_process_validation: StrictBool = Field(
         default=True,
         description="Evaluate inside `cadence train`; `false`: only train (a sidecar evaluates the checkpoints).",
     )
@@ -294,9 +330,9 @@ class TrainerConfig(_Model):
         description=("Seconds without progress (no training step, evaluation batch or checkpoint) after which a "
                      "rank logs where it is stuck (phase, step, stacks) and exits 124, for the launcher to "
                      "restart the job from its last checkpoint (`cadence train --max-restarts`); longer than "
-                     "the slowest step, evaluation batch or save. `null`: no watchdog."),
+                     "the slowest step, evaluation batch, save or export of the best model. `null`: no watchdog."),
     )
-    save_on_preemption: bool = Field(
+    save_on_preemption: StrictBool = Field(
         default=True,
         description="On SIGTERM, SIGUSR1 or SIGINT, commit a checkpoint at the end of the current loop and exit 0.",
     )
@@ -344,7 +380,7 @@ class TrainerConfig(_Model):
 class CheckpointConfig(_Model):
     """How checkpoints are written (the CheckpointManager's own settings; what is kept is `trainer:`'s)."""
 
-    async_save: bool = Field(
+    async_save: StrictBool = Field(
         default=False,
         description=(
             "Copy the state to CPU memory at a save and commit it from a background thread (one save in "
@@ -380,6 +416,48 @@ class EvalSpecConfig(_Model):
     )
 
 
+class MLflowConfig(_Model):
+    """Log the run into MLflow (`pip install 'cadence[mlflow]'`): one run per model dir."""
+
+    tracking_uri: str | None = Field(
+        default=None,
+        description=("The tracking store: a server (`http://host:5000`), `sqlite:///path/mlflow.db`, ... `null`: the "
+                     "one the model dir's run was started with, else MLflow's default (`$MLFLOW_TRACKING_URI`, else "
+                     "`sqlite:///mlflow.db` in the current directory)."),
+    )
+    experiment: str = Field(default="cadence", min_length=1, description="The experiment's name (created when missing).")
+    run_name: str | None = Field(default=None, description="The run's name; `null`: the model dir's name.")
+    tags: dict[str, str] = Field(default_factory=dict, description="Tags set on a new run.")
+
+
+class WandbConfig(_Model):
+    """Log the run into Weights & Biases (`pip install 'cadence[wandb]'`): one run per model dir."""
+
+    project: str = Field(default="cadence", min_length=1, description="The W&B project.")
+    entity: str | None = Field(default=None, description="The W&B entity (user or team); `null`: your default.")
+    mode: Literal["offline", "online", "disabled"] = Field(
+        default="offline",
+        description=("`offline` needs no network or account (upload later with `wandb sync`); `online` logs live "
+                     "(after `wandb login`); `disabled` logs nothing."),
+    )
+    dir: str | None = Field(
+        default=None,
+        description=("Where W&B writes its files (`<dir>/wandb/`); `null`: `MODEL_DIR/trackers` for a local model "
+                     "dir, else the current directory."),
+    )
+    run_name: str | None = Field(default=None, description="The run's display name; `null`: the model dir's name.")
+    tags: list[str] = Field(default_factory=list, description="Tags of the run.")
+
+
+class LoggersConfig(_Model):
+    """Experiment trackers the chief (and each sidecar) logs the run into, besides TensorBoard and
+    `metrics.jsonl` (always written). Each is off unless its section is given (`mlflow: {}` turns
+    MLflow on with its defaults)."""
+
+    mlflow: MLflowConfig | None = Field(default=None, description="MLflow; `null`: off.")
+    wandb: WandbConfig | None = Field(default=None, description="Weights & Biases; `null`: off.")
+
+
 class ExperimentConfig(_Model):
     """A whole experiment: where it writes, what it trains, and how."""
 
@@ -404,6 +482,11 @@ class ExperimentConfig(_Model):
                      "saved or loaded, evaluation done, close. Built after the Task's own (`Task.build_callbacks()`), "
                      "which come first."),
     )
+    loggers: LoggersConfig = Field(
+        default_factory=LoggersConfig,
+        description=("Experiment trackers (MLflow, Weights & Biases) to log params, metrics, the best checkpoint and "
+                     "the final export into; none by default."),
+    )
 
     _config_dir: Path | None = PrivateAttr(default=None)
 
@@ -413,6 +496,19 @@ class ExperimentConfig(_Model):
             raise ValueError(
                 "export.on is 'best' but trainer.best_checkpoint is not set (set it, or export.on: final)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _lr_schedule_needs_train_steps(self) -> ExperimentConfig:
+        schedule, steps = self.trainer.lr_schedule, self.trainer.train_steps
+        if schedule is None:
+            return self
+        if steps is None:
+            raise ValueError(f"trainer.lr_schedule ({schedule.kind}) decays over trainer.train_steps, which is null: "
+                             "set trainer.train_steps")
+        if schedule.warmup_steps > steps:
+            raise ValueError(f"trainer.lr_schedule.warmup_steps ({schedule.warmup_steps}) is more than "
+                             f"trainer.train_steps ({steps})")
         return self
 
     def require_model_dir(self) -> str:

@@ -10,7 +10,7 @@ from cadence.torch.data import ResumableLoader, ResumableSampler
 from cadence.torch.distributed import TorchCoordinator, init_distributed, rank_env, shutdown_distributed
 from cadence.torch.evaluator import TorchEvaluator
 from cadence.torch.export import ExportModel, export_model, load_exported
-from cadence.torch.export_formats import FORMATS
+from cadence.torch.export_formats import FORMATS, ExportSpec
 from cadence.torch.metrics import TorchMetricsReducer
 from cadence.torch.precision import Precision, resolve_precision
 from cadence.torch.signatures import (
@@ -48,6 +48,7 @@ __all__ = [
     "Context",
     "ExportModel",
     "ExportSignature",
+    "ExportSpec",
     "FORMATS",
     "Precision",
     "ResumableLoader",

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, Subset
 
 from cadence.coordination import Coordinator, LocalCoordinator
+from cadence.errors import ConfigError
 from cadence.storage import Storage
 from cadence.watchdog import Heartbeat
 
@@ -151,6 +152,31 @@ class Context:
                    coordinator=coordinator)
 
     # -- model and data ------------------------------------------------------------------------
+
+    def per_rank_batch(self, global_batch_size: int, *, name: str = "global batch size") -> int:
+        """This rank's batch size for a *global* batch of ``global_batch_size`` samples per
+        (micro)batch step: ``global_batch_size // world_size``.
+
+        Use it in :meth:`Task.build_inputs` so that a config states the global batch and the run
+        sees the same number of samples per step on any number of processes (as torchtitan's
+        ``global_batch_size``): ``cadence train config.yaml --nproc 2`` then trains on the same
+        global batches as one process (with :class:`~cadence.torch.ResumableLoader`, ``drop_last=True``).
+        ``name`` names the setting in the error, e.g. ``"task.params.global_batch_size"``.
+
+        Raises :class:`~cadence.errors.ConfigError` (one line; exit status 2 from the CLI) when
+        ``global_batch_size`` is not an integer >= 1 or does not divide by the world size.
+        """
+        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+            raise ConfigError(f"{name}: expected an integer >= 1, got {global_batch_size!r}")
+        if global_batch_size % self.world_size:
+            lower = global_batch_size - global_batch_size % self.world_size
+            higher = lower + self.world_size
+            choices = f"{lower} or {higher}" if lower else str(higher)
+            raise ConfigError(
+                f"{name}: {global_batch_size} does not divide by the world size {self.world_size} (processes): "
+                f"use a multiple of {self.world_size}, e.g. {choices}"
+            )
+        return global_batch_size // self.world_size
 
     def wrap_model(self, model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
         """The model for training: ``DistributedDataParallel`` over it when ``world_size`` > 1

@@ -23,6 +23,7 @@ from cadence.torch import sharded_checkpoint
 from cadence.torch.sharding import unsharded
 from cadence.torch.state import MODEL_FILE, RNGSnapshot, load_model_safetensors
 from cadence.torch.task import Task
+from cadence.watchdog import unwatched
 
 
 def _overrides(task: Task, name: str) -> bool:
@@ -101,7 +102,8 @@ class TorchEvaluator:
             if it is not self._eval_data:
                 return it
         # First call, or the task returned a one-shot iterator: build the inputs afresh.
-        self._eval_data = self.task.build_inputs("validation", self.ctx)
+        with unwatched(self.ctx.heartbeat):  # a slow build (a download) is no hang
+            self._eval_data = self.task.build_inputs("validation", self.ctx)
         return iter(self._eval_data)
 
     def evaluate(self, num_steps: int = -1) -> dict[str, float]:

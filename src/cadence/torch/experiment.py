@@ -17,7 +17,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from cadence import layout
 from cadence.checkpoint import CheckpointManager
@@ -30,10 +30,11 @@ from cadence.lifecycle import RunContext
 from cadence.sidecar import SidecarEvaluator, SidecarResult
 from cadence.watchdog import Heartbeat, Watchdog
 from cadence.torch.context import Context
-from cadence.torch.export_formats import TRACED_FORMATS
+from cadence.torch.export_formats import TRACED_FORMATS, _as_inputs, check_spec
 from cadence.torch.signatures import check_signatures, has_export_signatures
 from cadence.torch.state import seed_everything, unwrap_model
 from cadence.torch.task import Task
+from cadence.torch import sharding
 from cadence.torch.trainer import build_runners
 
 logger = logging.getLogger("cadence")
@@ -131,6 +132,17 @@ def build_callbacks(cfg: ExperimentConfig, task: Task) -> list[Any]:
     return callbacks
 
 
+def _tracking(cfg: ExperimentConfig, chief: bool, *, eval_name: str | None = None,
+              export: str | None = None) -> list[Any]:
+    """The config's ``loggers:`` as a callback (``[]``: none set): only the chief logs, the
+    evaluations under ``eval_name`` (default ``eval``), and at the end the newest export of
+    ``export`` (the one this process writes). ConfigError when a tracker's extra is missing."""
+    from cadence.trackers import tracker_callback
+
+    callback = tracker_callback(cfg, chief=chief, eval_name=eval_name, export=export)
+    return [callback] if callback is not None else []
+
+
 def _example_inputs(task: Task, formats: Sequence[str], where: str, model: Any = None) -> Any:
     """``task.example_inputs()`` when a format traces the model, else None.
 
@@ -138,8 +150,9 @@ def _example_inputs(task: Task, formats: Sequence[str], where: str, model: Any =
     checked instead (each signature brings its own example inputs) and the result is None.
 
     Raises:
-      ConfigError: a traced format, and the task does not define ``example_inputs()``; a
-        signature with a bad name, or without example inputs for a traced format (named).
+      ConfigError: a traced format, and the task does not define ``example_inputs()``, or its
+        ``export_spec()`` does not fit them; a signature with a bad name, without example inputs
+        for a traced format, or with a spec that does not fit them (named).
     """
     if model is not None and has_export_signatures(task):
         try:
@@ -152,9 +165,14 @@ def _example_inputs(task: Task, formats: Sequence[str], where: str, model: Any =
     if not needing:
         return None
     try:
-        return task.example_inputs()
+        inputs = task.example_inputs()
     except NotImplementedError as exc:
         raise ConfigError(f"{where}: {needing} need {type(task).__name__}.example_inputs(), which is not defined") from exc
+    try:
+        check_spec(task.export_spec(), _as_inputs(inputs) or ())
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {type(task).__name__}.export_spec(): {exc}") from exc
+    return inputs
 
 
 class ModelExporter:
@@ -179,12 +197,17 @@ class ModelExporter:
         self.chief = chief  # one process writes exports
 
     def __call__(self, step: int, metadata: Mapping[str, Any]) -> str:
+        """Export at ``step``; called on every rank. A model sharded by FSDP is first gathered
+        (a collective) into a plain copy built by the task, on the chief's CPU."""
         from cadence.torch.export import export_task_model
 
         directory = layout.export_dir(self.model_dir, self.name, step)
+        model = self.model
+        if sharding.is_sharded(model):
+            model = sharding.full_copy(self.task, model)
         if not self.chief:
             return directory
-        export_task_model(self.task, self.model, directory, self.formats, example_inputs=self.example_inputs,
+        export_task_model(self.task, model, directory, self.formats, example_inputs=self.example_inputs,
                           metadata={**metadata, "step": step})
         self.files.clean_up()
         return directory
@@ -254,8 +277,21 @@ def _build_runners_for(cfg: ExperimentConfig, *, train: bool, evaluate: bool = T
     trainer, evaluator = build_runners(
         task, ctx, precision=precision or t.precision, grad_accum_steps=t.grad_accum_steps,
         grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate, strategy=t.strategy,
+        lr_schedule=_lr_schedule(cfg),
     )
     return task, ctx, trainer, evaluator
+
+
+def _lr_schedule(cfg: ExperimentConfig) -> Callable[[Any], Any] | None:
+    """``trainer.lr_schedule`` as a function of the optimizer (None: not set)."""
+    schedule, total = cfg.trainer.lr_schedule, cfg.trainer.train_steps
+    if schedule is None:
+        return None
+    assert total is not None, "checked by the schema"
+    from cadence.torch.lr_schedule import build_lr_schedule
+
+    return lambda optimizer: build_lr_schedule(optimizer, kind=schedule.kind, total_steps=total,
+                                               warmup_steps=schedule.warmup_steps, min_lr_ratio=schedule.min_lr_ratio)
 
 
 @dataclass
@@ -307,6 +343,8 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     """
     layout.check_model_dir(cfg.require_model_dir())
     task, ctx, trainer, evaluator = _build_runners_for(cfg, train=train, evaluate=evaluate)
+    if trainer is not None:  # the training input now: a bad batch size fails before the model dir is written
+        _ = trainer.train_data
     lease = acquire_writer_lease(cfg, ctx.coordinator) if train else None
     watchdog = None
     if train and cfg.trainer.hang_timeout is not None:  # from before the restore (a collective that may hang)
@@ -354,6 +392,10 @@ def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any,
         build_actions(cfg, task, model, train=train, evaluate=evaluate, chief=ctx.is_chief) if train else ([], [])
     )
     callbacks = build_callbacks(cfg, task)
+    if train:  # a one-off evaluation (cadence evaluate --checkpoint) logs into no tracker
+        export_on = cfg.export.on if cfg.export is not None else None
+        exports = export_on if export_on == "final" or (evaluate and export_on is not None) else None
+        callbacks += _tracking(cfg, ctx.is_chief, export=exports)
     manager = CheckpointManager(  # one writer: the chief; the other ranks only read
         layout.checkpoints_dir(model_dir), max_to_keep=t.max_to_keep,
         keep_every_n_steps=t.keep_every_n_steps, writer=train and ctx.is_chief,
@@ -411,6 +453,8 @@ def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
             sanity_steps=sanity_steps,
         )
         if export_final is not None:
+            if run.watchdog is not None:  # training is over and committed: a long export is no hang
+                run.watchdog.stop()
             export_final(controller.global_step, {"metrics": metrics})
     return metrics
 
@@ -445,6 +489,9 @@ def build_sidecar(cfg: ExperimentConfig) -> SidecarEvaluator:
     task, ctx, _, evaluator = _build_runners_for(cfg, train=False)
     _, eval_actions = build_actions(cfg, task, evaluator.model, train=False, chief=ctx.is_chief)
     callbacks = build_callbacks(cfg, task)
+    export_on = cfg.export.on if cfg.export is not None else None
+    callbacks += _tracking(cfg, ctx.is_chief, eval_name=layout.eval_dir(model_dir, cfg.sidecar.name).rsplit("/", 1)[-1],
+                           export=export_on if export_on in ("best", "every_eval") else None)
     if t.early_stopping is not None:
         logger.warning("trainer.early_stopping is ignored by the sidecar: only an in-process evaluation can stop training")
     best = t.best_checkpoint

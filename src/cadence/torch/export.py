@@ -36,6 +36,7 @@ from cadence.torch.export_formats import (  # noqa: F401 - re-exported
     TRACED_FORMATS,
     ExportDependencyError,
     ExportError,
+    ExportSpec,
     _as_inputs,
     _caller_metadata,
     _check_formats,
@@ -74,6 +75,7 @@ def export_model(
     *,
     example_inputs: torch.Tensor | Sequence[Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
+    spec: ExportSpec | None = None,
 ) -> dict[str, str]:
     """Write one inference artefact per format into ``directory``; return ``{format: path}``.
 
@@ -82,11 +84,13 @@ def export_model(
     elsewhere. ``model`` may be wrapped (DDP, ``torch.compile``); it is traced in eval mode on
     CPU (a copy when it lives elsewhere), and its modes are restored afterwards. ``metadata``
     (JSON-able after tensors become numbers; keys must not clash with cadence's own) is merged
-    into ``metadata.json``.
+    into ``metadata.json``. ``spec``: the dynamic dimensions and ONNX input / output names
+    (:class:`ExportSpec`; default: a dynamic batch dimension).
 
     Raises ``ValueError`` for an unknown format, or when a traced format lacks
     ``example_inputs``; :class:`ExportDependencyError` when ``onnx`` / ``onnxscript`` are
-    missing; :class:`ExportError` when a format's export fails. Nothing is published on failure.
+    missing; :class:`ExportError` when a format's export fails (also for declared dynamic
+    dimensions that do not fit the inputs or the model). Nothing is published on failure.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"export_model needs an nn.Module, got {type(model).__name__}")
@@ -99,7 +103,7 @@ def export_model(
     extra = _caller_metadata(metadata)
     storage = Storage(directory)
     source = unwrap_model(model)
-    job = _Job(source, inputs)
+    job = _Job(source, inputs, spec)
     with _modes_restored([source]), _staging(storage) as stage:
         _write_export(job, stage, formats, extra)
     log.info("exported %s to %s", ", ".join(formats), storage.url(storage.root))
@@ -114,6 +118,7 @@ def export_task_model(
     *,
     example_inputs: torch.Tensor | Sequence[Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
+    spec: ExportSpec | None = None,
 ) -> dict[str, str]:
     """Export ``model`` (trained by ``task``; may be wrapped) as the task says; return the files.
 
@@ -122,17 +127,27 @@ def export_task_model(
     afterwards). When it is not overridden or returns ``{}``, this is ``export_model(model,
     directory, formats, example_inputs=...)`` and returns ``{format: path}``; otherwise
     :func:`export_model_signatures` with ``model=m`` (``example_inputs`` unused), flattened to
-    ``{"<signature>/<format>": path}``. Raises as those functions.
+    ``{"<signature>/<format>": path}``. ``example_inputs``: default :meth:`Task.example_inputs`
+    (when defined); ``spec``: default :meth:`Task.export_spec` (signatures bring their own
+    inputs and specs). Raises as those functions.
     """
+    if spec is None:
+        spec = task.export_spec()
+    if example_inputs is None and _traced(_check_formats(formats)) and not has_export_signatures(task):
+        try:
+            example_inputs = task.example_inputs()
+        except NotImplementedError:
+            pass  # export_model says what is missing
     if not has_export_signatures(task):
-        return export_model(model, directory, formats, example_inputs=example_inputs, metadata=metadata)
+        return export_model(model, directory, formats, example_inputs=example_inputs, metadata=metadata, spec=spec)
     source = unwrap_model(model)
     cpu = source if _on_cpu(source) else _cpu_copy(source)
     with _modes_restored([cpu]):
         cpu.eval()
         signatures = task.export_signatures(cpu)
         if not signatures:
-            return export_model(cpu, directory, formats, example_inputs=example_inputs, metadata=metadata)
+            return export_model(cpu, directory, formats, example_inputs=example_inputs, metadata=metadata,
+                                spec=spec)
         files = export_model_signatures(signatures, directory, formats, model=cpu, metadata=metadata)
     return {f"{name}/{fmt}": path for name, paths in files.items() for fmt, path in paths.items()}
 
@@ -211,9 +226,10 @@ class ExportModel:
     The model: ``model_fn()`` (a zero-arg callable returning the live module) when given, else
     ``task_or_model`` when it is an ``nn.Module``, else the attached controller's
     ``trainer.model`` / ``evaluator.model``. Example inputs: ``example_inputs``, else the task's
-    :meth:`Task.example_inputs` (called once, on the first export). A task with
-    :meth:`Task.export_signatures` is exported through :func:`export_task_model` (one directory
-    per signature; each signature brings its own example inputs, checked at each export).
+    :meth:`Task.example_inputs` (called once, on the first export). Dynamic dimensions and ONNX
+    names: ``spec``, else the task's :meth:`Task.export_spec`, else the default :class:`ExportSpec`.
+    A task with :meth:`Task.export_signatures` is exported through :func:`export_task_model` (one
+    directory per signature; each signature brings its own example inputs, checked at each export).
 
     Raises ``ValueError`` at construction for unknown formats, or traced formats with no way to
     get example inputs.
@@ -227,6 +243,7 @@ class ExportModel:
         *,
         example_inputs: torch.Tensor | Sequence[Any] | None = None,
         model_fn: Callable[[], nn.Module] | None = None,
+        spec: ExportSpec | None = None,
     ) -> None:
         if not isinstance(task_or_model, (Task, nn.Module)):
             raise TypeError(f"ExportModel needs a Task or an nn.Module, got {type(task_or_model).__name__}")
@@ -235,6 +252,7 @@ class ExportModel:
         self._task = task_or_model if isinstance(task_or_model, Task) else None
         self._module = task_or_model if isinstance(task_or_model, nn.Module) else None
         self._model_fn = model_fn
+        self._spec = spec
         self._example_inputs = _as_inputs(example_inputs)
         self._inputs_resolved = self._example_inputs is not None
         self._run: RunContext | None = None
@@ -286,9 +304,10 @@ class ExportModel:
             metadata["step"] = int(self._run.global_step)
         if self._task is not None:
             export_task_model(self._task, self._model(), directory, self.formats, example_inputs=self._inputs(),
-                              metadata=metadata)
+                              metadata=metadata, spec=self._spec)
         else:
-            export_model(self._model(), directory, self.formats, example_inputs=self._inputs(), metadata=metadata)
+            export_model(self._model(), directory, self.formats, example_inputs=self._inputs(), metadata=metadata,
+                         spec=self._spec)
         self.file_manager.clean_up()
         return directory
 

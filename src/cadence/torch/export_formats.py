@@ -4,12 +4,16 @@ Formats (:data:`FORMATS`), each a file in the export directory:
 
 * ``safetensors`` -- ``model.safetensors``: the (unwrapped) model's state dict; load it into a
   freshly built model.
-* ``torch_export`` -- ``model.pt2``: ``torch.export.export`` with a dynamic batch dimension
-  (static shapes, with a warning, when that fails), saved with ``torch.export.save``.
-* ``torchscript`` -- ``model.torchscript.pt``: ``torch.jit.trace`` of the model in eval mode.
+* ``torch_export`` -- ``model.pt2``: ``torch.export.export`` with the dynamic dimensions of the
+  :class:`ExportSpec` (by default a dynamic batch dimension; static shapes, with a warning, when
+  that fails), saved with ``torch.export.save``.
+* ``torchscript`` -- ``model.torchscript.pt``: ``torch.jit.trace`` of the model in eval mode (a
+  trace cannot declare dynamic dimensions: shapes the model computes with in Python are recorded
+  as constants).
 * ``onnx`` -- ``model.onnx``: the ``torch.export`` graph through ``torch.onnx.export`` (the dynamo
-  exporter, at its recommended opset), checked with ``onnx.checker``. Needs ``onnx`` and
-  ``onnxscript`` (``pip install 'cadence[onnx]'``; loading it back also needs ``onnxruntime``).
+  exporter, at its recommended opset), with the spec's dynamic dimensions (named as declared) and
+  input / output names, checked with ``onnx.checker``. Needs ``onnx`` and ``onnxscript`` (``pip
+  install 'cadence[onnx]'``; loading it back also needs ``onnxruntime``).
 
 The traced formats need example inputs (``model(*example_inputs)``, batch dimension first, batch
 size >= 2). Every export writes ``metadata.json`` last: formats and files, cadence and torch
@@ -27,6 +31,7 @@ import logging
 import os
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -175,6 +180,179 @@ def _dynamic_batch_shapes(inputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
     return tuple({0: batch} if isinstance(x, torch.Tensor) and x.dim() > 0 else None for x in inputs)
 
 
+DimSpec = Any
+"""One dynamic dimension in :attr:`ExportSpec.dynamic_dims`: a name (``"seq"``, unbounded), a
+tuple ``(name, min, max)`` (either bound may be ``None``), or a ``torch.export.Dim``."""
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    """How the traced export formats see a model's inputs and outputs (see :meth:`Task.export_spec`,
+    :class:`~cadence.torch.ExportSignature`'s ``spec``).
+
+    ``dynamic_dims``: one entry per example input, ``None`` (or ``{}``) for an input whose shape is
+    fixed, else ``{dim_index: dim}`` with ``dim`` a name (``"seq"``), ``(name, min, max)`` (a bound
+    may be ``None``) or a ``torch.export.Dim``; a name used in several places is one size (e.g.
+    the batch of two inputs). ``None`` (the default): dim 0 of every tensor input is one dynamic
+    ``"batch"`` dimension, and the export falls back to static shapes (with a warning) when the
+    model cannot be exported so; declared dimensions never fall back: the export fails, naming
+    them. ``torch_export`` and ``onnx`` use them (``torch.export``'s ``dynamic_shapes``; ONNX names
+    its dimensions after them); a ``torchscript`` trace cannot (it records what it saw).
+
+    ``input_names`` / ``output_names``: the ONNX graph's input and output names (one per tensor
+    input, one per output tensor); ``None``: the exporter's (the ``forward`` argument names).
+
+    Raises ``TypeError`` / ``ValueError`` for a malformed declaration; checking it against the
+    example inputs (:func:`dynamic_shapes_of`) raises ``ValueError`` naming the input and dim.
+    """
+
+    dynamic_dims: Sequence[Mapping[int, DimSpec] | None] | None = None
+    input_names: Sequence[str] | None = None
+    output_names: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        dims = self.dynamic_dims
+        if dims is not None:
+            if isinstance(dims, (str, bytes, Mapping)) or not isinstance(dims, Sequence):
+                raise TypeError(
+                    f"ExportSpec.dynamic_dims must be a list with one entry per input (None, or "
+                    f"{{dim_index: name | (name, min, max) | torch.export.Dim}}), got {type(dims).__name__}"
+                )
+            for i, entry in enumerate(dims):
+                if entry is not None and not isinstance(entry, Mapping):
+                    raise TypeError(f"ExportSpec.dynamic_dims[{i}] must be None or a mapping of dim index to "
+                                    f"dimension, got {type(entry).__name__}")
+                for d, dim in (entry or {}).items():
+                    if isinstance(d, bool) or not isinstance(d, int):
+                        raise TypeError(f"ExportSpec.dynamic_dims[{i}]: dim indices are integers, got {d!r}")
+                    _dim_bounds(dim, f"ExportSpec.dynamic_dims[{i}][{d}]")
+            object.__setattr__(self, "dynamic_dims", tuple(None if e is None else dict(e) for e in dims))
+        for field in ("input_names", "output_names"):
+            names = getattr(self, field)
+            if names is None:
+                continue
+            if isinstance(names, str) or not isinstance(names, Sequence) or not all(
+                    isinstance(n, str) and n for n in names):
+                raise TypeError(f"ExportSpec.{field} must be a list of non-empty strings, got {names!r}")
+            if len(set(names)) != len(names):
+                raise ValueError(f"ExportSpec.{field} has duplicate names: {list(names)}")
+            object.__setattr__(self, field, tuple(names))
+
+    @property
+    def declares_dims(self) -> bool:
+        """Whether the dynamic dimensions are declared (not the default dynamic batch)."""
+        return self.dynamic_dims is not None
+
+
+def _dim_bounds(dim: DimSpec, where: str) -> tuple[str, int | None, int | None] | None:
+    """``(name, min, max)`` of a declared dimension; ``None`` for a ``torch.export.Dim`` (its own)."""
+    if isinstance(dim, str):
+        dim = (dim, None, None)
+    if isinstance(dim, tuple):
+        if len(dim) == 1:
+            dim = (dim[0], None, None)
+        if len(dim) != 3 or not isinstance(dim[0], str) or not dim[0].isidentifier():
+            raise ValueError(f"{where}: expected a name, (name, min, max) or a torch.export.Dim, got {dim!r} "
+                             f"(names are identifiers)")
+        name, lo, hi = dim
+        for bound in (lo, hi):
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+                raise ValueError(f"{where}: bounds are integers >= 0 or None, got {dim!r}")
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"{where}: min {lo} is above max {hi}")
+        return name, lo, hi
+    if type(dim).__module__.startswith("torch") and hasattr(dim, "__name__"):
+        return None
+    raise ValueError(f"{where}: expected a name, (name, min, max) or a torch.export.Dim, got {dim!r}")
+
+
+def dynamic_shapes_of(spec: ExportSpec, inputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """``torch.export``'s ``dynamic_shapes`` for ``inputs`` (one entry per input) as ``spec``
+    declares them; ``None``: no dynamic dimension. The default spec gives the shared batch dim
+    (``None``, with a warning, when the inputs cannot have one).
+
+    Raises ``ValueError`` (naming the input and dim) for a declaration that does not fit the
+    example inputs: another number of entries than inputs, a dim the input does not have, an
+    example size outside the declared bounds or below 2 (``torch.export`` takes sizes 0 and 1
+    for constants), or one name with two different bounds.
+    """
+    if spec.dynamic_dims is None:
+        return _dynamic_batch_shapes(inputs)
+    declared = spec.dynamic_dims
+    if len(declared) != len(inputs):
+        raise ValueError(f"ExportSpec.dynamic_dims has {len(declared)} entries for {len(inputs)} example inputs: "
+                         f"give one per input (None for an input of fixed shape)")
+    dims: dict[str, Any] = {}
+    bounds: dict[str, tuple[int | None, int | None]] = {}
+    shapes: list[Any] = []
+    for i, (x, entry) in enumerate(zip(inputs, declared)):
+        if not entry:
+            shapes.append(None)
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"ExportSpec.dynamic_dims[{i}]: example input {i} is a {type(x).__name__}, not a tensor")
+        shape: dict[int, Any] = {}
+        for d, dim in entry.items():
+            where = f"ExportSpec.dynamic_dims[{i}][{d}]"
+            index = d + x.dim() if d < 0 else d
+            if not 0 <= index < x.dim():
+                raise ValueError(f"{where}: example input {i} has {x.dim()} dims (shape {list(x.shape)})")
+            size = int(x.shape[index])
+            parsed = _dim_bounds(dim, where)
+            if parsed is None:  # a torch.export.Dim of the caller's
+                name = dim.__name__
+                lo, hi = getattr(dim, "min", None), getattr(dim, "max", None)
+                dims.setdefault(name, dim)
+            else:
+                name, lo, hi = parsed
+                if name in bounds and bounds[name] != (lo, hi):
+                    raise ValueError(f"{where}: dimension {name!r} is declared with bounds {bounds[name]} and "
+                                     f"{(lo, hi)}")
+                if name not in dims:
+                    dims[name] = torch.export.Dim(name, **{k: v for k, v in (("min", lo), ("max", hi)) if v is not None})
+            bounds.setdefault(name, (lo, hi))
+            if size < 2:
+                raise ValueError(f"{where}: dimension {name!r} has size {size} in example input {i}; torch.export "
+                                 f"takes sizes 0 and 1 for constants: give an example of size >= 2")
+            if (lo is not None and size < lo) or (hi is not None and size > hi):
+                raise ValueError(f"{where}: example input {i} has size {size} there, outside {name!r}'s bounds "
+                                 f"[{lo}, {hi}]")
+            shape[index] = dims[name]
+        shapes.append(shape)
+    if spec.input_names is not None:
+        tensors = sum(isinstance(x, torch.Tensor) for x in inputs)
+        if len(spec.input_names) != tensors:
+            raise ValueError(f"ExportSpec.input_names names {len(spec.input_names)} inputs, the example inputs "
+                             f"hold {tensors} tensors")
+    return tuple(shapes) if any(s for s in shapes) else None
+
+
+def check_spec(spec: ExportSpec, inputs: tuple[Any, ...]) -> None:
+    """``ValueError`` when ``spec`` does not fit ``inputs`` (see :func:`dynamic_shapes_of`); the default
+    spec always does (it falls back to static shapes)."""
+    if spec.declares_dims or spec.input_names is not None:
+        dynamic_shapes_of(spec if spec.declares_dims else ExportSpec(dynamic_dims=[None] * len(inputs),
+                                                                     input_names=spec.input_names), inputs)
+
+
+def describe_dynamic_dims(shapes: tuple[Any, ...] | None) -> list[dict[str, dict[str, Any]] | None] | None:
+    """``dynamic_shapes`` as JSON for ``metadata.json``: per input ``{dim: {name, min, max}}``."""
+    if shapes is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for shape in shapes:
+        if not shape:
+            out.append(None)
+            continue
+        described = {}
+        for d, dim in shape.items():
+            lo, hi = getattr(dim, "min", None), getattr(dim, "max", None)
+            described[str(d)] = {"name": dim.__name__, "min": lo if isinstance(lo, int) else None,
+                                 "max": hi if isinstance(hi, int) and hi < 2**62 else None}
+        out.append(described)
+    return out
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
@@ -187,22 +365,32 @@ def _display_name(model: nn.Module) -> str:
     return type(model).__name__
 
 
-def _capture(model: nn.Module, inputs: tuple[Any, ...]) -> tuple[torch.export.ExportedProgram, bool]:
-    """``torch.export.export`` with a dynamic batch dim, else static; returns (program, dynamic)."""
-    dynamic = _dynamic_batch_shapes(inputs)
+def _capture(model: nn.Module, inputs: tuple[Any, ...], spec: ExportSpec) -> tuple[torch.export.ExportedProgram, Any]:
+    """``torch.export.export`` with the spec's dynamic dims; returns (program, dynamic_shapes used or
+    None). The default spec falls back to static shapes (with a warning); declared dims raise."""
+    try:
+        dynamic = dynamic_shapes_of(spec, inputs)
+    except ValueError as e:
+        raise ExportError(f"{_display_name(model)}: {e}") from e
     if dynamic is not None and isinstance(model, _CallableModule):
         dynamic = (dynamic,)  # forward(*inputs): one var-positional parameter
     if dynamic is not None:
         try:
-            return torch.export.export(model, inputs, dynamic_shapes=dynamic), True
+            return torch.export.export(model, inputs, dynamic_shapes=dynamic), dynamic
         except Exception as e:  # constraint violations, data-dependent shapes, ...
+            if spec.declares_dims:
+                raise ExportError(
+                    f"torch.export.export failed for {_display_name(model)} with the declared dynamic dimensions "
+                    f"{describe_dynamic_dims(dynamic if not isinstance(model, _CallableModule) else dynamic[0])}: "
+                    f"{_first_line(e)} (a dimension the model computes with as a constant must stay static)"
+                ) from e
             log.warning(
                 "torch.export with a dynamic batch dimension failed (%s); exporting with static "
                 "shapes: the exported model accepts only the example inputs' shapes",
                 _first_line(e),
             )
     try:
-        return torch.export.export(model, inputs), False
+        return torch.export.export(model, inputs), None
     except Exception as e:
         raise ExportError(f"torch.export.export failed for {_display_name(model)}: {e}") from e
 
@@ -211,9 +399,10 @@ class _Job:
     """One export's model and inputs; the CPU eval-mode model and the ``torch.export`` program
     are made on first use and shared by the formats."""
 
-    def __init__(self, source: nn.Module, inputs: tuple[Any, ...] | None) -> None:
+    def __init__(self, source: nn.Module, inputs: tuple[Any, ...] | None, spec: ExportSpec | None = None) -> None:
         self.source = source
         self._inputs = inputs
+        self.spec = spec if spec is not None else ExportSpec()
         self.weights: nn.Module = source  # whose state dict the safetensors artefact holds
         described: Any = type(source)
         if isinstance(source, _CallableModule):
@@ -223,7 +412,7 @@ class _Job:
         self.model_class = f"{getattr(described, '__module__', None) or ''}.{qualname}"
         self._model: nn.Module | None = None
         self._program: torch.export.ExportedProgram | None = None
-        self.dynamic_batch: bool | None = None
+        self.dynamic_shapes: Any = None  # as given to torch.export (None: static)
 
     @property
     def model(self) -> nn.Module:
@@ -245,8 +434,20 @@ class _Job:
 
     def program(self) -> torch.export.ExportedProgram:
         if self._program is None:
-            self._program, self.dynamic_batch = _capture(self.model, self.inputs)
+            self._program, self.dynamic_shapes = _capture(self.model, self.inputs, self.spec)
         return self._program
+
+    def dynamic_info(self) -> dict[str, Any]:
+        """The metadata of the program's dynamic dims: ``dynamic_batch`` (dim 0 of every tensor input
+        is dynamic) and ``dynamic_dims`` (per input ``{dim: {name, min, max}}``, or null)."""
+        shapes = self.dynamic_shapes
+        if shapes is not None and isinstance(self.model, _CallableModule):
+            shapes = shapes[0]
+        per_input = describe_dynamic_dims(shapes)
+        tensors = [i for i, x in enumerate(self._inputs or ()) if isinstance(x, torch.Tensor) and x.dim() > 0]
+        batch = per_input is not None and bool(tensors) and all(
+            per_input[i] is not None and "0" in per_input[i] for i in tensors)  # type: ignore[operator]
+        return {"dynamic_batch": batch, "dynamic_dims": per_input}
 
 
 @contextlib.contextmanager
@@ -290,10 +491,13 @@ def _write_safetensors(job: _Job, stage: str) -> dict[str, Any]:
 
 def _write_torch_export(job: _Job, stage: str) -> dict[str, Any]:
     torch.export.save(job.program(), os.path.join(stage, FILES["torch_export"]))
-    return {"dynamic_batch": job.dynamic_batch}
+    return job.dynamic_info()
 
 
 def _write_torchscript(job: _Job, stage: str) -> dict[str, Any]:
+    if job.spec.declares_dims:
+        log.info("torchscript: a trace cannot declare dynamic dimensions (it records the shapes the model computes "
+                 "with); export torch_export or onnx for the declared ones")
     try:
         with _quiet_jit(), torch.no_grad():
             traced = torch.jit.trace(job.model, job.inputs, strict=False)
@@ -312,9 +516,16 @@ def _write_onnx(job: _Job, stage: str) -> dict[str, Any]:
 
     program = job.program()
     external = _state_bytes(job.model) > _ONNX_EXTERNAL_DATA_BYTES
+    names: dict[str, Any] = {}
+    if job.spec.input_names is not None:
+        names["input_names"] = list(job.spec.input_names)
+    if job.spec.output_names is not None:
+        names["output_names"] = list(job.spec.output_names)
+    if job.dynamic_shapes is not None:  # ONNX names the dynamic dimensions after the declared ones
+        names["dynamic_shapes"] = job.dynamic_shapes
     try:
         with _quiet_onnx_exporter():
-            onnx_program = torch.onnx.export(program, job.inputs, verbose=False, external_data=external)
+            onnx_program = torch.onnx.export(program, job.inputs, verbose=False, external_data=external, **names)
     except Exception as e:
         raise ExportError(f"torch.onnx.export failed for {_display_name(job.model)}: {e}") from e
     if onnx_program is None:  # pragma: no cover - only the legacy exporter returns None
@@ -327,7 +538,7 @@ def _write_onnx(job: _Job, stage: str) -> dict[str, Any]:
         raise ExportError(f"the exported ONNX model failed onnx.checker: {e}") from e
     graph = onnx_program.model.graph
     return {
-        "dynamic_batch": job.dynamic_batch,
+        **job.dynamic_info(),
         "opset": int(onnx_program.model.opset_imports.get("", 0)) or None,
         "input_names": [v.name for v in graph.inputs],
         "output_names": [v.name for v in graph.outputs],

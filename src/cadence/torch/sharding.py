@@ -102,6 +102,19 @@ def checkpoint_group() -> Any:
     return dist.new_group(backend="gloo")
 
 
+def full_copy(task: Task, model: nn.Module) -> nn.Module | None:
+    """Collective: the sharded ``model``'s full state gathered into a plain model built by
+    ``task.build_model()`` on CPU, on rank 0 (for an export); None on the other ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not state:  # not rank 0: its part is done
+        return None
+    plain = task.build_model()
+    plain.load_state_dict(state)
+    return plain
+
+
 def load_full_model(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Load a full state dict (the same on every rank) into the sharded ``model``: each rank keeps
     its shards. Strict (the caller checks the keys first, for a better message)."""

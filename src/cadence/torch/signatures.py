@@ -25,10 +25,12 @@ from cadence.torch.export_formats import (
     METADATA_VERSION,
     SIGNATURES_FILE,
     ExportError,
+    ExportSpec,
     _as_inputs,
     _CallableModule,
     _caller_metadata,
     _check_formats,
+    check_spec,
     _describe_input,
     _Job,
     _modes_restored,
@@ -60,16 +62,23 @@ class ExportSignature:
     first with batch size >= 2 (kept as a tuple); needed by the traced formats (``torch_export``,
     ``torchscript``, ``onnx``), ``None`` when only ``safetensors`` is exported.
 
-    Raises ``TypeError`` when ``module`` is not callable or ``example_inputs`` is not tensors.
+    ``spec``: the signature's dynamic dimensions and ONNX input / output names
+    (:class:`~cadence.torch.ExportSpec`); ``None``: a dynamic batch dimension (the default spec).
+
+    Raises ``TypeError`` when ``module`` is not callable, ``example_inputs`` is not tensors or
+    ``spec`` is not an ``ExportSpec``.
     """
 
     module: nn.Module | Callable[..., Any]
     example_inputs: tuple[Any, ...] | None = None
+    spec: ExportSpec | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.module):
             got = type(self.module).__name__
             raise TypeError(f"ExportSignature.module must be an nn.Module or a callable, got {got}")
+        if self.spec is not None and not isinstance(self.spec, ExportSpec):
+            raise TypeError(f"ExportSignature.spec must be an ExportSpec, got {type(self.spec).__name__}")
         object.__setattr__(self, "example_inputs", _as_inputs(self.example_inputs))
 
 
@@ -86,8 +95,8 @@ def check_signatures(
 
     Raises ``TypeError`` for a non-mapping or a value that is not an :class:`ExportSignature`, and
     ``ValueError`` for a name that is not a safe directory name (``[A-Za-z0-9_.-]+``, not ``.``,
-    ``..`` or ``signatures.json``) or a signature without example inputs when a format traces the
-    model; each error names the signature.
+    ``..`` or ``signatures.json``), a signature without example inputs when a format traces the
+    model, or a spec that does not fit its example inputs; each error names the signature.
     """
     formats = _check_formats(formats)
     if not isinstance(signatures, Mapping):
@@ -109,6 +118,11 @@ def check_signatures(
                 f"give ExportSignature(module, example_inputs=(tensor, ...)), batch dimension first "
                 f"with batch size >= 2"
             )
+        if sig.spec is not None and sig.example_inputs is not None and _traced(formats):
+            try:
+                check_spec(sig.spec, sig.example_inputs)
+            except ValueError as e:
+                raise ValueError(f"export signature {name!r}: {e}") from e
         out[name] = sig
     return out
 
@@ -148,7 +162,7 @@ def export_model_signatures(
     extra = _caller_metadata(metadata)
     storage = Storage(directory)
     modules = {name: _signature_module(sig, model) for name, sig in checked.items()}
-    jobs = {name: _Job(modules[name], checked[name].example_inputs) for name in checked}
+    jobs = {name: _Job(modules[name], checked[name].example_inputs, checked[name].spec) for name in checked}
     with _modes_restored(list(modules.values())), _staging(storage) as stage:
         for name, job in jobs.items():
             os.makedirs(os.path.join(stage, name))

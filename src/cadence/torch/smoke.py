@@ -216,7 +216,10 @@ class _Smoke:
             summary_interval=None, max_to_keep=None, keep_every_n_steps=None, recovery=None,
             save_on_preemption=False, in_process_validation=True,
         )
+        if t.get("lr_schedule") is not None:  # the same schedule, over the smoke run's steps
+            t["lr_schedule"]["warmup_steps"] = min(t["lr_schedule"]["warmup_steps"], self.steps)
         data["checkpoint"] = {"async_save": False}
+        data["loggers"] = {}  # a smoke run logs into no experiment tracker
         data["eval_spec"] = {"throttle_secs": 0.0, "start_delay_secs": 0.0}
         if data.get("export") is not None:
             data["export"]["on"] = "final"  # no exporter action: the export stage exports, once

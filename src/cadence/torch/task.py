@@ -12,6 +12,7 @@ from cadence.torch.batch import first_tensor
 from cadence.torch.context import Context
 
 if TYPE_CHECKING:  # signatures imports this module
+    from cadence.torch.export_formats import ExportSpec
     from cadence.torch.signatures import ExportSignature
 
 
@@ -168,6 +169,31 @@ class Task(abc.ABC):
             f"on the task to return a tuple of tensors for model(*inputs), batch dimension first "
             f"with batch size >= 2, e.g. `def example_inputs(self): return (torch.zeros(2, 8),)`"
         )
+
+    def export_spec(self) -> ExportSpec:
+        """Which dimensions of :meth:`example_inputs` the traced exports keep dynamic, and the ONNX
+        input / output names: a :class:`cadence.torch.ExportSpec`.
+
+        Default ``ExportSpec()``: dim 0 of every input is one dynamic ``batch`` dimension (static
+        shapes, with a warning, when the model cannot be exported so). Declare others as
+        ``torch.export``'s ``dynamic_shapes`` does, one entry per input, a dimension by name, by
+        ``(name, min, max)`` or as a ``torch.export.Dim`` (the same name in two places is one size)::
+
+            def example_inputs(self):
+                return (torch.zeros(2, 32, dtype=torch.long),)     # (batch, seq), seq <= 32
+
+            def export_spec(self):
+                return ExportSpec(dynamic_dims=[{0: "batch", 1: ("seq", 1, 32)}],
+                                  input_names=["tokens"], output_names=["logits"])
+
+        ``torch_export`` and ``onnx`` then accept any batch and sequence length in bounds; a
+        ``torchscript`` trace cannot declare them (it records the shapes it saw where the model
+        computes with them). Declared dimensions that the model fixes fail the export, naming them;
+        a config-driven run checks the declaration against :meth:`example_inputs` before training.
+        """
+        from cadence.torch.export_formats import ExportSpec
+
+        return ExportSpec()
 
     def export_signatures(self, model: nn.Module) -> Mapping[str, ExportSignature]:
         """Named inference signatures to export, each an :class:`cadence.torch.ExportSignature`

@@ -7,14 +7,14 @@ import functools
 import hashlib
 import logging
 import warnings
-from typing import Any, Iterable, Iterator, Mapping, TypeGuard
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeGuard
 
 import torch
 from torch import nn
 
 from cadence.checkpoint.background import Pending, Worker
 from cadence.checkpoint.protocol import CheckpointReader, CheckpointWriter, ShardTarget, Stateful
-from cadence.errors import CheckpointError
+from cadence.errors import CheckpointError, ConfigError
 from cadence.torch.batch import move_to_device
 from cadence.torch.context import Context
 from cadence.torch.precision import resolve_precision
@@ -38,6 +38,7 @@ from cadence.torch import data_state, sharded_checkpoint, sharding, tensor_tree
 from cadence.torch.shard_writes import ShardWrites, files_of
 from cadence.torch.step_logs import FOLD, ScalarSum, add_extras, split_output
 from cadence.torch.task import Task
+from cadence.watchdog import unwatched
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,8 @@ class TorchTrainer:
     def train_data(self) -> Iterable[Any]:
         """The training input (built from the task on first use)."""
         if self._train_data is None:
-            self._train_data = self.task.build_inputs("train", self.ctx)
+            with unwatched(self.ctx.heartbeat):  # a slow build (a download) is no hang
+                self._train_data = self.task.build_inputs("train", self.ctx)
         return self._train_data
 
     def initialize(self) -> None:
@@ -606,6 +608,7 @@ def build_runners(
     train: bool = True,
     evaluate: bool = True,
     strategy: str = "ddp",
+    lr_schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> tuple[TorchTrainer | None, TorchEvaluator | None]:
     """``(trainer, evaluator)`` sharing one model built by ``task.build_model()`` on ``ctx.device``.
 
@@ -620,6 +623,10 @@ def build_runners(
     collective), before the optimizer is built over its sharded parameters; the evaluator runs
     the same sharded module. ``ValueError`` for an unknown strategy or ``precision="fp16"`` with
     ``"fsdp"``.
+
+    ``lr_schedule``: builds the LR scheduler from the optimizer (the config's
+    ``trainer.lr_schedule``) when the task's ``build_lr_scheduler`` returns ``None``; a
+    :class:`~cadence.errors.ConfigError` when it returns a scheduler too.
     """
     if not (train or evaluate):
         raise ValueError("build_runners: nothing to build (train=False and evaluate=False)")
@@ -635,11 +642,19 @@ def build_runners(
         else:
             wrapped = ctx.wrap_model(model)
         optimizer = task.build_optimizer(model)
+        scheduler = task.build_lr_scheduler(optimizer)
+        if lr_schedule is not None:
+            if scheduler is not None:
+                raise ConfigError(
+                    f"trainer.lr_schedule is set, and {type(task).__name__}.build_lr_scheduler() returns a "
+                    f"{type(scheduler).__name__} too: remove one of them"
+                )
+            scheduler = lr_schedule(optimizer)
         trainer = TorchTrainer(
             task,
             wrapped,
             optimizer,
-            task.build_lr_scheduler(optimizer),
+            scheduler,
             ctx=ctx,
             precision=precision,
             grad_accum_steps=grad_accum_steps,
