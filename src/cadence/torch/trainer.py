@@ -392,9 +392,9 @@ class TorchTrainer:
         return self._staging
 
     def _capture(self, *, copy: bool, reuse: TrainerSnapshot | None = None) -> TrainerSnapshot:
-        state = {"global_step": self._global_step, "rng": self._rng_states(),
-                 "data": copy_module.deepcopy(self._data_state())}
         ranks_data, self._gathered_data = self._gathered_data, None  # used once, like the RNG states
+        own = ranks_data[self.ctx.rank] if ranks_data is not None else self._data_state()  # not read twice
+        state = {"global_step": self._global_step, "rng": self._rng_states(), "data": copy_module.deepcopy(own)}
         if ranks_data is not None and any(d != state["data"] for d in ranks_data):
             state["rank_data"] = ranks_data  # per-rank loader states (a StatefulDataLoader's own shard)
         if self._sharded:
