@@ -240,7 +240,12 @@ def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
         root.setLevel(max(root.getEffectiveLevel(), logging.WARNING))
     from cadence.torch.experiment import run_evaluation
 
-    step, metrics = run_evaluation(cfg, args.checkpoint)
+    try:
+        step, metrics = run_evaluation(cfg, args.checkpoint)
+    except BaseException:
+        end_distributed(ok=False)
+        raise
+    end_distributed(ok=True)  # under torchrun: a gloo group left to the interpreter's exit can abort it
     result = json.dumps({"step": step, **{k: json_value(v) for k, v in metrics.items()}})
     if env_rank() == 0:  # under torchrun: one line, from the chief
         target = os.environ.pop(_RESULT_ENV, None)
