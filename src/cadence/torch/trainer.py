@@ -36,6 +36,7 @@ from cadence.torch.state import (
 )
 from cadence.torch import data_state, sharded_checkpoint, sharding, tensor_tree
 from cadence.torch.shard_writes import ShardWrites, files_of
+from cadence.torch.step_hooks import StepHook
 from cadence.torch.step_logs import FOLD, ScalarSum, add_extras, split_output
 from cadence.torch.task import Task
 from cadence.watchdog import unwatched
@@ -58,6 +59,8 @@ class TorchTrainer:
     a gradient scaler); raises ``RuntimeError`` at construction if the device cannot run it.
     ``grad_accum_steps``: batches per optimizer step (the loss is divided by it).
     ``grad_clip_norm``: clip the global gradient norm to this value (``None``: no clipping).
+    ``step_hooks``: :class:`~cadence.torch.step_hooks.StepHook` s called after each optimizer step
+    (appended to :attr:`step_hooks` later, too).
 
     ``model`` may be DDP-wrapped or sharded by FSDP2 (:func:`cadence.torch.sharding.shard_model`,
     ``trainer.strategy: fsdp``): then gradient accumulation skips the reduce-scatter on all but
@@ -79,6 +82,7 @@ class TorchTrainer:
         grad_accum_steps: int = 1,
         grad_clip_norm: float | None = None,
         train_data: Iterable[Any] | None = None,
+        step_hooks: Iterable[StepHook] = (),
     ) -> None:
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
@@ -102,6 +106,7 @@ class TorchTrainer:
         self.grad_accum_steps = int(grad_accum_steps)
         self.grad_clip_norm = grad_clip_norm
         self._train_data = train_data
+        self.step_hooks: list[StepHook] = list(step_hooks)
         self._iterator: Iterator[Any] | None = None
         self._global_step = 0
         self._batches_consumed = 0  # for replay when the data is not stateful
@@ -177,6 +182,7 @@ class TorchTrainer:
         plain = k == 1 and autocast is None and scaler is None and not place
         train_step, forward_backward, step_optimizer = task.train_step, self._forward_backward, optimizer.step
         heartbeat = self.ctx.heartbeat  # the watchdog's: one beat per step
+        hooks, start_step = self.step_hooks, self._global_step
         # Detached per-micro-batch losses stay on the device until the end (no per-step sync).
         losses: list[torch.Tensor] = []
         extras_acc: dict[str, ScalarSum] = {}
@@ -244,6 +250,9 @@ class TorchTrainer:
                     else:
                         scheduler.step()
                 steps += 1
+                if hooks:
+                    for hook in hooks:
+                        hook.after_step(start_step + steps)
                 if heartbeat is not None:
                     heartbeat.beats += 1
                 if len(losses) >= FOLD:  # bound memory on very long loops: one on-device sum
