@@ -1,6 +1,6 @@
 """``make bench``: run every benchmark, write ``results/latest.json`` and ``results/latest.md``.
 
-    python benchmarks/run.py [--only loop,checkpoint,sharded,sidecar,resume,goodput] [--quick]
+    python benchmarks/run.py [--only loop,checkpoint,sharded,sidecar,resume,goodput,profiler,throughput,ema,compile] [--quick]
 
 ``--only`` updates those entries of ``latest.json`` and keeps the others. ``--quick`` runs the
 benchmarks that have a quick mode (the checkpoint one: two tiny sizes, one repeat, every load
@@ -25,11 +25,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import checkpoint_throughput  # noqa: E402
+import compile_speed  # noqa: E402
+import ema_overhead  # noqa: E402
 import goodput  # noqa: E402
 import loop_overhead  # noqa: E402
+import profiler_overhead  # noqa: E402
 import resume_cost  # noqa: E402
 import sharded_checkpoint  # noqa: E402
 import sidecar_latency  # noqa: E402
+import throughput_overhead  # noqa: E402
 
 BENCHMARKS = {
     "loop": loop_overhead.run,
@@ -38,6 +42,10 @@ BENCHMARKS = {
     "sidecar": sidecar_latency.run,
     "resume": resume_cost.run,
     "goodput": goodput.run,  # 2 ranks killed every N s vs. no faults (--quick: 150 steps)
+    "compile": compile_speed.run,  # charlm eager vs. trainer.compile (inductor, CPU); --quick: aot_eager
+    "profiler": profiler_overhead.run,  # the loop with the profiler outside its window vs. none
+    "throughput": throughput_overhead.run,  # the loop logging samples/s, tokens/s, MFU vs. not
+    "ema": ema_overhead.run,  # the loop keeping an EMA of the weights (every step) vs. not
 }
 
 
@@ -87,6 +95,14 @@ def markdown(results: dict, reproduce: str = "make bench") -> str:
         lines.append(f"\nTarget: {r['target']}.\n")
     if "goodput" in results:
         lines += goodput.markdown_lines(results["goodput"])
+    if "compile" in results:
+        lines += compile_speed.markdown_lines(results["compile"])
+    if "profiler" in results:
+        lines += profiler_overhead.markdown_lines(results["profiler"])
+    if "throughput" in results:
+        lines += throughput_overhead.markdown_lines(results["throughput"])
+    if "ema" in results:
+        lines += ema_overhead.markdown_lines(results["ema"])
     return "\n".join(lines)
 
 

@@ -8,6 +8,8 @@
     cadence smoke CONFIG [--set key=value ...] [--steps N] [--keep DIR]
     cadence ls MODEL_DIR
     cadence report MODEL_DIR [--out PATH]      (needs matplotlib: pip install 'cadence[report]')
+    cadence sweep CONFIG --space SPACE.yaml --trials N [--parallel K] [--sweep-dir DIR] [--sidecar] [--set ...]
+    cadence ls SWEEP_DIR / cadence report SWEEP_DIR   (a sweep's trials; needs optuna: pip install 'cadence[sweep]')
 
 Exit status: 0 success; 1 a run failed (the message says why); 2 bad input (config, override,
 arguments) -- one readable line naming the offending field, no traceback.
@@ -67,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--take-over", action="store_true",
                        help="take the model dir's writer lease from the trainer holding it (that trainer can no "
                             "longer commit); for a holder that is gone on another machine, or stuck")
+    train.add_argument("--profile", action="store_true",
+                       help="trace training steps with torch.profiler into MODEL_DIR/profile/, one trace per rank: "
+                            "the config's profiler section, else its defaults (steps 13-15)")
     multi = train.add_argument_group(
         "multi-process training", "start the ranks through torch's launcher (python -m torch.distributed.run); "
         "under an external torchrun, leave these out: each rank picks up its place from the environment")
@@ -131,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     smoke.add_argument("--keep", default=None, metavar="DIR",
                        help="use DIR (new or empty) as the model dir and keep it (default: a temp dir, removed)")
 
-    ls = sub.add_parser("ls", help="list a model dir's committed checkpoints")
+    ls = sub.add_parser("ls", help="list a model dir's committed checkpoints (or a sweep dir's trials)")
     ls.add_argument("model_dir", help="model directory (local path or fsspec URL)")
     ls.add_argument("--verify", action="store_true",
                     help="read every checkpoint's files against its manifest and mark those that do not match "
@@ -140,10 +145,29 @@ def _parser() -> argparse.ArgumentParser:
                     help="print the listing as one JSON object (every checkpoint with its time, size, marks and "
                          "eval metrics; the best checkpoint) instead of a table")
 
-    report = sub.add_parser("report", help="write a self-contained HTML run report (and a PNG of the plots)")
+    report = sub.add_parser("report", help="write a self-contained HTML run report (and a PNG of the plots); "
+                            "of a sweep dir: its trials' curves and parameter importances")
     report.add_argument("model_dir", help="model directory (local path or fsspec URL)")
     report.add_argument("--out", default=None, metavar="PATH",
                         help="the HTML page to write (default: MODEL_DIR/report.html); the PNG goes next to it")
+
+    sweep = sub.add_parser("sweep", help="search hyperparameters on Optuna: trials of the config in SWEEP_DIR/trial-<n>/, "
+                           "bad ones pruned from their evaluations; run it again to resume")
+    sweep.add_argument("config", help="experiment config (YAML)")
+    sweep.add_argument("--space", required=True, metavar="SPACE.yaml",
+                       help="the search space: params (config keys with float, int or categorical ranges), sampler, "
+                            "seed, metric, direction, pruner")
+    sweep.add_argument("--trials", type=int, required=True, metavar="N", help="trials in the study, in all")
+    sweep.add_argument("--parallel", type=int, default=1, metavar="K", help="trials run at once, each a process (default 1)")
+    sweep.add_argument("--sweep-dir", default=None, metavar="DIR",
+                       help="the sweep's local directory: study.db, trial-<n>/, best (default: the config's model_dir)")
+    sweep.add_argument("--sidecar", action="store_true",
+                       help="run each trial with a sidecar evaluator (cadence launch --sidecar), which reports to the "
+                            "pruner; also when the config has trainer.in_process_validation: false")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value of every trial (repeatable)")
+    sweep.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
+                       help="seconds between SIGTERM and SIGKILL when stopping the trials (default 30)")
     return parser
 
 
@@ -159,6 +183,8 @@ def _load(args: argparse.Namespace):
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
+    if args.profile and _load(args).profiler is None:  # an override: the ranks of --nproc get it too
+        args.overrides.append("profiler={}")
     if wants_torchrun(args):
         return train_with_torchrun(args, _claim_model_dir(args, _load(args), check=True), console)
     rank = env_rank()
@@ -347,6 +373,12 @@ def _cmd_export(args: argparse.Namespace, console: Console) -> int:
 def _cmd_ls(args: argparse.Namespace, console: Console) -> int:
     import shutil
 
+    from cadence.sweep.study import is_sweep_dir
+
+    if is_sweep_dir(args.model_dir):
+        from cadence.sweep.command import ls_sweep
+
+        return ls_sweep(args)
     from cadence.listing import format_table, list_checkpoints
 
     listing = list_checkpoints(args.model_dir, verify=args.verify)
@@ -361,7 +393,12 @@ def _cmd_ls(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_report(args: argparse.Namespace, console: Console) -> int:
     from cadence.report import build_report
+    from cadence.sweep.study import is_sweep_dir
 
+    if is_sweep_dir(args.model_dir):
+        from cadence.sweep.command import report_sweep
+
+        return report_sweep(args)
     paths = build_report(args.model_dir, args.out)
     print(paths.html)
     print(paths.png)
@@ -411,8 +448,14 @@ def _cmd_smoke(args: argparse.Namespace, console: Console) -> int:
     return failed.exception.exit_code if isinstance(failed.exception, CadenceError) else 1
 
 
+def _cmd_sweep(args: argparse.Namespace, console: Console) -> int:
+    from cadence.sweep.command import run_sweep
+
+    return run_sweep(args)
+
+
 COMMANDS = {"train": _cmd_train, "evaluate": _cmd_evaluate, "launch": _cmd_launch, "export": _cmd_export,
-            "ls": _cmd_ls, "report": _cmd_report, "smoke": _cmd_smoke}
+            "ls": _cmd_ls, "report": _cmd_report, "smoke": _cmd_smoke, "sweep": _cmd_sweep}
 
 
 _CHATTY_LIBRARIES = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3")

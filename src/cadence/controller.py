@@ -25,6 +25,7 @@ from cadence.sanity import sanity_check
 from cadence.schedule import (EvalState, EvalThrottle, check_advance, check_interval, check_loop_settings, crossed,
                               segment_target)
 from cadence.summary import SummaryManager
+from cadence.throughput import CountsWork, throughput_logs
 from cadence.watchdog import Heartbeat
 
 logger = logging.getLogger("cadence")
@@ -51,7 +52,9 @@ class Controller:
       summary_dir, eval_summary_dir: where train / eval summaries go (TensorBoard events +
         ``metrics.jsonl``; a nested output's top-level keys get a subdirectory each, as in
         Orbit). ``None``: none; ``eval_summary_dir=None`` uses ``summary_dir``.
-      train_actions: callables run on each inner loop's output (with ``steps_per_second``).
+      train_actions: callables run on each inner loop's output (with ``steps_per_second``, and the
+        rates of :func:`cadence.throughput.throughput_logs` when the trainer is
+        :class:`~cadence.throughput.CountsWork`: ``samples_per_second``, ...; the same elapsed time).
       eval_actions: callables run on each evaluation's metrics.
       callbacks: :class:`~cadence.callbacks.Callback` instances told about the run's events.
       restore_step: the checkpoint restored on construction. ``None``: the latest committed one
@@ -262,6 +265,8 @@ class Controller:
             if after == before:
                 return True
             logs["steps_per_second"] = (after - before) / elapsed if elapsed > 0 else float("inf")
+            if isinstance(trainer, CountsWork):  # samples/s, tokens/s, MFU: over the same elapsed time
+                logs.update(throughput_logs(trainer.loop_work(), elapsed))
             if self.summary_interval is None or crossed(before, after, self.summary_interval):
                 self._train_summaries.write_summaries(after, logs)
                 self._train_summaries.flush()
@@ -464,8 +469,8 @@ class Controller:
             self.stop_reason = "stop requested on another rank"
 
     def _complete(self) -> None:
-        """Save the final checkpoint and mark the run FINAL."""
-        self._session.complete(self.global_step, self.save_checkpoint)
+        """Save the final checkpoint and mark the run FINAL (with the stop's reason, when stopped)."""
+        self._session.complete(self.global_step, self.save_checkpoint, reason=self.stop_reason)
 
     def _progress(self, total: int | None, *, enabled: bool = True) -> ProgressReporter:
         return ProgressReporter(total, initial_step=self.global_step, enabled=self.progress if enabled else False)

@@ -73,3 +73,12 @@ WRITER = ".writer"
 def writer_lease_dir(model_dir: str) -> str:
     """``.writer/``: the writer lease's files (:mod:`cadence.checkpoint.writer_lease`)."""
     return join(model_dir, WRITER)
+
+
+PROFILE = "profile"
+
+
+def profile_dir(model_dir: str) -> str:
+    """``profile/``: the profiler's traces, ``rank<R>.<time>.pt.trace.json[.gz]`` (one per rank and
+    cycle), laid out as TensorBoard's profiler plugin reads a run (:mod:`cadence.torch.profiling`)."""
+    return join(model_dir, PROFILE)

@@ -1,10 +1,11 @@
 """Progress reporting for training and evaluation loops.
 
 On a terminal, :class:`ProgressReporter` draws a rich progress bar: ``step/total``, percentage,
-steps/s, ETA and the latest scalar logs. Elsewhere (CI, pipes, log files) it prints plain lines at
-most every ``log_interval_s`` seconds, and a last one at :meth:`ProgressReporter.close`::
+steps/s, ETA, the latest loop's throughput (:mod:`cadence.throughput`) and scalar logs. Elsewhere
+(CI, pipes, log files) it prints plain lines at most every ``log_interval_s`` seconds, and a last
+one at :meth:`ProgressReporter.close`::
 
-    step 200/600 (33%)  12.3 steps/s  eta 0:00:32  loss=0.1234  accuracy=0.91
+    step 200/600 (33%)  12.3 steps/s  eta 0:00:32  1.57k samples/s  MFU 41.2%  loss=0.1234  accuracy=0.91
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from collections.abc import Mapping
 
 from cadence.summary import flatten_scalars
+from cadence.throughput import MEMORY_KEYS, RATE_KEYS, format_throughput
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -65,6 +67,9 @@ def format_logs(logs: Mapping[str, Any] | None) -> str:
     if not logs:
         return ""
     return "  ".join(f"{k}={format_value(v)}" for k, v in flatten_scalars(logs).items())
+
+
+_THROUGHPUT_KEYS = frozenset((*RATE_KEYS, *MEMORY_KEYS))
 
 
 def _default_enabled() -> bool:
@@ -123,7 +128,9 @@ class ProgressReporter:
         if not self.enabled or self._closed:
             return
         if logs is not None:
-            self._logs = format_logs(logs)
+            rates = format_throughput(logs)  # samples/s, tokens/s, MFU, peak memory: first, in their units
+            rest = format_logs({k: v for k, v in logs.items() if k not in _THROUGHPUT_KEYS})
+            self._logs = "  ".join(part for part in (rates, rest) if part)
         now = _monotonic()
         rolled_back = step < self._step
         if rolled_back:  # e.g. NaN recovery: restart the rate estimate from here

@@ -2,13 +2,15 @@
 
 :func:`build_report` reads a model directory (DESIGN.md's contract) and writes
 
-* ``report.html``: run facts (finished or not, steps, duration, steps/s, best), the metric plots
+* ``report.html``: run facts (finished or not, steps, duration, steps/s, the medians of the
+  throughput -- samples/s, tokens/s, MFU, peak memory -- when logged, best), the metric plots
   (embedded as a base64 PNG), a table of every metric series, the sidecar's evaluations
   (``evaluations.jsonl``), the checkpoint timeline and the resolved ``config.yaml``. Inline CSS,
   no external resource (no ``src=``/``href=`` pointing anywhere), every value HTML-escaped;
 * ``report.png`` next to it (same stem): the figure with all the plots, one subplot per metric
-  on a shared step axis (``train/*`` scalars; each eval metric with one series per eval dir,
-  ``eval/`` and ``eval_<name>/``; the best checkpoint's step as a dashed vertical line).
+  on a shared step axis (``train/*`` scalars, the loss and the throughput first; each eval metric
+  with one series per eval dir, ``eval/`` and ``eval_<name>/``; the best checkpoint's step as a
+  dashed vertical line).
 
 It only reads the model dir (checkpoints through a read-only ``CheckpointManager``); the two
 files are the only writes. Needs matplotlib (``pip install 'cadence[report]'``), imported when a
@@ -34,6 +36,8 @@ from cadence.errors import CadenceError, ConfigError
 from cadence.progress import format_size
 from cadence.storage import Storage
 from cadence.summary import METRICS_FILE, read_metrics
+from cadence.throughput import (MFU, MODEL_TFLOPS_PER_SECOND, PEAK_ALLOCATED_GIB, PEAK_RESERVED_GIB,
+                                SAMPLES_PER_SECOND, TOKENS_PER_SECOND)
 
 __all__ = ["ReportPaths", "build_report"]
 
@@ -45,6 +49,11 @@ _TRAIN_COLOR = "#1f77b4"  # the training series (the browser test looks for this
 _EVAL_COLORS = ("#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
 _BEST_COLOR = "#2ca02c"
 _BAD_COLOR = "#d62728"
+_THROUGHPUT = {  # train series shown after the loss, and their medians among the facts: (label, scale, unit)
+    SAMPLES_PER_SECOND: ("samples/s", 1.0, ""), TOKENS_PER_SECOND: ("tokens/s", 1.0, ""),
+    MODEL_TFLOPS_PER_SECOND: ("model TFLOP/s per device", 1.0, ""), MFU: ("MFU", 100.0, "%"),
+    PEAK_ALLOCATED_GIB: ("peak memory allocated", 1.0, " GiB"), PEAK_RESERVED_GIB: ("peak memory reserved", 1.0, " GiB"),
+}
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,7 @@ class _Run:
     series: list[_Series] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # every recorded wall time
     steps_per_second: list[float] = field(default_factory=list)
+    throughput: dict[str, list[float]] = field(default_factory=dict)  # train samples_per_second, ..., mfu, memory
     last_train_step: int | None = None
     evaluations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # eval dir -> records
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
@@ -147,6 +157,10 @@ def _read_run(model_dir: str, storage: Storage) -> _Run:
     run.times += _times(train)
     run.steps_per_second = [v for r in train if (v := _number(r.get("steps_per_second"))) is not None
                             and math.isfinite(v)]
+    for key in _THROUGHPUT:
+        values = [v for r in train if (v := _number(r.get(key))) is not None and math.isfinite(v)]
+        if values:
+            run.throughput[key] = values
     train_steps = [r["step"] for r in train if isinstance(r.get("step"), int)]
     run.last_train_step = max(train_steps) if train_steps else None
 
@@ -254,6 +268,15 @@ def _literal(text: str) -> str:
     return text.replace("$", r"\$")
 
 
+def _panel_order(panels: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The order of the figure's ``(kind, metric)`` subplots: train before eval; in train the loss,
+    then the throughput (steps/s, samples/s, tokens/s, model TFLOP/s, MFU, memory), then the rest by
+    name; in eval the loss, then the rest by name."""
+    first = {name: i for i, name in enumerate(("loss", "steps_per_second", *_THROUGHPUT))}
+    return sorted(panels, key=lambda k: (k[0] != "train", first.get(k[1], len(first)) if k[0] == "train"
+                                         else int(k[1] != "loss"), k[1]))
+
+
 def _plot(run: _Run) -> bytes:
     """The PNG of every metric against step."""
     groups: dict[tuple[str, str], list[_Series]] = {}
@@ -271,7 +294,7 @@ def _plot(run: _Run) -> bytes:
     colors[layout.TRAIN] = _TRAIN_COLOR
     labels = {name: f"{name} (sidecar)" for name in run.evaluations}
     best_step = run.best.get("step") if run.best else None
-    order = sorted(groups, key=lambda k: (k[0] != "train", k[1] != "loss", k[1]))  # train loss first
+    order = _panel_order(groups)
     for ax, (kind, metric) in zip(axes, order):
         members = groups[(kind, metric)]
         finite = False
@@ -364,6 +387,10 @@ def _facts(run: _Run) -> list[tuple[str, str]]:
     if run.steps_per_second:
         median, last = statistics.median(run.steps_per_second), run.steps_per_second[-1]
         facts.append(("steps/s", f"median {median:.4g}, last {last:.4g} (train steps_per_second)"))
+    for key, (label, scale, unit) in _THROUGHPUT.items():
+        if values := run.throughput.get(key):
+            median, last = statistics.median(values) * scale, values[-1] * scale
+            facts.append((label, f"median {median:.4g}{unit}, last {last:.4g}{unit} (train {key})"))
     if run.best:
         value = run.best.get("value")
         text = f"step {run.best.get('step')}"

@@ -5,7 +5,8 @@ Layout of the managed directory (the model dir's ``checkpoints/``)::
     ckpt-<step>/            one committed checkpoint: its files, state.json, MANIFEST.json (last)
     ckpt-<step>.tmp-<hex>/  a checkpoint being written (local disks); invisible, cleaned at start-up
     ckpt-<step>/.claim      (other stores) who writes ckpt-<step>/: created exclusively before its files
-    FINAL                   {"step": N, "time": ...}: training completed at step N
+    FINAL                   {"step": N, "time": ..., "reason": ...}: training completed at step N
+                            (reason: why it stopped early, when an action stopped it)
     .leases/                readers' leases (not a checkpoint; see :mod:`cadence.checkpoint.leases`)
 """
 
@@ -653,9 +654,11 @@ class CheckpointManager:
 
     # -- FINAL ---------------------------------------------------------------------------------
 
-    def mark_final(self, step: int) -> None:
+    def mark_final(self, step: int, reason: str | None = None) -> None:
         """Record (atomically) that training completed at committed checkpoint ``step``; a
         ``FINAL`` naming ``step`` already is left as it is (its time says when training ended).
+        ``reason``: why training stopped there before its target (an action's stop: early
+        stopping, a sweep's pruner), written as ``FINAL``'s ``reason``; None: none written.
 
         Raises :class:`CheckpointError` when ``step`` is not committed or this is a reader.
         """
@@ -665,7 +668,7 @@ class CheckpointManager:
         self._require_committed(step)
         if self.final_step() == step:
             return
-        data = json.dumps({"step": step, "time": time.time()}).encode()
+        data = json.dumps({"step": step, "time": time.time(), **({"reason": reason} if reason else {})}).encode()
         try:
             self.storage.write_atomic(self.storage.join(FINAL_NAME), data)
         except OSError as e:

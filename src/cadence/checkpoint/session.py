@@ -147,13 +147,14 @@ class CheckpointSession:
         self.report_commits()
         return path
 
-    def complete(self, step: int, save: Callable[[], object]) -> None:
-        """The run is complete at ``step``: ``save()`` its checkpoint, then mark it ``FINAL``."""
+    def complete(self, step: int, save: Callable[[], object], reason: str | None = None) -> None:
+        """The run is complete at ``step``: ``save()`` its checkpoint, then mark it ``FINAL``
+        (``reason``: why it stopped before its target -- an action's stop -- recorded in ``FINAL``)."""
         if self.manager is None:
             return
         save()
         if self.coordinator.is_chief:
-            self.manager.mark_final(step)  # waits for an asynchronous commit
+            self.manager.mark_final(step, reason=reason)  # waits for an asynchronous commit
         self.report_commits()
 
     def reopen_if_final(self, target: int | None) -> None:

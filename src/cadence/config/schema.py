@@ -30,6 +30,8 @@ __all__ = [
     "CallbackConfig",
     "CheckpointConfig",
     "ClassSpec",
+    "CompileConfig",
+    "EMAConfig",
     "EarlyStoppingConfig",
     "EvalSpecConfig",
     "ExperimentConfig",
@@ -39,9 +41,12 @@ __all__ = [
     "LoggersConfig",
     "MLflowConfig",
     "Precision",
+    "ProfilerConfig",
+    "PrunerConfig",
     "Strategy",
     "RecoveryConfig",
     "SidecarConfig",
+    "SweepTrialConfig",
     "TaskConfig",
     "TrainerConfig",
     "WandbConfig",
@@ -200,6 +205,78 @@ class LRScheduleConfig(_Model):
     )
 
 
+class EMAConfig(_Model):
+    """An exponential moving average (EMA) of the weights, kept on the device beside them (one more copy of
+    the floating-point parameters and buffers; under `fsdp` sharded like the parameters). At every global step
+    that is a multiple of `every_n_steps`: at a step up to `start_step` the EMA is set to the weights; after
+    it, `ema = decay * ema + (1 - decay) * weights` (the decay applies per update, not per step). Float
+    buffers (BatchNorm statistics) are averaged too; integer ones are the model's. Every checkpoint holds it
+    (`ema.safetensors`, or the `ema` shards); evaluations (in-process, sidecar, `cadence evaluate`) report
+    the EMA weights' metrics under their plain names, which `best_checkpoint` and `early_stopping` see, and
+    exports are of the EMA weights."""
+
+    decay: float = Field(
+        default=0.999, gt=0, lt=1, allow_inf_nan=False,
+        description="Weight of the old average in each update; the average spans about `every_n_steps / (1 - decay)` steps.",
+    )
+    start_step: int = Field(
+        default=0, ge=0, strict=True,
+        description="Updates at global steps up to this one copy the weights; averaging starts after it.",
+    )
+    every_n_steps: int = Field(
+        default=1, ge=1, strict=True, description="Update the EMA at every global step that is a multiple of this.",
+    )
+    evaluate_raw: StrictBool = Field(
+        default=True,
+        description="Also evaluate the raw (not averaged) weights, reported as `raw/<metric>` (a second evaluation).",
+    )
+
+
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+COMPILE_FORM = "true, false, a mapping {backend, mode, fullgraph, dynamic}"
+
+
+class CompileConfig(_Model):
+    """`torch.compile` of the model's forward (and so its backward), in place: the module and its
+    `state_dict` keys stay as they are, so checkpoints are the same as an eager run's (no `_orig_mod.`
+    prefix) and resume either way. One process and DDP compile the whole model (before the DDP wrap);
+    `fsdp` on several ranks compiles each unit `Task.fsdp_units` names before sharding it (the rest runs
+    eagerly). The evaluator shares the model and runs compiled too (so do the sidecar and `cadence
+    evaluate`); exports always trace the eager forward. Costs: the first training step and the first
+    evaluation each compile (seconds on small models, minutes on large ones, in every process: each rank,
+    each sidecar, each resume), and a new input shape, dtype or mode may compile again (a last, smaller
+    batch: once, as a dynamic shape); steps after it run faster where the backend's kernels pay (GPUs
+    mostly; on CPU often little). A failure to compile stops the run with one line (exit 2)."""
+
+    backend: str = Field(
+        default="inductor", min_length=1,
+        description=("`torch.compile`'s backend: `inductor` (generated kernels), or another name "
+                     "`torch._dynamo.list_backends()` knows (`aot_eager`: traced, no kernels of its own; checked "
+                     "when the model is built)."),
+    )
+    mode: CompileMode = Field(
+        default="default",
+        description=("inductor's mode: `default`, `reduce-overhead` (CUDA graphs: less launch overhead, more "
+                     "memory), `max-autotune` (benchmarks kernel choices: a much longer compile) or "
+                     "`max-autotune-no-cudagraphs`. Other backends take none."),
+    )
+    fullgraph: StrictBool = Field(
+        default=False,
+        description="`true`: a graph break (code dynamo cannot trace) is an error instead of running that part eagerly.",
+    )
+    dynamic: StrictBool | None = Field(
+        default=None, json_schema_extra={"expected": "true or false"},
+        description=("`true`: compile for dynamic shapes from the start; `false`: one graph per shape; `null`: "
+                     "static first, dynamic once a shape changes (torch's default)."),
+    )
+
+    @model_validator(mode="after")
+    def _mode_is_inductor_s(self) -> CompileConfig:
+        if self.mode != "default" and self.backend != "inductor":
+            raise ValueError(f"mode {self.mode!r} is inductor's; backend {self.backend!r} takes no mode")
+        return self
+
+
 class SidecarConfig(_Model):
     """The sidecar evaluator (`cadence evaluate --continuous`, `cadence launch --sidecar`)."""
 
@@ -308,6 +385,17 @@ class TrainerConfig(_Model):
                      "`build_lr_scheduler` returns `None` (giving both is an error). Its state is checkpointed "
                      "like any scheduler's. `null`: none."),
     )
+    ema: EMAConfig | None = Field(
+        default=None,
+        description=("Keep an exponential moving average of the weights, e.g. `{decay: 0.999}`; evaluations and "
+                     "exports use it. `null`: off."),
+    )
+    compile: CompileConfig | None = Field(
+        default=None, json_schema_extra={"expected": COMPILE_FORM},
+        description=("`torch.compile` the model: `true` (inductor, its defaults), or a mapping, e.g. `{backend: "
+                     "inductor, mode: max-autotune, fullgraph: true}`; checkpoints are the same as an eager run's. "
+                     "`false` / `null` (the default): eager."),
+    )
     device: str = Field(
         default="auto", json_schema_extra={"expected": DEVICE_FORM},
         description="`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`.",
@@ -332,6 +420,22 @@ class TrainerConfig(_Model):
                      "restart the job from its last checkpoint (`cadence train --max-restarts`); longer than "
                      "the slowest step, evaluation batch, save or export of the best model. `null`: no watchdog."),
     )
+    peak_tflops: float | None = Field(
+        default=None, gt=0, strict=True, allow_inf_nan=False,
+        description=("The peak TFLOP/s of one device at the run's precision, for model FLOP utilisation (`mfu` in "
+                     "the train summaries: the model's training FLOP/s per device over this peak); the FLOPs per "
+                     "sample come from `Task.flops_per_sample()` or are counted once by cadence. `null`: a CUDA "
+                     "GPU's dense tensor-core peak from cadence's table (A100, H100, H200, L4, L40S, ...), no MFU on "
+                     "other devices."),
+    )
+    log_throughput: StrictBool = Field(
+        default=True,
+        description=("Log each loop's throughput in the train summaries and the progress line: `samples_per_second` "
+                     "(`Task.batch_size_of` of every batch), `tokens_per_second` (with `Task.tokens_per_batch`), "
+                     "`model_tflops_per_second` and `mfu` (see `peak_tflops`), and on CUDA "
+                     "`memory/peak_allocated_gib` and `memory/peak_reserved_gib`. `false`: only `steps_per_second`; "
+                     "nothing is counted per batch and no FLOPs are counted."),
+    )
     save_on_preemption: StrictBool = Field(
         default=True,
         description="On SIGTERM, SIGUSR1 or SIGINT, commit a checkpoint at the end of the current loop and exit 0.",
@@ -351,6 +455,16 @@ class TrainerConfig(_Model):
             return "32"
         if isinstance(value, str):
             return value.strip().lower()
+        return value
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_shorthand(cls, value: Any) -> Any:
+        """``true``: compile with the defaults; ``false``: off (as null)."""
+        if value is True:
+            return {}
+        if value is False:
+            return None
         return value
 
     @model_validator(mode="after")
@@ -449,6 +563,47 @@ class WandbConfig(_Model):
     tags: list[str] = Field(default_factory=list, description="Tags of the run.")
 
 
+class ProfilerConfig(_Model):
+    """`torch.profiler` traces of chosen training steps (`cadence train --profile` turns it on with these
+    defaults: steps 13-15). The window is `torch.profiler.schedule`'s, in global steps (a resumed run keeps it):
+    steps 1 to `skip_first` are skipped, then each cycle waits `wait` steps, warms up `warmup` and records
+    `active` into one trace per rank, `MODEL_DIR/profile/rank<R>.<time>.pt.trace.json` (TensorBoard's profiler
+    plugin, Perfetto, chrome://tracing). No profiler exists outside the warmup and recorded steps; an
+    evaluation or checkpoint between loops inside them is recorded too, and the step that ends a cycle
+    waits for its trace to be written. A cycle is cut at `trainer.train_steps`; a run resumed inside a cycle's
+    recorded steps skips that cycle."""
+
+    skip_first: int = Field(
+        default=10, ge=0, strict=True,
+        description="Global steps before the first cycle (its first wait step is `skip_first + 1`).",
+    )
+    wait: int = Field(default=1, ge=0, strict=True, description="Steps at the start of each cycle without a profiler.")
+    warmup: int = Field(
+        default=1, ge=0, strict=True,
+        description=("Steps profiled and discarded before the recorded ones (the profiler's own start-up); "
+                     "0 skews the first recorded step."),
+    )
+    active: int = Field(default=3, ge=1, strict=True, description="Steps recorded into each trace.")
+    repeat: int = Field(default=1, ge=0, strict=True, description="How many cycles; 0: cycle after cycle until training ends.")
+    record_shapes: StrictBool = Field(
+        default=False,
+        description="Record every op's input shapes (the plugin groups ops by shape); more time per op, bigger traces.",
+    )
+    profile_memory: StrictBool = Field(
+        default=False,
+        description="Track every tensor allocation and free (the memory view); more time per op, bigger traces.",
+    )
+    with_stack: StrictBool = Field(
+        default=False,
+        description=("Record the Python stack (file:line) of every op (the plugin's call stacks); more time per op "
+                     "and traces about 3x bigger."),
+    )
+    gzip: StrictBool = Field(
+        default=False,
+        description="Write `.pt.trace.json.gz` (about 10x smaller; the plugin and Perfetto read both).",
+    )
+
+
 class LoggersConfig(_Model):
     """Experiment trackers the chief (and each sidecar) logs the run into, besides TensorBoard and
     `metrics.jsonl` (always written). Each is off unless its section is given (`mlflow: {}` turns
@@ -456,6 +611,82 @@ class LoggersConfig(_Model):
 
     mlflow: MLflowConfig | None = Field(default=None, description="MLflow; `null`: off.")
     wandb: WandbConfig | None = Field(default=None, description="Weights & Biases; `null`: off.")
+
+
+PrunerKind = Literal["median", "successive_halving", "hyperband", "none"]
+_PRUNER_FIELDS: dict[str, tuple[str, ...]] = {
+    "median": ("n_startup_trials", "n_warmup_steps", "interval_steps", "n_min_trials"),
+    "successive_halving": ("min_resource", "reduction_factor", "min_early_stopping_rate", "bootstrap_count"),
+    "hyperband": ("min_resource", "max_resource", "reduction_factor", "bootstrap_count"),
+    "none": (),
+}
+"""The settings each pruner kind takes (``cadence.sweep`` builds Optuna's pruner from them)."""
+
+
+class PrunerConfig(_Model):
+    """Optuna's pruner of a sweep: after each evaluation of a trial it compares the trial's value at that global
+    step with the other trials' and may stop it (`cadence sweep`; the space file's `pruner:`). Steps are global
+    training steps. A setting only other kinds take is an error (but at its default); one left out is Optuna's default."""
+
+    kind: PrunerKind = Field(
+        default="median",
+        description=("`median` (stop a trial worse than the median of the completed trials at the same step), "
+                     "`successive_halving` (ASHA's rungs), `hyperband` (several successive-halving brackets) "
+                     "or `none` (no pruning)."),
+    )
+    n_startup_trials: int = Field(
+        default=5, ge=0, strict=True, description="median: no pruning until this many trials have completed.")
+    n_warmup_steps: int = Field(
+        default=0, ge=0, strict=True, description="median: no pruning of a trial before this global step.")
+    interval_steps: int = Field(
+        default=1, ge=1, strict=True, description="median: prune only at steps this many steps after the warmup.")
+    n_min_trials: int = Field(
+        default=1, ge=1, strict=True, description="median: trials reported at a step needed before pruning at it.")
+    min_resource: int | None = Field(
+        default=None, ge=1, strict=True,
+        description=("successive_halving, hyperband: the global step of the first rung; `null`: Optuna's default "
+                     "(successive halving: estimated from the first completed trial; hyperband: 1)."),
+    )
+    max_resource: int | None = Field(
+        default=None, ge=1, strict=True,
+        description="hyperband: the global step a trial trains to (`trainer.train_steps`); `null`: estimated.",
+    )
+    reduction_factor: int | None = Field(
+        default=None, ge=2, strict=True,
+        description="successive_halving, hyperband: 1 in this many trials goes on at each rung; `null`: 4 / 3.",
+    )
+    min_early_stopping_rate: int = Field(
+        default=0, ge=0, strict=True, description="successive_halving: the first rung is at min_resource * factor**rate.")
+    bootstrap_count: int = Field(
+        default=0, ge=0, strict=True,
+        description=("successive_halving, hyperband: a trial goes on past a rung only once more than this many "
+                     "trials reached it (until then it is pruned there); `0`: no such wait."),
+    )
+
+    @model_validator(mode="after")
+    def _settings_of_its_kind(self) -> PrunerConfig:
+        # (a setting at its default is no choice: a saved config.yaml holds every one)
+        foreign = sorted(name for name in self.model_fields_set - {"kind"} - set(_PRUNER_FIELDS[self.kind])
+                         if getattr(self, name) != type(self).model_fields[name].default)
+        if foreign:
+            raise ValueError(f"the {self.kind} pruner takes {', '.join(_PRUNER_FIELDS[self.kind]) or 'no settings'}, "
+                             f"not {', '.join(foreign)}")
+        return self
+
+
+class SweepTrialConfig(_Model):
+    """Written by `cadence sweep` into each trial's `config.yaml`: the Optuna trial this run is. Each evaluation
+    (in-process, or the sidecar's) reports `metric` at its global step to the trial; when the pruner says so the
+    run stops cleanly (final checkpoint, `FINAL` with the reason) and `MODEL_DIR/pruned.json` records why. A
+    resumed trial reports to the same Optuna trial (a step reported before keeps its first value)."""
+
+    storage: str = Field(
+        min_length=1, description="The study's storage: an SQLAlchemy URL (`sqlite:////abs/SWEEP_DIR/study.db`).")
+    study_name: str = Field(min_length=1, description="The study's name in the storage.")
+    trial_number: int = Field(ge=0, strict=True, description="The trial's number in the study (`trial-<n>/`).")
+    metric: str = Field(min_length=1, description="The eval metric reported (a key, or `a/b` for a nested one).")
+    direction: Literal["maximize", "minimize"] = Field(description="Whether larger or smaller values are better.")
+    pruner: PrunerConfig = Field(default_factory=PrunerConfig, description="The study's pruner.")
 
 
 class ExperimentConfig(_Model):
@@ -486,6 +717,16 @@ class ExperimentConfig(_Model):
         default_factory=LoggersConfig,
         description=("Experiment trackers (MLflow, Weights & Biases) to log params, metrics, the best checkpoint and "
                      "the final export into; none by default."),
+    )
+    profiler: ProfilerConfig | None = Field(
+        default=None,
+        description=("Trace chosen training steps with `torch.profiler` into `MODEL_DIR/profile/`; `null`: off "
+                     "(`cadence train --profile` turns it on with its defaults)."),
+    )
+    sweep_trial: SweepTrialConfig | None = Field(
+        default=None,
+        description=("Set by `cadence sweep` in each trial's `config.yaml`: the Optuna trial the run reports its "
+                     "evaluations to and that may prune it; `null`: not a sweep trial."),
     )
 
     _config_dir: Path | None = PrivateAttr(default=None)

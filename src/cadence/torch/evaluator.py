@@ -17,6 +17,7 @@ from cadence.errors import ValidationOutputError
 from cadence.metrics import MetricReducer, merge_slot_states, slot_states
 from cadence.torch.batch import move_to_device
 from cadence.torch.context import Context
+from cadence.torch.ema import ModelEMA, raw_metrics
 from cadence.torch.metrics import TorchMetricsReducer, as_reducer
 from cadence.torch.precision import resolve_precision
 from cadence.torch import sharded_checkpoint
@@ -73,6 +74,9 @@ class TorchEvaluator:
     ``global_step_fn`` gives the step passed to ``task.reduce_aggregated_logs`` (the trainer's
     step when built by :func:`build_runners`); without it, the step of the last checkpoint
     loaded here (0 before any).
+
+    ``ema``: an EMA of the weights (:class:`~cadence.torch.ema.ModelEMA`, the trainer's, or its
+    own for an evaluator alone): its weights are the ones evaluated, and loaded with each checkpoint.
     """
 
     def __init__(
@@ -83,9 +87,11 @@ class TorchEvaluator:
         ctx: Context,
         precision: str = "32",
         global_step_fn: Callable[[], int] | None = None,
+        ema: ModelEMA | None = None,
     ) -> None:
         self.task = task
         self.model = model
+        self.ema = ema
         self.ctx = ctx
         self.precision = resolve_precision(precision, ctx.device)
         self._global_step_fn = global_step_fn
@@ -108,6 +114,22 @@ class TorchEvaluator:
 
     def evaluate(self, num_steps: int = -1) -> dict[str, float]:
         """Evaluate ``num_steps`` batches (``-1``: all of the validation data); return metrics.
+
+        With an EMA (``ema``): the metrics of the EMA's weights (swapped into the model for the
+        evaluation, the raw weights back after it), and with ``ema.evaluate_raw`` those of the raw
+        weights too, named ``raw/<name>`` (a second evaluation). Without: see :meth:`evaluate_model`.
+        """
+        if self.ema is None:
+            return self.evaluate_model(num_steps)
+        with self.ema.applied():
+            metrics = self.evaluate_model(num_steps)
+        if self.ema.evaluate_raw:
+            metrics.update(raw_metrics(self.evaluate_model(num_steps)))
+        return metrics
+
+    def evaluate_model(self, num_steps: int = -1) -> dict[str, float]:
+        """Evaluate the model's weights as they are on ``num_steps`` batches (``-1``: all of the
+        validation data); return metrics.
 
         Scalar outputs of ``validation_step`` (numbers, 1-element tensors) are averaged weighted
         by ``task.batch_size_of(batch)``; a key that is ever non-scalar is not averaged. Outputs
@@ -289,12 +311,14 @@ class TorchEvaluator:
     def load_checkpoint(self, reader: CheckpointReader, state: Mapping[str, Any] | None) -> None:
         """Load the model only (an evaluator-only controller): ``model.safetensors``, or the model
         state of a sharded checkpoint, assembled from every rank's shards (in one process without
-        a process group: the sidecar, ``cadence export``); remember the step."""
+        a process group: the sidecar, ``cadence export``), and its EMA with ``ema``; remember the step."""
         source = getattr(reader, "path", "")
         if sharded_checkpoint.is_sharded_checkpoint(reader.names()):
             sharded_checkpoint.load_model(source, self.model, storage_options=getattr(reader, "storage_options", None))
         else:
             load_model_safetensors(self.model, reader.view(MODEL_FILE),
                                    source=f"{source}/{MODEL_FILE}" if source else MODEL_FILE)
+        if self.ema is not None:
+            self.ema.load_checkpoint(reader)
         step = state.get("global_step") if isinstance(state, Mapping) else None
         self._loaded_step = int(step if step is not None else reader.step)

@@ -30,6 +30,7 @@ from cadence.lifecycle import RunContext
 from cadence.sidecar import SidecarEvaluator, SidecarResult
 from cadence.watchdog import Heartbeat, Watchdog
 from cadence.torch.context import Context
+from cadence.torch.ema import EMASettings, ModelEMA, applied
 from cadence.torch.export_formats import TRACED_FORMATS, _as_inputs, check_spec
 from cadence.torch.signatures import check_signatures, has_export_signatures
 from cadence.torch.state import seed_everything, unwrap_model
@@ -179,9 +180,11 @@ class ModelExporter:
     """Writes the configured inference artefacts of the live model to ``export/<name>/<step>/``
     (with :meth:`Task.export_signatures`: one ``<signature>/`` subdirectory each, and
     ``signatures.json``) and keeps the newest ``export.max_to_keep`` steps. Only the chief
-    writes (``chief``). Example inputs and signatures are checked when it is built (ConfigError)."""
+    writes (``chief``). Example inputs and signatures are checked when it is built (ConfigError).
+    ``ema``: the weights exported are this EMA's (the evaluated ones), swapped in for the export."""
 
-    def __init__(self, cfg: ExperimentConfig, task: Task, model: Any, name: str, *, chief: bool = True) -> None:
+    def __init__(self, cfg: ExperimentConfig, task: Task, model: Any, name: str, *, chief: bool = True,
+                 ema: ModelEMA | None = None) -> None:
         from cadence.actions import ExportFileManager
 
         assert cfg.export is not None
@@ -195,6 +198,7 @@ class ModelExporter:
             layout.export_dir(self.model_dir, name), max_to_keep=cfg.export.max_to_keep, separator="/"
         )
         self.chief = chief  # one process writes exports
+        self.ema = ema
 
     def __call__(self, step: int, metadata: Mapping[str, Any]) -> str:
         """Export at ``step``; called on every rank. A model sharded by FSDP is first gathered
@@ -202,13 +206,14 @@ class ModelExporter:
         from cadence.torch.export import export_task_model
 
         directory = layout.export_dir(self.model_dir, self.name, step)
-        model = self.model
-        if sharding.is_sharded(model):
-            model = sharding.full_copy(self.task, model)
-        if not self.chief:
-            return directory
-        export_task_model(self.task, model, directory, self.formats, example_inputs=self.example_inputs,
-                          metadata={**metadata, "step": step})
+        with applied(self.ema):
+            model = self.model
+            if sharding.is_sharded(model):
+                model = sharding.full_copy(self.task, model)
+            if not self.chief:
+                return directory
+            export_task_model(self.task, model, directory, self.formats, example_inputs=self.example_inputs,
+                              metadata={**metadata, "step": step})
         self.files.clean_up()
         return directory
 
@@ -230,13 +235,15 @@ class ExportEveryEval:
 
 
 def build_actions(cfg: ExperimentConfig, task: Task, model: Any, *, train: bool,
-                  evaluate: bool = True, chief: bool = True) -> tuple[list, list]:
-    """``(train_actions, eval_actions)`` from the config's ``trainer`` and ``export`` sections.
+                  evaluate: bool = True, chief: bool = True, ema: ModelEMA | None = None) -> tuple[list, list]:
+    """``(train_actions, eval_actions)`` from the config's ``trainer`` and ``export`` sections
+    (``ema``: the exports are of its weights).
 
-    Train actions (``train``): NaN/loss-spike recovery, then saving on preemption (last, so a
-    preemption save sees the state after a recovery). Eval actions (``evaluate``): best-checkpoint
-    export (and its inference export), exporting after every evaluation, then early stopping
-    (only with ``train``: a sidecar cannot stop the trainer).
+    Train actions (``train``): NaN/loss-spike recovery, a sweep trial's stop once pruned, then
+    saving on preemption (last, so a preemption save sees the state after a recovery). Eval actions
+    (``evaluate``): best-checkpoint export (and its inference export), exporting after every
+    evaluation, early stopping (only with ``train``: a sidecar cannot stop the trainer), then a
+    sweep trial's report to its Optuna trial (``sweep_trial``; the trainer's stops it when pruned).
     """
     from cadence.actions import BestCheckpointExporter, EarlyStopping, RecoveryAction, SaveCheckpointIfPreempted
 
@@ -247,28 +254,38 @@ def build_actions(cfg: ExperimentConfig, task: Task, model: Any, *, train: bool,
     if train and t.recovery is not None:
         r = t.recovery
         train_actions.append(RecoveryAction(r.loss_upper_bound, r.recovery_begin_steps, r.max_trials))
+    if train and cfg.sweep_trial is not None:  # a sidecar's (or an earlier run's) prune decision stops the trainer
+        from cadence.sweep.pruning import StopWhenPruned
+
+        train_actions.append(StopWhenPruned(cfg.require_model_dir()))
     if train and t.save_on_preemption:
         train_actions.append(SaveCheckpointIfPreempted())
     if not evaluate:
         return train_actions, eval_actions
     if t.best_checkpoint is not None:
         b = t.best_checkpoint
-        export_fn = ModelExporter(cfg, task, model, "best", chief=chief) if export_on == "best" else None
+        export_fn = ModelExporter(cfg, task, model, "best", chief=chief, ema=ema) if export_on == "best" else None
         eval_actions.append(BestCheckpointExporter(layout.best_dir(cfg.require_model_dir()), b.metric, b.higher_is_better,
                                                    export_fn=export_fn))
     if export_on == "every_eval":
-        eval_actions.append(ExportEveryEval(ModelExporter(cfg, task, model, "every_eval", chief=chief)))
+        eval_actions.append(ExportEveryEval(ModelExporter(cfg, task, model, "every_eval", chief=chief, ema=ema)))
     if train and t.early_stopping is not None:
         e = t.early_stopping
         eval_actions.append(EarlyStopping(e.metric, e.patience, e.min_delta, e.higher_is_better))
+    if cfg.sweep_trial is not None:
+        from cadence.sweep.pruning import ReportToTrial
+
+        eval_actions.append(ReportToTrial.from_config(cfg.sweep_trial, cfg.require_model_dir(), stops=train))
     return train_actions, eval_actions
 
 
 def _build_runners_for(cfg: ExperimentConfig, *, train: bool, evaluate: bool = True,
-                       device: str | None = None, precision: str | None = None) -> tuple[Task, Context, Any, Any]:
+                       device: str | None = None, precision: str | None = None,
+                       compile_model: bool = True) -> tuple[Task, Context, Any, Any]:
     """Seed, build the configured task, its context and runners: ``(task, ctx, trainer, evaluator)``.
 
-    ``device`` / ``precision`` override ``trainer.device`` / ``trainer.precision``.
+    ``device`` / ``precision`` override ``trainer.device`` / ``trainer.precision``;
+    ``compile_model=False`` ignores ``trainer.compile`` (an export only loads and traces).
     """
     t = cfg.trainer
     seed_everything(t.seed)
@@ -277,7 +294,8 @@ def _build_runners_for(cfg: ExperimentConfig, *, train: bool, evaluate: bool = T
     trainer, evaluator = build_runners(
         task, ctx, precision=precision or t.precision, grad_accum_steps=t.grad_accum_steps,
         grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate, strategy=t.strategy,
-        lr_schedule=_lr_schedule(cfg),
+        lr_schedule=_lr_schedule(cfg), ema=EMASettings(**t.ema.model_dump()) if t.ema is not None else None,
+        peak_tflops=t.peak_tflops, log_throughput=t.log_throughput, compile_config=t.compile if compile_model else None,
     )
     return task, ctx, trainer, evaluator
 
@@ -308,6 +326,8 @@ class Run:
     """The chief's writer lease on the model dir while it trains; None on other ranks and readers."""
     watchdog: Watchdog | None = None
     """This rank's hang watchdog while it trains (``trainer.hang_timeout``); None: off."""
+    ema: ModelEMA | None = None
+    """The EMA of the weights (``trainer.ema``): what is evaluated and exported; None: off."""
 
     @property
     def model_dir(self) -> str:
@@ -388,14 +408,22 @@ def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any,
     model_dir = cfg.require_model_dir()
     t = cfg.trainer
     model = (trainer or evaluator).model
+    ema = (trainer or evaluator).ema
     train_actions, eval_actions = (
-        build_actions(cfg, task, model, train=train, evaluate=evaluate, chief=ctx.is_chief) if train else ([], [])
+        build_actions(cfg, task, model, train=train, evaluate=evaluate, chief=ctx.is_chief, ema=ema)
+        if train else ([], [])
     )
     callbacks = build_callbacks(cfg, task)
     if train:  # a one-off evaluation (cadence evaluate --checkpoint) logs into no tracker
         export_on = cfg.export.on if cfg.export is not None else None
         exports = export_on if export_on == "final" or (evaluate and export_on is not None) else None
         callbacks += _tracking(cfg, ctx.is_chief, export=exports)
+    if train and cfg.profiler is not None:  # a step hook, and a callback for the run's first step and its end
+        from cadence.torch.profiling import build_step_profiler
+
+        profiler = build_step_profiler(cfg.profiler, model_dir, ctx, train_steps=t.train_steps)
+        trainer.step_hooks.append(profiler)
+        callbacks.append(profiler)
     manager = CheckpointManager(  # one writer: the chief; the other ranks only read
         layout.checkpoints_dir(model_dir), max_to_keep=t.max_to_keep,
         keep_every_n_steps=t.keep_every_n_steps, writer=train and ctx.is_chief,
@@ -419,7 +447,7 @@ def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any,
         heartbeat=ctx.heartbeat,
     )
     return Run(config=cfg, task=task, ctx=ctx, controller=controller, checkpoint_manager=manager, model=model,
-               writer_lease=lease)
+               writer_lease=lease, ema=ema)
 
 
 def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
@@ -440,7 +468,7 @@ def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
         return _train_only(cfg, progress)
     run = build_run(cfg, progress=progress)
     export_final = (
-        ModelExporter(cfg, run.task, run.model, "final", chief=run.ctx.is_chief)
+        ModelExporter(cfg, run.task, run.model, "final", chief=run.ctx.is_chief, ema=run.ema)
         if cfg.export is not None and cfg.export.on == "final" else None
     )
     _save_config_if_training(cfg, run)
@@ -487,7 +515,7 @@ def build_sidecar(cfg: ExperimentConfig) -> SidecarEvaluator:
     model_dir = layout.check_model_dir(cfg.require_model_dir())
     t = cfg.trainer
     task, ctx, _, evaluator = _build_runners_for(cfg, train=False)
-    _, eval_actions = build_actions(cfg, task, evaluator.model, train=False, chief=ctx.is_chief)
+    _, eval_actions = build_actions(cfg, task, evaluator.model, train=False, chief=ctx.is_chief, ema=evaluator.ema)
     callbacks = build_callbacks(cfg, task)
     export_on = cfg.export.on if cfg.export is not None else None
     callbacks += _tracking(cfg, ctx.is_chief, eval_name=layout.eval_dir(model_dir, cfg.sidecar.name).rsplit("/", 1)[-1],
@@ -533,7 +561,8 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
     ``out``: the directory to write; default ``export/best/<step>/`` for the best checkpoint and
     ``export/checkpoint/<step>/`` otherwise. ``files``: ``{format: path}``; for a task with
     :meth:`Task.export_signatures`, ``{"<signature>/<format>": path}`` (one subdirectory of
-    ``directory`` per signature, and ``signatures.json``).
+    ``directory`` per signature, and ``signatures.json``). With ``trainer.ema`` in the model dir's
+    config, the checkpoint's EMA weights are exported (the evaluated ones).
 
     Raises:
       CadenceError: not a model dir (no ``config.yaml``), or no such checkpoint.
@@ -549,7 +578,7 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
     if not Storage(config_file).exists(Storage(config_file).root):
         raise CadenceError(f"{config_file} not found: {model_dir} is not a cadence model dir (or was never trained)")
     cfg = load_config(config_file, model_dir=model_dir)
-    task, _, _, evaluator = _build_runners_for(cfg, train=False, device="cpu", precision="32")
+    task, _, _, evaluator = _build_runners_for(cfg, train=False, device="cpu", precision="32", compile_model=False)
     if checkpoint == "best":
         manager = CheckpointManager(layout.best_dir(model_dir), writer=False)
         if manager.latest_step() is None:
@@ -563,6 +592,7 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
         raise CheckpointError(f"no committed checkpoint in {manager.directory}")
     example_inputs = _example_inputs(task, formats, "--format", evaluator.model)
     directory = out or layout.export_dir(model_dir, "best" if checkpoint == "best" else "checkpoint", restored)
-    files = export_task_model(task, evaluator.model, directory, formats, example_inputs=example_inputs,
-                              metadata={"step": restored, "source": manager.path(restored)})
+    with applied(evaluator.ema):  # the evaluated weights: the EMA's with trainer.ema
+        files = export_task_model(task, evaluator.model, directory, formats, example_inputs=example_inputs,
+                                  metadata={"step": restored, "source": manager.path(restored)})
     return restored, directory, files

@@ -51,6 +51,7 @@ from cadence.torch.export_formats import (  # noqa: F401 - re-exported
     _traced,
     _write_export,
 )
+from cadence.torch.compile import eager_forward
 from cadence.torch.export_staging import _staging, _user_path
 from cadence.torch.signatures import (  # noqa: F401 - re-exported
     ExportSignature,
@@ -82,7 +83,8 @@ def export_model(
     ``directory`` (a local path or an fsspec URL) is created, or replaced when it exists; the
     export appears all at once on local disks, and is complete once ``metadata.json`` exists
     elsewhere. ``model`` may be wrapped (DDP, ``torch.compile``); it is traced in eval mode on
-    CPU (a copy when it lives elsewhere), and its modes are restored afterwards. ``metadata``
+    CPU (a copy when it lives elsewhere), and its modes are restored afterwards; forwards compiled
+    in place (``trainer.compile``) are set aside: the module's own forward is traced. ``metadata``
     (JSON-able after tensors become numbers; keys must not clash with cadence's own) is merged
     into ``metadata.json``. ``spec``: the dynamic dimensions and ONNX input / output names
     (:class:`ExportSpec`; default: a dynamic batch dimension).
@@ -104,7 +106,8 @@ def export_model(
     storage = Storage(directory)
     source = unwrap_model(model)
     job = _Job(source, inputs, spec)
-    with _modes_restored([source]), _staging(storage) as stage:
+    # A forward compiled by trainer.compile is set aside: the formats trace (and copy) the module's own.
+    with eager_forward(source), _modes_restored([source]), _staging(storage) as stage:
         _write_export(job, stage, formats, extra)
     log.info("exported %s to %s", ", ".join(formats), storage.url(storage.root))
     return {fmt: _user_path(storage, directory, FILES[fmt]) for fmt in formats}
@@ -141,6 +144,12 @@ def export_task_model(
     if not has_export_signatures(task):
         return export_model(model, directory, formats, example_inputs=example_inputs, metadata=metadata, spec=spec)
     source = unwrap_model(model)
+    with eager_forward(source):  # trainer.compile's forwards set aside: copied and traced eagerly
+        return _export_signatures(task, source, directory, formats, example_inputs, metadata, spec)
+
+
+def _export_signatures(task: Task, source: nn.Module, directory: str, formats: str | Sequence[str],
+                       example_inputs: Any, metadata: Mapping[str, Any] | None, spec: ExportSpec) -> dict[str, str]:
     cpu = source if _on_cpu(source) else _cpu_copy(source)
     with _modes_restored([cpu]):
         cpu.eval()

@@ -51,6 +51,7 @@ from cadence.storage import Storage
 __all__ = [
     "METADATA_FILE",
     "is_sharded_checkpoint",
+    "load_extra_state",
     "load_model",
     "load_trainer_state",
     "read_model_state",
@@ -115,23 +116,38 @@ def load_model(directory: str, model: nn.Module, *, storage_options: Mapping[str
         raise CheckpointError(f"{directory}: the sharded model state does not match this model: {e}") from e
 
 
-def read_model_state(directory: str, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+def load_extra_state(directory: str, key: str, tensors: Mapping[str, torch.Tensor], *,
+                     storage_options: Mapping[str, Any] | None = None) -> bool:
+    """Load the tensors a sharded checkpoint holds under the top-level ``key`` (the EMA's ``"ema"``)
+    into ``tensors`` in place (DTensor shards, or plain tensors assembled from every rank's shards);
+    collective when a process group is initialised. False, loading nothing, when the checkpoint
+    holds nothing under ``key``; :class:`CheckpointError` when its entries are not ``tensors``' keys."""
+    metadata = _reader(directory, storage_options).read_metadata()
+    if not any(name.startswith(f"{key}.") for name in metadata.state_dict_metadata):
+        return False
+    _load({key: dict(tensors)}, directory, storage_options, allow_partial=True, strict=key)
+    return True
+
+
+def read_model_state(directory: str, *, storage_options: Mapping[str, Any] | None = None,
+                     key: str = "model") -> dict[str, torch.Tensor]:
     """The full model state dict (CPU tensors, by parameter FQN) of the sharded checkpoint in
     ``directory``, assembled from every rank's shards in this process, without building the
     model: the tensors' shapes and dtypes are read from DCP's metadata. Checks nothing against the
-    manifest: read a checkpoint through :class:`~cadence.checkpoint.CheckpointManager` to verify it."""
+    manifest: read a checkpoint through :class:`~cadence.checkpoint.CheckpointManager` to verify it.
+    ``key``: the top-level key read (``"ema"``: the EMA of the weights)."""
     reader = _reader(directory, storage_options)
     metadata = reader.read_metadata()
-    prefix = "model."
+    prefix = f"{key}."
     template = {}
-    for key, item in metadata.state_dict_metadata.items():
-        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata):
-            template[key[len(prefix):]] = torch.empty(item.size, dtype=item.properties.dtype)
+    for name, item in metadata.state_dict_metadata.items():
+        if name.startswith(prefix) and isinstance(item, TensorStorageMetadata):
+            template[name[len(prefix):]] = torch.empty(item.size, dtype=item.properties.dtype)
     if not template:
-        raise CheckpointError(f"{directory}: the sharded checkpoint holds no model state")
-    state = {"model": template}
+        raise CheckpointError(f"{directory}: the sharded checkpoint holds no {key} state")
+    state = {key: template}
     _load(state, directory, storage_options, allow_partial=True)
-    return state["model"]
+    return state[key]
 
 
 def _restore_tuples(optimizer: torch.optim.Optimizer) -> None:

@@ -110,7 +110,11 @@ def full_copy(task: Task, model: nn.Module) -> nn.Module | None:
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not state:  # not rank 0: its part is done
         return None
+    from cadence.torch.state import RNGSnapshot
+
+    rng = RNGSnapshot()  # building draws initial weights: the training's RNG must not move (exact resume)
     plain = task.build_model()
+    rng.restore()
     plain.load_state_dict(state)
     return plain
 

@@ -220,6 +220,8 @@ class _Smoke:
             t["lr_schedule"]["warmup_steps"] = min(t["lr_schedule"]["warmup_steps"], self.steps)
         data["checkpoint"] = {"async_save": False}
         data["loggers"] = {}  # a smoke run logs into no experiment tracker
+        data["profiler"] = None  # nor traces its few steps
+        data["sweep_trial"] = None  # nor reports to a sweep's study (a trial's config.yaml)
         data["eval_spec"] = {"throttle_secs": 0.0, "start_delay_secs": 0.0}
         if data.get("export") is not None:
             data["export"]["on"] = "final"  # no exporter action: the export stage exports, once

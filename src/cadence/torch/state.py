@@ -33,6 +33,7 @@ from cadence.torch.safetensors_io import (  # noqa: F401 - re-exported: their ho
     state_dict_from_safetensors,
     state_dict_to_safetensors,
 )
+from cadence.torch.wrapper_keys import match_saved_keys
 from cadence.torch.staging import PLAIN_LEAVES, clone_tree, copy_tensor, staged  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,9 @@ def load_model_safetensors(model: nn.Module, data: bytes | bytearray | memoryvie
     """Load safetensors bytes into the (unwrapped) model, strictly: each tensor is copied once,
     from a view of ``data`` (:func:`safetensors_views`) straight into its parameter or buffer.
     ``load``: what loads the checked tensors instead of ``model.load_state_dict(tensors,
-    strict=True)`` (a sharded model's loader).
+    strict=True)`` (a sharded model's loader). Keys written through a wrapper (``_orig_mod.`` of
+    ``torch.compile``, ``module.`` of DDP, by another tool) are matched to the model's
+    (:func:`~cadence.torch.wrapper_keys.match_saved_keys`).
 
     Raises :class:`~cadence.errors.CheckpointError` naming ``source`` and the missing /
     unexpected keys, or the shape mismatch.
@@ -170,6 +173,7 @@ def load_model_safetensors(model: nn.Module, data: bytes | bytearray | memoryvie
     except CheckpointError as e:
         raise CheckpointError(f"{source}: {e}") from e
     expected = target.state_dict().keys()
+    tensors = match_saved_keys(tensors, expected)  # another tool's file: keys of a compiled / DDP-wrapped model
     missing = sorted(k for k in expected if k not in tensors)
     unexpected = sorted(k for k in tensors if k not in expected)
     if missing or unexpected:

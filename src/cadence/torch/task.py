@@ -155,6 +155,33 @@ class Task(abc.ABC):
             )
         return int(t.shape[0]) if t.dim() > 0 else 1
 
+    # -- throughput (the train summaries' samples_per_second, tokens_per_second, mfu) ----------------
+
+    def tokens_per_batch(self, batch: Any) -> int | None:
+        """The number of tokens in a training ``batch``, for ``tokens_per_second``; ``None`` (the
+        default): tokens are not counted (a loop with a ``None`` batch logs no tokens/s).
+
+        Called on every training (micro-)batch, on the training thread, before it is moved to the
+        device: compute it from shapes (``batch["input_ids"].numel()``), not from values -- a
+        tensor's ``.item()`` would make the host wait for the device at every step.
+        (Samples are counted with :meth:`batch_size_of`.)
+        """
+        return None
+
+    def flops_per_sample(self) -> float | None:
+        """The training FLOPs of one sample, forward and backward (about 6 x parameters x tokens
+        per sample for a transformer), for model FLOP utilisation (``mfu``); called once.
+
+        ``None`` (the default): when the device's peak is known (a GPU in cadence's table, or
+        ``trainer.peak_tflops``), cadence counts them once, after the first loop, with
+        ``torch.utils.flop_counter`` over :meth:`train_step` and backward on a copy of the model
+        built by :meth:`build_model` on the meta device, with a batch shaped as the loop's last
+        (RNG states and this task's attributes are restored after). Override when that cannot
+        work (a step that needs real values, a ``build_model`` that loads weights) or to give
+        your own count.
+        """
+        return None
+
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         """Example inputs for inference export: a tuple of tensors such that ``model(*inputs)`` runs.
 

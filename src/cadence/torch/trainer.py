@@ -7,7 +7,7 @@ import functools
 import hashlib
 import logging
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Mapping, TypeGuard
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeGuard
 
 import torch
 from torch import nn
@@ -16,8 +16,10 @@ from cadence.checkpoint.background import Pending, Worker
 from cadence.checkpoint.protocol import CheckpointReader, CheckpointWriter, ShardTarget, Stateful
 from cadence.errors import CheckpointError, ConfigError
 from cadence.torch.batch import move_to_device
+from cadence.torch.compile import compile_model
 from cadence.torch.context import Context
 from cadence.torch.precision import resolve_precision
+from cadence.torch.ema import EMA_FILE, SHARDED_KEY as EMA_KEY, EMASettings, ModelEMA
 from cadence.torch.evaluator import TorchEvaluator
 from cadence.torch.state import (
     MODEL_FILE,
@@ -39,7 +41,12 @@ from cadence.torch.shard_writes import ShardWrites, files_of
 from cadence.torch.step_hooks import StepHook
 from cadence.torch.step_logs import FOLD, ScalarSum, add_extras, split_output
 from cadence.torch.task import Task
+from cadence.torch.throughput import ThroughputMeter
+from cadence.throughput import LoopWork
 from cadence.watchdog import unwatched
+
+if TYPE_CHECKING:
+    from cadence.config.schema import CompileConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +68,11 @@ class TorchTrainer:
     ``grad_clip_norm``: clip the global gradient norm to this value (``None``: no clipping).
     ``step_hooks``: :class:`~cadence.torch.step_hooks.StepHook` s called after each optimizer step
     (appended to :attr:`step_hooks` later, too).
+    ``ema``: an EMA of the weights (:class:`~cadence.torch.ema.ModelEMA`), updated as a step hook,
+    started from the initial weights, saved into and restored from every checkpoint.
+    ``peak_tflops``: the device's peak TFLOP/s for MFU (``None``: a CUDA device's from
+    :mod:`cadence.torch.device_peaks`); see :meth:`loop_work`. ``log_throughput=False``: count
+    nothing (no samples/s, tokens/s, MFU nor peak memory in the logs).
 
     ``model`` may be DDP-wrapped or sharded by FSDP2 (:func:`cadence.torch.sharding.shard_model`,
     ``trainer.strategy: fsdp``): then gradient accumulation skips the reduce-scatter on all but
@@ -83,6 +95,9 @@ class TorchTrainer:
         grad_clip_norm: float | None = None,
         train_data: Iterable[Any] | None = None,
         step_hooks: Iterable[StepHook] = (),
+        ema: ModelEMA | None = None,
+        peak_tflops: float | None = None,
+        log_throughput: bool = True,
     ) -> None:
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
@@ -107,6 +122,9 @@ class TorchTrainer:
         self.grad_clip_norm = grad_clip_norm
         self._train_data = train_data
         self.step_hooks: list[StepHook] = list(step_hooks)
+        self.ema = ema
+        if ema is not None:
+            self.step_hooks.append(ema)
         self._iterator: Iterator[Any] | None = None
         self._global_step = 0
         self._batches_consumed = 0  # for replay when the data is not stateful
@@ -115,6 +133,8 @@ class TorchTrainer:
         self._gathered_data: list[dict[str, Any] | None] | None = None  # ditto: every rank's data position
         self._staging: TrainerSnapshot | None = None  # the last asynchronous snapshot (its tensors are reused)
         self._shard_writes = ShardWrites(ctx.rank, ctx.world_size)  # a sharded model's checkpoints
+        self._meter = ThroughputMeter(task, ctx, self.precision.name, peak_tflops,  # samples, tokens, FLOPs
+                                      enabled=log_throughput)
 
     # -- protocol ------------------------------------------------------------------------------
 
@@ -152,6 +172,8 @@ class TorchTrainer:
                         if not isinstance(tensor, DTensor):
                             torch.distributed.broadcast(tensor.data, src=0)
             seed_everything(_rank_seed(self.ctx.seed, self.ctx.rank, 0))
+        if self.ema is not None:
+            self.ema.reset()  # from the initial weights (the same on every rank)
 
     def train(self, num_steps: int) -> dict[str, float]:
         """Run up to ``num_steps`` optimizer steps (``grad_accum_steps`` batches each).
@@ -159,7 +181,9 @@ class TorchTrainer:
         Returns fewer steps only when the train data is exhausted (an incomplete accumulation
         group at the end is dropped, not stepped). Logs: the mean over the loop's steps of
         ``loss`` and of every extra scalar from ``train_step``, and ``learning_rate`` (first
-        param group, as in effect after the loop). The host syncs once, at the end.
+        param group, as in effect after the loop); on CUDA, the loop's peak memory
+        (``memory/peak_allocated_gib``, ``memory/peak_reserved_gib``). The host syncs once, at the end.
+        Every batch is counted (:meth:`loop_work`).
         """
         if num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {num_steps}")
@@ -183,6 +207,7 @@ class TorchTrainer:
         train_step, forward_backward, step_optimizer = task.train_step, self._forward_backward, optimizer.step
         heartbeat = self.ctx.heartbeat  # the watchdog's: one beat per step
         hooks, start_step = self.step_hooks, self._global_step
+        count = self._meter.start_loop()  # samples and tokens: one Python call per batch (None: off)
         # Detached per-micro-batch losses stay on the device until the end (no per-step sync).
         losses: list[torch.Tensor] = []
         extras_acc: dict[str, ScalarSum] = {}
@@ -199,6 +224,8 @@ class TorchTrainer:
                         exhausted = True
                         break
                     consumed += 1
+                    if count is not None:
+                        count(batch)
                     out = train_step(model, batch)
                     loss, extras = split_output(task, out)
                     loss.backward()
@@ -216,6 +243,8 @@ class TorchTrainer:
                             exhausted = True
                             break
                         consumed += 1
+                        if count is not None:
+                            count(batch)
                         if place:
                             batch = move_to_device(batch, device)
                         if no_sync is not None and micro < k - 1:
@@ -272,7 +301,16 @@ class TorchTrainer:
                     logs[key] = acc.number / acc.count
             logs.update(zip(keys, torch.stack(means).tolist()))  # the one host sync
         logs["learning_rate"] = float(optimizer.param_groups[0]["lr"])
+        logs.update(self._meter.end_loop())
         return logs
+
+    def loop_work(self) -> LoopWork:
+        """What the last :meth:`train` call processed on this rank (:class:`cadence.throughput.CountsWork`,
+        called by the controller after the loop, outside its timing): its samples
+        (``Task.batch_size_of``), tokens (``Task.tokens_per_batch``), the training FLOPs per sample
+        (``Task.flops_per_sample()``, else counted once on the meta device when the peak is known)
+        and the device's peak FLOP/s; see :class:`~cadence.torch.throughput.ThroughputMeter`."""
+        return self._meter.loop_work()
 
     @staticmethod
     def _forward_backward(
@@ -357,8 +395,10 @@ class TorchTrainer:
         torch.distributed.checkpoint and gather every rank's files for the chief's
         :meth:`save_checkpoint` (see :class:`~cadence.torch.shard_writes.ShardWrites`: with
         ``target.background``, from CPU copies on a background thread)."""
-        self._shard_writes.write(sharded_checkpoint.trainer_state(self.model, self.optimizer, self.lr_scheduler),
-                                 target)
+        state = sharded_checkpoint.trainer_state(self.model, self.optimizer, self.lr_scheduler)
+        if self.ema is not None:
+            state[EMA_KEY] = self.ema.averaged_state()
+        self._shard_writes.write(state, target)
 
     def wait_for_shards(self) -> None:
         """Wait for this rank's background shard write; raise a failure of any rank (every rank
@@ -379,7 +419,8 @@ class TorchTrainer:
     def save_checkpoint(self, writer: CheckpointWriter) -> dict[str, Any]:
         """Write ``model.safetensors`` and ``optimizer.safetensors`` (the optimizer, LR scheduler
         and grad-scaler state; ``optimizer.pt`` when that state holds a value the safetensors form
-        does not represent, see :mod:`cadence.torch.tensor_tree`); return ``{"global_step", "rng", "data"}``.
+        does not represent, see :mod:`cadence.torch.tensor_tree`), and ``ema.safetensors`` with an EMA;
+        return ``{"global_step", "rng", "data"}``.
 
         ``rng`` is a list: the RNG state of every rank, in rank order, as gathered by
         :meth:`prepare_checkpoint` (called on all ranks first; with one process, optional).
@@ -418,7 +459,10 @@ class TorchTrainer:
         )
         if copy:
             torch_state = clone_tree(torch_state, reuse.torch_state if reuse is not None else None)
-        snapshot = TrainerSnapshot(model, torch_state, state)
+        ema = None
+        if self.ema is not None:
+            ema = self.ema.payload(copy=copy, reuse=reuse.ema if reuse is not None else None)
+        snapshot = TrainerSnapshot(model, torch_state, state, ema=ema)
         if copy:  # CUDA tensors were copied to pinned memory without blocking: the writer waits for them
             snapshot.ready = staged({p.device for p in self.model.parameters()} | {self.ctx.device})
         return snapshot
@@ -454,6 +498,8 @@ class TorchTrainer:
                             source)
         else:
             self._load_files(reader, source)
+        if self.ema is not None:
+            self.ema.load_checkpoint(reader)
         self._global_step = int(state.get("global_step", reader.step))
         if restore_data:
             # Data position: applied when iteration (re)starts, so a running iterator is dropped.
@@ -553,8 +599,9 @@ class TrainerSnapshot:
     writes it (see :meth:`TorchTrainer.save_checkpoint`)."""
 
     def __init__(self, model: SafetensorsPayload | None, torch_state: dict[str, Any], state: dict[str, Any],
-                 *, shards: Pending | None = None) -> None:
+                 *, shards: Pending | None = None, ema: SafetensorsPayload | None = None) -> None:
         self.model = model
+        self.ema = ema  # ema.safetensors (an EMA of the weights), or None
         self.torch_state = torch_state
         self.state = state
         self.shards = shards  # a sharded checkpoint: the ranks' write of their files
@@ -562,8 +609,8 @@ class TrainerSnapshot:
         self.ready: Any = None  # set for CUDA state: the device-to-host copies are done once it synchronizes
 
     def save_checkpoint(self, writer: CheckpointWriter) -> dict[str, Any]:
-        """Write the model's file here and the optimizer's on a helper thread, at once (writes,
-        checksums and fsyncs release the GIL); return the JSON state. A sharded checkpoint: wait
+        """Write the model's file (then the EMA's) here and the optimizer's on a helper thread, at once
+        (writes, checksums and fsyncs release the GIL); return the JSON state. A sharded checkpoint: wait
         for the ranks' write and add every rank's files."""
         if self.shards is not None:
             for rank, files in enumerate(files_of(self.shards, 0)):
@@ -578,6 +625,9 @@ class TrainerSnapshot:
             try:
                 with writer.open(MODEL_FILE) as f:
                     self.model.write(f)
+                if self.ema is not None:
+                    with writer.open(EMA_FILE) as f:
+                        self.ema.write(f)
             except BaseException:
                 optimizer.wait()  # done with the tensors; the model's error wins
                 raise
@@ -618,6 +668,10 @@ def build_runners(
     evaluate: bool = True,
     strategy: str = "ddp",
     lr_schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
+    ema: EMASettings | None = None,
+    peak_tflops: float | None = None,
+    log_throughput: bool = True,
+    compile_config: CompileConfig | None = None,
 ) -> tuple[TorchTrainer | None, TorchEvaluator | None]:
     """``(trainer, evaluator)`` sharing one model built by ``task.build_model()`` on ``ctx.device``.
 
@@ -636,11 +690,26 @@ def build_runners(
     ``lr_schedule``: builds the LR scheduler from the optimizer (the config's
     ``trainer.lr_schedule``) when the task's ``build_lr_scheduler`` returns ``None``; a
     :class:`~cadence.errors.ConfigError` when it returns a scheduler too.
+
+    ``ema``: keep an EMA of the weights (the config's ``trainer.ema``), one
+    :class:`~cadence.torch.ema.ModelEMA` over the (sharded) model shared by the trainer (which
+    updates and checkpoints it) and the evaluator (which evaluates it; alone, it loads it).
+
+    ``peak_tflops``: the device's peak TFLOP/s for the trainer's MFU (the config's
+    ``trainer.peak_tflops``; ``None``: a CUDA device's from the table, none on CPU).
+    ``log_throughput``: the trainer counts samples, tokens and FLOPs (``trainer.log_throughput``).
+
+    ``compile_config``: ``torch.compile`` the model's forward in place (the config's
+    ``trainer.compile``; :func:`cadence.torch.compile.compile_model`), before the DDP wrap, or, for
+    ``strategy="fsdp"`` on several ranks, each FSDP unit before it is sharded; the evaluator runs
+    the compiled model too. State-dict keys are the eager model's. ``None``: eager.
     """
     if not (train or evaluate):
         raise ValueError("build_runners: nothing to build (train=False and evaluate=False)")
     sharding.check_strategy(strategy, resolve_precision(precision, ctx.device).name)
     model = task.build_model().to(ctx.device)
+    if compile_config is not None:
+        compile_model(task, model, compile_config, per_unit=train and strategy == "fsdp" and ctx.world_size > 1)
     trainer = None
     if train:
         # DDP's parameters are the module's own tensors: the optimizer built on the module updates
@@ -668,9 +737,16 @@ def build_runners(
             precision=precision,
             grad_accum_steps=grad_accum_steps,
             grad_clip_norm=grad_clip_norm,
+            ema=ModelEMA.from_settings(wrapped, ema) if ema is not None else None,
+            peak_tflops=peak_tflops,
+            log_throughput=log_throughput,
         )
     evaluator = None
     if evaluate:
         step_fn = (lambda: trainer.global_step) if trainer is not None else None
-        evaluator = TorchEvaluator(task, model, ctx=ctx, precision=precision, global_step_fn=step_fn)
+        if trainer is not None:
+            evaluated = trainer.ema
+        else:
+            evaluated = ModelEMA.from_settings(model, ema) if ema is not None else None
+        evaluator = TorchEvaluator(task, model, ctx=ctx, precision=precision, global_step_fn=step_fn, ema=evaluated)
     return trainer, evaluator
