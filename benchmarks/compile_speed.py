@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from results_file import write_results
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -143,11 +145,7 @@ def main() -> None:
     result = run(quick=args.quick)
     text = "\n".join(markdown_lines(result))
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out, text, result)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ runs it as ``ema``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import loop_overhead  # noqa: E402  (the loop benchmark's model and task)
+from results_file import run_on_this_machine, write_results  # noqa: E402
 
 WARMUP = 20
 FULL = {"mlp": {"steps": 2000, "repeats": 11}, "charlm": {"steps": 200, "repeats": 7}}
@@ -173,25 +173,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short run (smoke test)")
     parser.add_argument("--out", default=None, help="write the table here (and the JSON next to it)")
     args = parser.parse_args()
-    import os
-
-    from run import machine
-
-    load = os.getloadavg()[0]
-    result = run(quick=args.quick)
-    result["machine"] = {**machine(), "load_average_1min": [load, os.getloadavg()[0]]}
-    m = result["machine"]
-    text = "\n".join(["# cadence benchmark: EMA overhead\n",
-                      (f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, {m['date']}; load "
-                       f"average (1 min) {load:.1f} at the start, {m['load_average_1min'][1]:.1f} at the end. "
-                       f"Reproduce: `OMP_NUM_THREADS=1 python benchmarks/ema_overhead.py "
-                       f"--out benchmarks/results/ema_overhead.md`.\n"), *markdown_lines(result)])
+    text, result = run_on_this_machine("EMA overhead", "ema_overhead.py", lambda: run(quick=args.quick), markdown_lines)
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out, text, result)
 
 
 if __name__ == "__main__":

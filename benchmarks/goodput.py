@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from results_file import write_results
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TASK = f"{HERE / 'goodput_task.py'}:GoodputTask"
@@ -185,11 +187,7 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     text = "\n".join(markdown_lines(result))
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out, text, result)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ or stacks), its µs per step and ratio, and the time and size of writing that tr
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import loop_overhead  # noqa: E402  (the same model and task)
+from results_file import run_on_this_machine, write_results  # noqa: E402
 
 WARMUP = 20
 FULL = {"steps": 2000, "repeats": 15, "inside_steps": 500}
@@ -171,25 +171,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short run (smoke test)")
     parser.add_argument("--out", default=None, help="write the table here (and the JSON next to it)")
     args = parser.parse_args()
-    import os
-
-    from run import machine
-
-    load = os.getloadavg()[0]
-    result = run(quick=args.quick)
-    result["machine"] = {**machine(), "load_average_1min": [load, os.getloadavg()[0]]}
-    m = result["machine"]
-    text = "\n".join(["# cadence benchmark: profiler overhead\n",
-                      (f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, {m['date']}; load "
-                       f"average (1 min) {load:.1f} at the start, {m['load_average_1min'][1]:.1f} at the end. "
-                       f"Reproduce: `OMP_NUM_THREADS=1 python benchmarks/profiler_overhead.py "
-                       f"--out benchmarks/results/profiler_overhead.md`.\n"), *markdown_lines(result)])
+    text, result = run_on_this_machine("profiler overhead", "profiler_overhead.py", lambda: run(quick=args.quick), markdown_lines)
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out, text, result)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import platform
@@ -41,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import loop_overhead  # noqa: E402  (the same model and task)
+from results_file import write_results  # noqa: E402
 
 FULL = {"steps": 2000, "repeats": 21, "timeit": 200_000}
 QUICK = {"steps": 100, "repeats": 1, "timeit": 2_000}
@@ -223,11 +223,7 @@ def main() -> None:
                          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M %Z')}")
     text = "\n".join(markdown_lines(result)) + f"\nMachine: {result['machine']}; OMP_NUM_THREADS=1.\n"
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out, text, result)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from torch import nn
 
 from cadence.summary import read_metrics
@@ -91,6 +92,11 @@ def test_a_short_run_learns_and_its_checkpoints_verify(single_run):
     best = json.loads((single_run / "best" / "best.json").read_text())
     assert best["metric"] == "accuracy" and best["step"] == max(evals, key=lambda r: r["accuracy"])["step"]
     verified(single_run)
+    # The task counts tokens (every input character): tokens/s = samples/s x the sequence length.
+    config = yaml.safe_load(CONFIG.read_text())["task"]["params"]
+    for record in read_metrics(str(single_run / "train")):
+        assert record["tokens_per_second"] == pytest.approx(record["samples_per_second"] * config["seq_len"])
+        assert record["samples_per_second"] == pytest.approx(record["steps_per_second"] * config["batch_size"])
 
 
 @pytest.mark.slow

@@ -112,6 +112,10 @@ class CharLMTask(Task):
         x, y, _ = batch
         return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
+    def tokens_per_batch(self, batch) -> int:
+        # tokens_per_second in the train summaries: every input character is a token (from the shape).
+        return batch[0].numel()
+
     def build_metrics(self):
         # Means over characters, exact over any number of ranks: fed (sum, count) per batch.
         return {"accuracy": Mean(), "answer_accuracy": Mean()}

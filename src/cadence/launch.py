@@ -212,7 +212,7 @@ def _start(child: _Child, env: Mapping[str, str], output: _Output) -> None:
     try:
         child.proc = subprocess.Popen(
             child.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True, close_fds=True, preexec_fn=_die_with_parent(),
+            env=env, start_new_session=True, close_fds=True, preexec_fn=die_with_parent(),
         )
     except OSError as exc:
         output.line(child.name, f"cannot start {child.argv[0]!r}: {exc}")
@@ -339,7 +339,7 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def _die_with_parent() -> Callable[[], None] | None:
+def die_with_parent() -> Callable[[], None] | None:
     """On Linux: a preexec function that makes the child get SIGTERM when the launcher dies
     without stopping it (SIGKILL, a crash). SIGTERM, not SIGKILL: a trainer can still save."""
     if not sys.platform.startswith("linux"):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import datetime
-import html
 import io
 import json
 import math
@@ -34,6 +33,12 @@ from typing import Any
 from cadence import layout
 from cadence.errors import CadenceError, ConfigError
 from cadence.progress import format_size
+from cadence.report_page import PAGE_CSS as _CSS
+from cadence.report_page import escape as _e
+from cadence.report_page import format_cell as _fmt
+from cadence.report_page import format_time as _when
+from cadence.report_page import html_table as _table
+from cadence.report_page import write_page_file as _write
 from cadence.storage import Storage
 from cadence.summary import METRICS_FILE, read_metrics
 from cadence.throughput import (MFU, MODEL_TFLOPS_PER_SECOND, PEAK_ALLOCATED_GIB, PEAK_RESERVED_GIB,
@@ -330,26 +335,6 @@ def _plot(run: _Run) -> bytes:
 # the page
 
 
-def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def _when(t: Any) -> str:
-    if not isinstance(t, (int, float)) or not math.isfinite(t):
-        return ""
-    return datetime.datetime.fromtimestamp(t).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, bool) or value is None:
-        return "" if value is None else str(value)
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, (dict, list)):
-        return json.dumps(value, default=str)
-    return str(value)
-
-
 def _duration(seconds: float) -> str:
     seconds = round(seconds)
     hours, rest = divmod(seconds, 3600)
@@ -359,13 +344,6 @@ def _duration(seconds: float) -> str:
 
 def _size(n: Any) -> str:
     return format_size(n) if isinstance(n, (int, float)) else ""
-
-
-def _table(headers: Iterable[str], rows: Iterable[Iterable[Any]], css: str = "") -> str:
-    """An HTML table; every header and cell escaped (cells are plain values)."""
-    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{_e(_fmt(c))}</td>" for c in row) + "</tr>" for row in rows)
-    return f'<table class="{_e(css)}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
 def _facts(run: _Run) -> list[tuple[str, str]]:
@@ -440,22 +418,6 @@ def _checkpoint_rows(run: _Run) -> list[list[Any]]:
     return rows
 
 
-_CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;background:#f6f7f9;color:#1d232b}
-main{max-width:1240px;margin:0 auto;padding:20px 28px 48px}
-h1{font-size:22px;margin:8px 0 2px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d5d9df;padding-bottom:4px}
-.sub{color:#5b6470;margin:0 0 14px;font-size:13px;word-break:break-all}
-table{border-collapse:collapse;background:#fff;font-size:13px;margin:4px 0 10px}
-th,td{border:1px solid #dde1e6;padding:4px 9px;text-align:left;vertical-align:top}
-th{background:#eef0f3;font-weight:600}td{font-variant-numeric:tabular-nums}
-table.facts th{width:190px}
-.ok{color:#1b7a2e;font-weight:600}.warn{color:#9a5b00;font-weight:600}
-img.plots{max-width:100%;background:#fff;border:1px solid #dde1e6}
-pre{background:#fff;border:1px solid #dde1e6;padding:10px 12px;font-size:12px;overflow-x:auto}
-.empty{color:#5b6470;font-style:italic}
-"""
-
-
 def _page(run: _Run, png: bytes) -> str:
     status = ('<span class="ok">finished</span>' if run.final_step is not None
               else '<span class="warn">not finished</span>')
@@ -516,13 +478,6 @@ def _out_paths(model_dir: str, out: str | None) -> tuple[str, str]:
         if target.fs is checkpoints.fs and (target.root + "/").startswith(checkpoints.root + "/"):
             raise ConfigError(f"--out: the report is never written into checkpoints/: {path}")
     return html_path, png_path
-
-
-def _write(path: str, data: bytes) -> str:
-    storage = Storage(path)
-    storage.makedirs(posixpath.dirname(storage.root) or "/")
-    storage.write_atomic(storage.root, data)
-    return storage.url(storage.root)
 
 
 def build_report(model_dir: str, out: str | None = None) -> ReportPaths:

@@ -12,6 +12,10 @@ Optional capabilities, each a declared protocol checked with ``isinstance``:
   controller's checkpoint manager; an evaluator-only controller restores the evaluator.
 * :class:`GathersCheckpoint` (``prepare_checkpoint()``) -- a collective called on every rank
   before each save, to gather what the chief writes (e.g. each rank's RNG state).
+* :class:`~cadence.throughput.CountsWork` (``loop_work()``) -- a trainer that says what its last
+  ``train()`` call processed (samples, tokens, FLOPs): the controller logs the rates.
+* :class:`~cadence.checkpoint.protocol.WritesShards` -- a trainer whose ranks each write their
+  shards of a checkpoint.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from cadence import layout
 from cadence.config.schema import ExperimentConfig
 from cadence.errors import ConfigError
 from cadence.progress import format_value
-from cadence.launch import _die_with_parent as die_with_parent
+from cadence.launch import die_with_parent
 from cadence.signals import install_handlers, signal_name
 from cadence.sweep.best_link import point_best
 from cadence.sweep.pruning import read_decision
