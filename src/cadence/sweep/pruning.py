@@ -96,11 +96,11 @@ class OptunaTrial:
         """The Optuna trial (connected once). CadenceError: no such study file, study or trial."""
         if self._trial is not None:
             return self._trial
-        import sqlalchemy.exc
-
         from cadence.sweep._optuna import build_pruner, open_storage, pruner_name, require_optuna
 
         optuna = require_optuna("sweep_trial")
+        import sqlalchemy.exc  # optuna's own dependency: there once optuna is
+
         s = self.section
         where = f"sweep_trial: trial {s.trial_number} of study {s.study_name!r} in {s.storage}"
         if s.storage.startswith("sqlite:///") and not Path(s.storage.removeprefix("sqlite:///")).is_file():
