@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cadence import CheckpointError, Controller
-from cadence.actions.best_checkpoint import BEST_JSON, BestCheckpointExporter
+from cadence.actions.best_checkpoint import BEST_JSON, BestCheckpointExporter, read_best_record
 from cadence.checkpoint import CheckpointManager
 from fakes import MODEL_FILE, FakeTrainer
 
@@ -362,3 +362,19 @@ def test_a_new_best_at_a_lower_step_replaces_the_old_best_after_a_resume(tmp_pat
     assert json.loads((tmp_path / "best" / BEST_JSON).read_text())["step"] == 25
     assert best_manager(tmp_path).steps() == [25]  # exactly one, the best
     assert BestCheckpointExporter(str(tmp_path / "best"), "accuracy").best_value == 0.9
+
+
+def test_read_best_record_is_the_one_reader_of_best_json(tmp_path):
+    """``read_best_record`` (what ``cadence ls``, ``cadence report`` and the trackers read): the
+    record, None without a file, ValueError for a file that is not JSON or has no integer step."""
+    best = tmp_path / "best"
+    assert read_best_record(str(best)) is None  # no best/ at all
+    best.mkdir()
+    assert read_best_record(str(best)) is None
+    record = {"metric": "accuracy", "value": 0.9, "step": 40, "metrics": {"accuracy": 0.9}}
+    (best / BEST_JSON).write_text(json.dumps(record))
+    assert read_best_record(str(best)) == record
+    for text in ("{not json", "[1, 2]", '{"step": "40"}', '{"step": true}', '{"value": 1.0}'):
+        (best / BEST_JSON).write_text(text)
+        with pytest.raises(ValueError):
+            read_best_record(str(best))

@@ -116,9 +116,11 @@ def test_dead_trainer_sidecar_exits_with_a_message(tmp_path):
 def test_launch_sidecar_on_the_digits_example(tmp_path):
     model_dir = tmp_path / "digits"
     proc = cadence("launch", str(ROOT / "examples" / "digits" / "config.yaml"), "--sidecar",
-                   "--model-dir", str(model_dir))
+                   "--model-dir", str(model_dir), "--profile")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "trainer: exit 0" in proc.stderr and "sidecar: exit 0" in proc.stderr
+    # --profile: the trainer traced the default window (steps 13-15), once
+    assert [p.name.split(".")[0] for p in (model_dir / "profile").iterdir()] == ["rank0"]
     assert not [line for line in proc.stdout.splitlines() if line.startswith("[trainer]") and "eval at" in line]
     rows = evaluations(model_dir)
     assert [r["step"] for r in rows] == committed(model_dir) == [200, 400, 600]

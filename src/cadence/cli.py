@@ -115,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="seconds between SIGTERM and SIGKILL when stopping them (default 30)")
     launch.add_argument("--nproc", type=int, default=None, metavar="N",
                         help="train on N processes of this machine (cadence train --nproc N); the sidecar is one more")
+    launch.add_argument("--profile", action="store_true",
+                        help="the trainer traces steps with torch.profiler, as cadence train --profile does")
 
     export = sub.add_parser("export", help="export a checkpoint as inference artefacts")
     export.add_argument("model_dir", help="model directory (its config.yaml builds the model)")
@@ -336,6 +338,8 @@ def _cmd_launch(args: argparse.Namespace, console: Console) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
     cfg = _load(args)  # a bad config fails here (exit 2), before anything starts
+    if args.profile and cfg.profiler is None:  # both processes get it; only the trainer traces
+        args.overrides.append("profiler={}")
     model_dir = cfg.require_model_dir()
     from cadence.checkpoint.leases import Leases
     from cadence.launch import launch, launch_exit_code, sidecar_commands

@@ -6,7 +6,6 @@ table that fits the terminal (:func:`format_table`).
 from __future__ import annotations
 
 import datetime
-import json
 from typing import Any, Mapping
 
 from cadence import layout
@@ -19,16 +18,14 @@ _TIME_FORMAT = "%Y-%m-%d %H:%M"
 
 
 def _read_best(model_dir: str) -> dict[str, Any] | None:
-    """``best/best.json`` (the best checkpoint's record), or None when there is none."""
-    from cadence.actions.best_checkpoint import BEST_JSON
-    from cadence.storage import Storage
+    """``best/best.json`` (the best checkpoint's record), or None when there is none (or it is unreadable)."""
+    from cadence.actions.best_checkpoint import read_best_record
 
-    storage = Storage(layout.best_dir(model_dir))
     try:
-        record = json.loads(storage.read_bytes(storage.join(BEST_JSON)))
-    except (FileNotFoundError, ValueError):
+        record = read_best_record(layout.best_dir(model_dir))
+    except ValueError:
         return None
-    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+    if record is None:
         return None
     out = {k: record.get(k) for k in ("step", "metric", "value", "higher_is_better")}
     out["path"] = layout.join(layout.best_dir(model_dir), f"ckpt-{record['step']}")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import base64
 import datetime
 import io
-import json
 import math
 import posixpath
 import statistics
@@ -221,20 +220,17 @@ def _read_checkpoints(run: _Run, model_dir: str) -> None:
 
 def _read_best(run: _Run, model_dir: str) -> dict[str, Any] | None:
     """best/best.json, else the record in the best checkpoint's state.json, else None."""
-    from cadence.actions.best_checkpoint import BEST_JSON, RECORD
+    from cadence.actions.best_checkpoint import BEST_JSON, RECORD, read_best_record
     from cadence.checkpoint import CheckpointManager
 
     best_dir = layout.best_dir(model_dir)
-    storage = Storage(best_dir)
-    text = _read_text(storage, storage.join(BEST_JSON))
-    if text is not None:
-        try:
-            record = json.loads(text)
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                return record
-            run.notes.append(f"{storage.url(storage.join(BEST_JSON))}: no step in it")
-        except ValueError as e:
-            run.notes.append(f"{storage.url(storage.join(BEST_JSON))}: unreadable ({e})")
+    try:
+        record = read_best_record(best_dir)
+        if record is not None:
+            return record
+    except ValueError as e:
+        storage = Storage(best_dir)
+        run.notes.append(f"{storage.url(storage.join(BEST_JSON))}: unreadable ({e})")
     manager = CheckpointManager(best_dir, writer=False)
     for step in reversed(manager.steps()):
         try:

@@ -187,3 +187,22 @@ class BestCheckpointExporter:
         except OSError as e:
             raise_if_full(e, storage, f"write {BEST_JSON} for step {record['step']}")
             raise
+
+
+def read_best_record(best_dir: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The record of ``best_dir``'s ``best.json`` (the best checkpoint's ``metric``, ``value``,
+    ``step``, eval ``metrics``; see :class:`BestCheckpointExporter`); None when there is none.
+
+    Raises ValueError when the file is not JSON or holds no integer ``step`` (OSError when it
+    cannot be read)."""
+    from cadence.storage import Storage
+
+    storage = Storage(best_dir, storage_options)
+    try:
+        data = storage.read_bytes(storage.join(BEST_JSON))
+    except FileNotFoundError:
+        return None
+    record = json.loads(data)
+    if not isinstance(record, dict) or isinstance(record.get("step"), bool) or not isinstance(record.get("step"), int):
+        raise ValueError("no integer step in it")
+    return record

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 from cadence import layout
-from cadence.actions.best_checkpoint import BEST_JSON
+from cadence.actions.best_checkpoint import read_best_record
 from cadence.callbacks import Callback
 from cadence.lifecycle import RunContext
 from cadence.storage import Storage
@@ -223,12 +223,11 @@ class TrackerCallback(Callback):
     def _submit_best(self) -> None:
         """Log ``best/best.json`` (written by the eval actions, before ``on_eval_end``) when it
         changed since it was last logged."""
-        storage = Storage(layout.join(layout.best_dir(self.model_dir or ""), BEST_JSON), self.storage_options)
         try:
-            record = _read_json(storage)
+            record = read_best_record(layout.best_dir(self.model_dir or ""), self.storage_options)
         except (OSError, ValueError):  # unreadable now: the next evaluation looks again
             return
-        if not record or not isinstance(record.get("value"), (int, float)) or not isinstance(record.get("step"), int):
+        if record is None or not isinstance(record.get("value"), (int, float)):
             return
         key = (record["step"], record["value"], record.get("metric"))
         if self._best == key:
