@@ -39,7 +39,7 @@ from cadence.checkpoint.protocol import CheckpointReader
 from cadence.errors import CheckpointError
 from cadence.torch import sharded_checkpoint
 from cadence.torch.safetensors_io import SafetensorsPayload, safetensors_views
-from cadence.torch.state import unwrap_model
+from cadence.torch.state import describe_key_mismatch, unwrap_model
 
 __all__ = ["EMA_FILE", "EMASettings", "ModelEMA", "RAW_PREFIX", "SHARDED_KEY", "applied", "raw_metrics"]
 
@@ -193,12 +193,9 @@ class ModelEMA:
             tensors = safetensors_views(data)
         except CheckpointError as e:
             raise CheckpointError(f"{source}: {e}") from e
-        missing = sorted(set(self._state) - set(tensors))
-        unexpected = sorted(set(tensors) - set(self._state))
-        if missing or unexpected:
-            parts = [f"{what} keys: {', '.join(keys[:5])}" + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
-                     for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
-            raise CheckpointError(f"{source} does not match the model: {'; '.join(parts)}")
+        mismatch = describe_key_mismatch(set(self._state) - set(tensors), set(tensors) - set(self._state))
+        if mismatch:
+            raise CheckpointError(f"{source} does not match the model: {mismatch}")
         done: set[int] = set()
         with torch.no_grad():
             for name, target in self._state.items():

@@ -47,6 +47,7 @@ from torch.futures import Future
 from cadence.checkpoint import checksum as checksum_lib
 from cadence.errors import CheckpointError, UnsafeCheckpointError
 from cadence.storage import Storage
+from cadence.torch.state import describe_key_mismatch
 
 __all__ = [
     "METADATA_FILE",
@@ -314,13 +315,10 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         prefix = f"{self.strict}."
         wanted = {key for key in self.state_dict if key.startswith(prefix)}
         saved = {key for key in metadata.state_dict_metadata if key.startswith(prefix)}
-        parts = []
-        for what, keys in (("missing", wanted - saved), ("unexpected", saved - wanted)):
-            if keys:
-                names = sorted(key[len(prefix):] for key in keys)
-                parts.append(f"{what} keys: {', '.join(names[:5])}" + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
-        if parts:
-            raise CheckpointError(f"the {self.strict} state does not match: {'; '.join(parts)}")
+        mismatch = describe_key_mismatch((key[len(prefix):] for key in wanted - saved),
+                                         (key[len(prefix):] for key in saved - wanted))
+        if mismatch:
+            raise CheckpointError(f"the {self.strict} state does not match: {mismatch}")
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:

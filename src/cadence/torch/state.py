@@ -18,7 +18,7 @@ import pickle
 import random
 import re
 from collections import OrderedDict
-from typing import IO, Any, Callable, Mapping
+from typing import IO, Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -154,6 +154,14 @@ def _names(keys: list[str], limit: int = 10) -> str:
     return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
 
 
+def describe_key_mismatch(missing: Iterable[str], unexpected: Iterable[str]) -> str:
+    """``"missing keys: a, b; unexpected keys: c"`` (sorted; the parts that are not empty; the
+    first 10 of each); ``""`` when both are empty. What a state that does not match its model says."""
+    parts = [f"{what} keys: {_names(sorted(keys))}" for what, keys in (("missing", list(missing)),
+                                                                       ("unexpected", list(unexpected))) if keys]
+    return "; ".join(parts)
+
+
 def load_model_safetensors(model: nn.Module, data: bytes | bytearray | memoryview, *,
                            source: str = "model.safetensors",
                            load: Callable[[Mapping[str, torch.Tensor]], Any] | None = None) -> None:
@@ -174,17 +182,9 @@ def load_model_safetensors(model: nn.Module, data: bytes | bytearray | memoryvie
         raise CheckpointError(f"{source}: {e}") from e
     expected = target.state_dict().keys()
     tensors = match_saved_keys(tensors, expected)  # another tool's file: keys of a compiled / DDP-wrapped model
-    missing = sorted(k for k in expected if k not in tensors)
-    unexpected = sorted(k for k in tensors if k not in expected)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {_names(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys: {_names(unexpected)}")
-        raise CheckpointError(
-            f"{source} does not match the model ({type(target).__name__}): " + "; ".join(parts)
-        )
+    mismatch = describe_key_mismatch((k for k in expected if k not in tensors), (k for k in tensors if k not in expected))
+    if mismatch:
+        raise CheckpointError(f"{source} does not match the model ({type(target).__name__}): {mismatch}")
     try:
         if load is not None:
             load(tensors)
