@@ -41,7 +41,7 @@ bench: $(STAMP)
 
 # Regenerate docs/config.md and docs/cli.md from the code (tests/test_docgen.py fails when stale).
 docs: $(STAMP)
-	$(BIN)/python -m cadence.docgen
+	$(BIN)/python -m cadence.cli.docgen
 
 clean:
 	rm -rf $(VENV) runs build dist src/*.egg-info

@@ -70,7 +70,7 @@ WORKLOADS: dict[str, tuple[str, Callable[[], Any]]] = {
 
 def trainer_for(task: Any, ema: bool) -> Any:
     from cadence.torch import Context, build_runners
-    from cadence.torch.ema import EMASettings
+    from cadence.torch.components.ema import EMASettings
 
     torch.manual_seed(0)
     trainer, _ = build_runners(task, Context.create(device="cpu"), evaluate=False,

@@ -56,9 +56,9 @@ def timed_run(batches: list, steps: int, profiler: dict | None,
     close_seconds)``. ``profiler``: ProfilerWindow settings (None: no profiler). ``close_seconds``:
     the controller's close (wall), which writes a trace the timed steps left open."""
     from cadence import Controller
-    from cadence.profiler_window import ProfilerWindow
+    from cadence.config.components.profiler import ProfilerWindow
     from cadence.torch import Context, build_runners
-    from cadence.torch.profiling import StepProfiler
+    from cadence.torch.components.profiling import StepProfiler
 
     trainer, _ = build_runners(loop_overhead._cadence_task(batches), Context.create(device="cpu"), evaluate=False)
     callbacks = []
@@ -81,8 +81,8 @@ def timed_run(batches: list, steps: int, profiler: dict | None,
 def hook_call_ns(calls: int = 1_000_000, repeats: int = 5) -> float:
     """Nanoseconds per ``StepProfiler.after_step`` call outside a window (min over repeats, the
     loop's own iteration included): what a step pays for the profiler outside its window."""
-    from cadence.profiler_window import ProfilerWindow
-    from cadence.torch.profiling import StepProfiler
+    from cadence.config.components.profiler import ProfilerWindow
+    from cadence.torch.components.profiling import StepProfiler
 
     hook = StepProfiler(ProfilerWindow(skip_first=10, wait=1, warmup=1, active=3), "unused")
     hook.after_step(100)  # past the window: nothing left to start

@@ -62,9 +62,10 @@ from cadence.checkpoint import CheckpointManager
 from cadence.checkpoint import checksum as checksum_lib
 from cadence.checkpoint import manifest as manifest_lib
 from cadence.checkpoint.session import CheckpointSession
-from cadence.torch import Context, Task, TorchTrainer, build_runners, sharded_checkpoint
-from cadence.torch.distributed import shutdown_distributed
-from cadence.torch.sharding import is_sharded
+from cadence.torch import Context, Task, TorchTrainer, build_runners
+from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
+from cadence.torch.runtime.distributed import shutdown_distributed
+from cadence.torch.parallel.sharding import is_sharded
 
 
 class BenchTask(Task):

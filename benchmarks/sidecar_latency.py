@@ -2,7 +2,7 @@
 starting to evaluate it, with the default ``poll_interval`` (0.5 s).
 
 A trainer thread commits small checkpoints at irregular intervals (so commits do not phase-lock
-with the polling); the real :class:`~cadence.sidecar.SidecarEvaluator` runs in the main thread
+with the polling); the real :class:`~cadence.sidecar.evaluator.SidecarEvaluator` runs in the main thread
 with leases, the evaluation log and verification, and an evaluator that records when each
 evaluation starts.
 """
@@ -17,7 +17,7 @@ import threading
 import time
 
 from cadence import CheckpointManager
-from cadence.sidecar import SidecarEvaluator
+from cadence.sidecar.evaluator import SidecarEvaluator
 
 N = 20
 

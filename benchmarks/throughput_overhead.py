@@ -89,10 +89,10 @@ def component_costs(batches: list, n: int) -> dict:
     per-batch call); µs per loop of the controller's work (``isinstance(trainer, CountsWork)``,
     ``loop_work()``, ``throughput_logs``) and of writing one more scalar into the summaries (with
     their flush); ms of one FLOPs count."""
-    from cadence.summary import SummaryManager
-    from cadence.throughput import CountsWork, throughput_logs
+    from cadence.summaries.writer import SummaryManager
+    from cadence.summaries.throughput import CountsWork, throughput_logs
     from cadence.torch import Context, build_runners
-    from cadence.torch.throughput import ThroughputMeter, count_flops_per_sample
+    from cadence.torch.components.throughput import ThroughputMeter, count_flops_per_sample
 
     batch = batches[0]
     costs = {}

@@ -27,7 +27,7 @@ def checkpoint_weights(checkpoint: Path) -> dict[str, Any]:
     or assembled from the ranks' shards of a sharded (FSDP) checkpoint."""
     from safetensors.torch import load_file
 
-    from cadence.torch.sharded_checkpoint import read_model_state
+    from cadence.torch.checkpoint_io.sharded import read_model_state
 
     plain = checkpoint / "model.safetensors"
     return load_file(plain) if plain.exists() else read_model_state(str(checkpoint))

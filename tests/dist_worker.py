@@ -31,7 +31,7 @@ from tasks import TinyTask  # noqa: E402
 
 from cadence.checkpoint import CheckpointManager  # noqa: E402
 from cadence.torch import Context, Task, build_runners, unwrap_model  # noqa: E402
-from cadence.torch.distributed import shutdown_distributed  # noqa: E402
+from cadence.torch.runtime.distributed import shutdown_distributed  # noqa: E402
 
 
 class PidTask(TinyTask):

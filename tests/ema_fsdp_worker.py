@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/ema_fsdp_worker.py OUT_DIR
 
-An EMA (``cadence.torch.ema.ModelEMA``) of a model sharded by FSDP2 and one of the same model
+An EMA (``cadence.torch.components.ema.ModelEMA``) of a model sharded by FSDP2 and one of the same model
 unsharded, trained side by side on the same batches (the same on every rank, so the averaged
 gradient is the unsharded one): writes ``OUT_DIR/rank<r>.json`` with what each rank's EMA holds
 (DTensors placed as the parameters), how far the two EMAs are apart, what an evaluation of each
@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tasks import TinyTask, synthetic  # noqa: E402
 
 from cadence.torch import Context, TorchEvaluator  # noqa: E402
-from cadence.torch.distributed import shutdown_distributed  # noqa: E402
-from cadence.torch.ema import ModelEMA  # noqa: E402
-from cadence.torch.sharding import shard_model  # noqa: E402
+from cadence.torch.runtime.distributed import shutdown_distributed  # noqa: E402
+from cadence.torch.components.ema import ModelEMA  # noqa: E402
+from cadence.torch.parallel.sharding import shard_model  # noqa: E402
 
 
 class BatchNormTask(TinyTask):
@@ -47,7 +47,7 @@ def main(out: Path) -> None:
     task = BatchNormTask()
     torch.manual_seed(0)
     ref = task.build_model()
-    model = shard_model(task, copy.deepcopy(ref), ctx, "32")
+    model = shard_model(model := copy.deepcopy(ref), task.fsdp_units(model), ctx, "32")
     ema = ModelEMA(model, decay=0.75)
     ref_ema = ModelEMA(ref, decay=0.75)
     params = dict(model.named_parameters())

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tasks import TinyTask, synthetic  # noqa: E402
 
 from cadence.torch import Context, TorchEvaluator  # noqa: E402
-from cadence.torch.distributed import shutdown_distributed  # noqa: E402
-from cadence.torch.sharding import is_sharded, shard_model  # noqa: E402
+from cadence.torch.runtime.distributed import shutdown_distributed  # noqa: E402
+from cadence.torch.parallel.sharding import is_sharded, shard_model  # noqa: E402
 
 
 class UnevenEvalTask(TinyTask):
@@ -49,7 +49,7 @@ def main(out: Path) -> None:
     task = UnevenEvalTask()
     torch.manual_seed(0)
     ref = task.build_model()
-    model = shard_model(task, copy.deepcopy(ref), ctx, "32")
+    model = shard_model(model := copy.deepcopy(ref), task.fsdp_units(model), ctx, "32")
     res: dict = {"sharded": is_sharded(model),
                  "dtensor_params": all(isinstance(p, DTensor) for p in model.parameters()),
                  "local_numel": sum(p.to_local().numel() for p in model.parameters()),

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from cadence.metrics import Concat, FunctionReducer, Max, Mean, Min, Sum
 from cadence.torch import Context, Task, TorchEvaluator
-from cadence.torch.distributed import TorchCoordinator
+from cadence.torch.runtime.distributed import TorchCoordinator
 
 try:
     import torchmetrics

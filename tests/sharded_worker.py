@@ -77,8 +77,8 @@ def restore(checkpoints: str, out: str) -> None:
 
     from cadence.checkpoint import CheckpointManager
     from cadence.torch import Context
-    from cadence.torch.distributed import current_coordinator, shutdown_distributed
-    from cadence.torch.trainer import build_runners
+    from cadence.torch.runtime.distributed import current_coordinator, shutdown_distributed
+    from cadence.torch.loop.trainer import build_runners
 
     ctx = Context.create(device="cpu", seed=0)  # under torchrun with M > 1: initialises the process group
     coordinator = current_coordinator()
@@ -116,8 +116,8 @@ def failed_write(out_dir: str) -> None:
     from cadence.checkpoint.protocol import ShardTarget
     from cadence.errors import CheckpointError
     from cadence.torch import Context
-    from cadence.torch.distributed import current_coordinator, shutdown_distributed
-    from cadence.torch.trainer import build_runners
+    from cadence.torch.runtime.distributed import current_coordinator, shutdown_distributed
+    from cadence.torch.loop.trainer import build_runners
 
     ctx = Context.create(device="cpu", seed=0)
     coordinator = current_coordinator()

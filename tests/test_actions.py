@@ -23,7 +23,7 @@ from cadence.actions import (
     PersistedValueError,
     get_metric,
 )
-from cadence.controller import Controller
+from cadence.loop.controller import Controller
 from cadence.errors import StopTraining
 from fakes import FakeTrainer
 

@@ -279,7 +279,7 @@ def test_evaluate_continuously_reports_each_restore(tmp_path):
 
 
 def test_a_sidecar_tells_its_callbacks_of_each_restore_and_evaluation_and_closes_them(tmp_path):
-    from cadence.sidecar import SidecarEvaluator
+    from cadence.sidecar.evaluator import SidecarEvaluator
 
     with controller(tmp_path, []) as c:  # the model dir's checkpoints/: ckpt-2, ckpt-4, FINAL
         c.train(4)
@@ -453,7 +453,7 @@ def config_with(tmp_path: Path, callbacks) -> Path:
 
 def test_config_builds_the_task_callbacks_then_the_configured_ones(tmp_path, monkeypatch):
     from cadence.config import load_config
-    from cadence.torch.experiment import build_callbacks, build_task
+    from cadence.torch.experiments.experiment import build_callbacks, build_task
 
     monkeypatch.chdir(tmp_path)  # a relative file path resolves against the config file's directory
     cfg = load_config(config_with(tmp_path, [
@@ -488,7 +488,7 @@ def test_no_callbacks_section_means_none(tmp_path):
 ])
 def test_bad_callback_specs_name_the_field(tmp_path, entry, message):
     from cadence.config import load_config
-    from cadence.torch.experiment import build_callbacks, build_task
+    from cadence.torch.experiments.experiment import build_callbacks, build_task
 
     cfg = load_config(config_with(tmp_path, [entry]))
     with pytest.raises(ConfigError, match=message):

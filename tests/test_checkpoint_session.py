@@ -10,7 +10,7 @@ import pytest
 
 from cadence.checkpoint import CheckpointManager
 from cadence.checkpoint.session import CheckpointSession
-from cadence.coordination import LocalCoordinator
+from cadence.runtime.coordination import LocalCoordinator
 from cadence.errors import CheckpointError
 from fakes import MODEL_FILE, FakeTrainer
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from cadence.cluster import ClusterSpec, resolve_role
+from cadence.cluster.roles import ClusterSpec, resolve_role
 from cadence.config import ExperimentConfig, config_from_dict
 from cadence.errors import ConfigError
 
@@ -218,7 +218,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ExperimentConfig, 
         record.append(("train", cfg, kwargs))
         return {"accuracy": 0.9}
 
-    from cadence.torch import experiment
+    from cadence.torch.experiments import experiment
 
     monkeypatch.setattr(experiment, "run_sidecar", run_sidecar)
     monkeypatch.setattr(experiment, "run_training", run_training)

@@ -442,7 +442,7 @@ def test_round_trip_property(
 
 
 def test_descriptions_for_every_field() -> None:
-    from cadence.docgen import config_sections
+    from cadence.cli.docgen import config_sections
 
     for section in config_sections():
         for name, info in section.model.model_fields.items():
@@ -460,7 +460,7 @@ def test_yaml_1_2_booleans_so_export_on_is_a_key(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("word", ["yes", "no", "on", "off", "1", "'true'"])
 def test_only_true_and_false_are_booleans_in_every_boolean_setting(tmp_path: Path, word: str) -> None:
-    from cadence.docgen import config_sections
+    from cadence.cli.docgen import config_sections
 
     booleans = [f"{section.path}.{name}" for section in config_sections()
                 for name, info in section.model.model_fields.items() if info.annotation is bool]
@@ -532,7 +532,7 @@ def _leaf_fields() -> list[tuple[str, object]]:
     values, lists of values (``export.formats``), free-form mappings (``task.params``), and the
     fields of list items (``callbacks[0].class``)."""
     from cadence.config.errors import submodel
-    from cadence.docgen import config_sections, yaml_key
+    from cadence.cli.docgen import config_sections, yaml_key
 
     leaves = []
     for section in config_sections():

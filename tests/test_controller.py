@@ -10,7 +10,7 @@ import pytest
 
 from cadence import CheckpointError, Controller, StopTraining
 from cadence.checkpoint import CheckpointManager
-from cadence.summary import read_metrics
+from cadence.summaries.writer import read_metrics
 from fakes import MODEL_FILE, FakeTrainer
 
 
@@ -529,7 +529,7 @@ def test_training_from_an_older_checkpoint_than_the_latest_is_refused(tmp_path):
 
 
 def test_throttle_and_start_delay_skip_evaluations_but_never_the_final(monkeypatch):
-    import cadence.controller as controller_module
+    import cadence.loop.controller as controller_module
 
     now = [0.0]
     monkeypatch.setattr(controller_module.time, "monotonic", lambda: now[0])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cadence import cli
+from cadence.cli import main as cli
 
 TASK = f"{Path(__file__).with_name('dist_worker.py')}:PidTask"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
@@ -40,7 +40,7 @@ def test_the_launcher_command():
     standalone = command(["--log-level", "debug", "train", "c.yaml", "--nproc", "2", "--model-dir", "m",
                           "--set", "a=1", "--set", "b=2", "--no-progress"])
     assert standalone == [
-        "PY", "-m", "cadence.torchrun", "--nproc-per-node", "2", "--nnodes", "1", "--standalone",
+        "PY", "-m", "cadence.cli.torchrun", "--nproc-per-node", "2", "--nnodes", "1", "--standalone",
         "--max-restarts", "0", "--tee", "3",
         "-m", "cadence", "--log-level", "debug", "train", "c.yaml", "--model-dir", "m", "--set", "a=1",
         "--set", "b=2", "--no-progress",
@@ -48,7 +48,7 @@ def test_the_launcher_command():
     nodes = command(["train", "c.yaml", "--nproc", "8", "--nnodes", "2", "--node-rank", "1",
                      "--rdzv-endpoint", "host0:29400", "--rdzv-id", "job7", "--max-restarts", "3"])
     assert nodes[:nodes.index("-m", 3)] == [
-        "PY", "-m", "cadence.torchrun", "--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1",
+        "PY", "-m", "cadence.cli.torchrun", "--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "host0:29400", "--rdzv-id", "job7",
         "--max-restarts", "3", "--tee", "3",
     ]
@@ -60,7 +60,7 @@ def test_the_launcher_flags_exist_in_this_torch():
 
     flags = command(["train", "c.yaml", "--nproc", "2", "--nnodes", "2", "--node-rank", "0",
                      "--rdzv-endpoint", "h:1", "--rdzv-id", "x", "--max-restarts", "2"])
-    args = get_args_parser().parse_args(flags[3:])  # `python -m cadence.torchrun` passes them to torch's main
+    args = get_args_parser().parse_args(flags[3:])  # `python -m cadence.cli.torchrun` passes them to torch's main
     assert (args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_backend) == ("2", "2", 0, "c10d")
     assert (args.rdzv_endpoint, args.rdzv_id, args.max_restarts, args.tee, args.module) == ("h:1", "x", 2, "3", True)
     assert args.training_script == "cadence"

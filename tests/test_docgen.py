@@ -13,8 +13,8 @@ from typing import Any, Literal
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from cadence import docgen
-from cadence.cli import _parser
+from cadence.cli import docgen
+from cadence.cli.main import _parser
 from cadence.config import ExperimentConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ def test_committed_docs_are_current(name):
 @pytest.mark.parametrize("name", sorted(docgen.DOCS))
 def test_pages_say_they_are_generated(name):
     first = (DOCS / name).read_text(encoding="utf-8").splitlines()[0]
-    assert first.startswith("<!--") and "make docs" in first and "python -m cadence.docgen" in first
+    assert first.startswith("<!--") and "make docs" in first and "python -m cadence.cli.docgen" in first
     assert "Do not edit by hand" in first
 
 
@@ -196,7 +196,7 @@ def test_cli_reference_picks_up_a_new_subcommand():
 
 def test_generation_ignores_the_terminal_and_check_names_stale_pages(tmp_path):
     env = {**os.environ, "COLUMNS": "40"}
-    code = ("import sys, cadence.docgen as d; sys.exit(d.main(sys.argv[1:]) or "
+    code = ("import sys, cadence.cli.docgen as d; sys.exit(d.main(sys.argv[1:]) or "
             "('torch' in sys.modules and 'torch imported'))")
     docs = tmp_path / "docs"
     run = lambda *args: subprocess.run([sys.executable, "-c", code, "--docs-dir", str(docs), *args],

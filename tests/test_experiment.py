@@ -1,4 +1,4 @@
-"""Building a run from a config (cadence.torch.experiment): actions and exports wired as
+"""Building a run from a config (cadence.torch.experiments.experiment): actions and exports wired as
 configured, and bad combinations refused before any training."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from cadence.config import config_from_dict
 from cadence.errors import ConfigError
-from cadence.summary import read_metrics
+from cadence.summaries.writer import read_metrics
 from cadence.torch import load_exported, run_training
 
 TASKS = Path(__file__).parent / "tasks.py"

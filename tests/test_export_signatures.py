@@ -28,8 +28,10 @@ from cadence.torch import (
     load_exported,
     read_signatures,
 )
-from cadence.torch.experiment import ModelExporter, load_task_class, run_training
-from cadence.torch.export import FILES, ExportError, check_signatures, read_export_metadata
+from cadence.torch.experiments.experiment import ModelExporter, load_task_class, run_training
+from cadence.torch.export.api import read_export_metadata
+from cadence.torch.export.formats import FILES, ExportError
+from cadence.torch.export.signatures import check_signatures
 
 HERE = Path(__file__).resolve().parent
 SIG_TASKS = HERE / "signature_tasks.py"

@@ -1,4 +1,4 @@
-"""cadence.hooks: callbacks told of each event in order, training start/end around a run, and
+"""cadence.loop.hooks: callbacks told of each event in order, training start/end around a run, and
 closing a run (order, once, errors)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from cadence.callbacks import Callback
 from cadence.errors import PreemptedExit
-from cadence.hooks import CallbackHooks
+from cadence.loop.hooks import CallbackHooks
 
 
 class Log(Callback):

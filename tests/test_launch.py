@@ -1,4 +1,4 @@
-"""``cadence.launch``: real child processes (small ``python -c`` programs), real signals."""
+"""``cadence.cluster.launch``: real child processes (small ``python -c`` programs), real signals."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cadence.errors import ConfigError
-from cadence.launch import launch, launch_exit_code, sidecar_commands
+from cadence.cluster.launch import launch, launch_exit_code, sidecar_commands
 
 PY = sys.executable
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -232,7 +232,7 @@ def test_processes_left_behind_are_stopped(leftovers: list[int]) -> None:
 
 LAUNCHER = textwrap.dedent("""
     import json, sys
-    from cadence.launch import launch, launch_exit_code
+    from cadence.cluster.launch import launch, launch_exit_code
     commands, grace = json.loads(sys.argv[1]), float(sys.argv[2])
     sys.exit(launch_exit_code(launch(commands, grace_s=grace)))
 """)

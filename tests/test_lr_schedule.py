@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 
 from cadence.config import config_from_dict
 from cadence.errors import ConfigError
-from cadence.summary import read_metrics
+from cadence.summaries.writer import read_metrics
 from cadence.torch import build_run, run_training
-from cadence.torch.lr_schedule import build_lr_schedule, lr_factor
+from cadence.torch.components.lr_schedule import build_lr_schedule, lr_factor
 
 TASKS = Path(__file__).parent / "tasks.py"
 BASE_LR = 1e-2  # TinyTask's Adam

@@ -9,7 +9,7 @@ import pytest
 import torch
 from sklearn.metrics import roc_auc_score
 
-from cadence.coordination import LocalCoordinator
+from cadence.runtime.coordination import LocalCoordinator
 from cadence.metrics import (
     Concat,
     FunctionReducer,

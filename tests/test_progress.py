@@ -7,8 +7,8 @@ import io
 import pytest
 from rich.console import Console
 
-from cadence import progress
-from cadence.progress import ProgressReporter, format_duration, format_logs, format_rate
+from cadence.summaries import progress
+from cadence.summaries.progress import ProgressReporter, format_duration, format_logs, format_rate
 
 
 class FakeClock:

@@ -18,14 +18,14 @@ import pytest
 
 from cadence.config import config_from_dict
 from cadence.errors import CadenceError
-from cadence.report import build_report
-from cadence.sidecar import EvaluationLog
-from cadence.summary import SummaryWriter, read_metrics
+from cadence.reports.run_report import build_report
+from cadence.sidecar.evaluator import EvaluationLog
+from cadence.summaries.writer import SummaryWriter, read_metrics
 
 PIL_Image = pytest.importorskip("PIL.Image", reason="Pillow (a matplotlib dependency) is needed to check the PNG")
 
 TASKS = Path(__file__).parent / "tasks.py"
-TRAIN_BLUE = (0x1F, 0x77, 0xB4)  # the colour of the training series (cadence.report._TRAIN_COLOR)
+TRAIN_BLUE = (0x1F, 0x77, 0xB4)  # the colour of the training series (cadence.reports.run_report._TRAIN_COLOR)
 
 
 def cadence(*args: str) -> subprocess.CompletedProcess:
@@ -118,7 +118,7 @@ def test_the_report_is_never_written_into_checkpoints(finished_run):
 def test_sidecar_evaluations_are_shown(tmp_path):
     from tasks import TinyTask
 
-    from cadence.sidecar import SidecarEvaluator
+    from cadence.sidecar.evaluator import SidecarEvaluator
     from cadence.torch import Context, build_runners
 
     model_dir = tmp_path / "run"
@@ -192,7 +192,7 @@ def html_escape(text: str) -> str:
 
 def test_without_matplotlib_the_command_says_what_to_install(finished_run, tmp_path):
     code = ("import sys; sys.modules['matplotlib'] = None\n"  # a real import failure of matplotlib
-            "from cadence.cli import main\n"
+            "from cadence.cli.main import main\n"
             f"sys.exit(main(['report', {str(finished_run)!r}, '--out', {str(tmp_path / 'r.html')!r}]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 1

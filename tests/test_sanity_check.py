@@ -19,12 +19,12 @@ from cadence import Controller
 from cadence.actions import BestCheckpointExporter, ConditionalAction, EarlyStopping, NewBestMetric
 from cadence.checkpoint import CheckpointManager
 from cadence.checkpoint.session import CheckpointSession
-from cadence.coordination import LocalCoordinator
+from cadence.runtime.coordination import LocalCoordinator
 from cadence.errors import (CheckpointError, ConfigError, SanityCheckError, TrainingDivergedError,
                             ValidationOutputError)
 from cadence.lifecycle import ChecksOutputs
-from cadence.sanity import sanity_check
-from cadence.summary import read_metrics
+from cadence.loop.sanity import sanity_check
+from cadence.summaries.writer import read_metrics
 from cli_run import run_cadence
 from fakes import MODEL_FILE, FakeTrainer
 

@@ -1,11 +1,11 @@
-"""cadence.schedule: interval crossings, evaluation segments, the loop's evaluation state and
+"""cadence.loop.schedule: interval crossings, evaluation segments, the loop's evaluation state and
 tf.estimator's throttling (with a fake clock)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cadence.schedule import (
+from cadence.loop.schedule import (
     EvalState,
     EvalThrottle,
     check_advance,

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from cadence.checkpoint import checksum as checksum_lib
 from cadence.errors import CheckpointError, UnsafeCheckpointError
-from cadence.torch import sharded_checkpoint as sc
+from cadence.torch.checkpoint_io import sharded as sc
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP: "assuming ... a single process"
 

@@ -53,7 +53,7 @@ class ThreadGroup:
 
 
 class ThreadCoordinator:
-    """A :class:`~cadence.coordination.Coordinator` over threads: real collectives (every rank
+    """A :class:`~cadence.runtime.coordination.Coordinator` over threads: real collectives (every rank
     blocks until all have called), so a rank that skips one makes the others fail, not pass."""
 
     def __init__(self, group: ThreadGroup, rank: int) -> None:

@@ -15,8 +15,8 @@ from cadence.actions import BestCheckpointExporter
 from cadence.checkpoint import CheckpointManager
 from cadence.checkpoint.leases import Leases
 from cadence.checkpoint.watcher import CheckpointWatcher
-from cadence.sidecar import EVALUATIONS_FILE, SidecarEvaluator
-from cadence.summary import read_metrics
+from cadence.sidecar.evaluator import EVALUATIONS_FILE, SidecarEvaluator
+from cadence.summaries.writer import read_metrics
 from fakes import MODEL_FILE, FakeTrainer
 
 ACCURACY = {2: 0.3, 4: 0.6, 6: 0.9, 8: 0.7, 10: 0.9, 12: 0.8}
@@ -115,7 +115,7 @@ def test_dead_trainer_times_out_with_a_message(tmp_path, caplog):
                    progress=False)
     c.train(4, checkpoint_at_completion=False)  # "killed": checkpoints, no FINAL
     ev = FakeEvaluator()
-    with caplog.at_level("INFO", logger="cadence.sidecar"):
+    with caplog.at_level("INFO", logger="cadence.sidecar.evaluator"):
         result = SidecarEvaluator(ev, str(tmp_path), timeout=0.3, poll_interval=0.02).start()
     assert ev.evaluated == [2, 4]
     assert result.stop_reason == "timeout"

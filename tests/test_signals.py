@@ -1,4 +1,4 @@
-"""cadence.signals: handlers installed, restored, and nothing installed off the main thread."""
+"""cadence.runtime.signals: handlers installed, restored, and nothing installed off the main thread."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import signal
 import threading
 
-from cadence.signals import install_handlers, signal_name
+from cadence.runtime.signals import install_handlers, signal_name
 
 
 def test_install_and_restore_puts_the_previous_handlers_back() -> None:

@@ -16,7 +16,7 @@ import yaml
 from cadence.config import config_from_dict
 from cadence.errors import ConfigError
 from cadence.torch import load_exported, run_smoke
-from cadence.torch.smoke import STAGES, SmokeCheckError
+from cadence.torch.experiments.smoke import STAGES, SmokeCheckError
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits" / "config.yaml"

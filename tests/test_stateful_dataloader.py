@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from cadence.torch.data_state import from_json, to_json
+from cadence.torch.data.state import from_json, to_json
 from cli_run import ENV, checkpoint_weights, run_cadence, same_weights
 
 TASK = f"{Path(__file__).parent / 'tasks.py'}:StatefulLoaderTask"

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from cadence.errors import CheckpointError
-from cadence.torch.state import safetensors_metadata
-from cadence.torch.tensor_tree import TREE_KEY, NotFlat, flatten, load_tree, payload
+from cadence.torch.checkpoint_io.state import safetensors_metadata
+from cadence.torch.checkpoint_io.tensor_tree import TREE_KEY, NotFlat, flatten, load_tree, payload
 
 
 def to_bytes(obj) -> bytes:
@@ -145,7 +145,7 @@ def test_malformed_structures_are_checkpoint_errors(skeleton, reason):
 
 
 def test_a_file_without_the_structure_is_named():
-    from cadence.torch.state import state_dict_to_safetensors
+    from cadence.torch.checkpoint_io.state import state_dict_to_safetensors
 
     with pytest.raises(CheckpointError, match="ckpt-3/optimizer.safetensors: no 'cadence.tree'"):
         load_tree(state_dict_to_safetensors({"w": torch.ones(2)}), source="ckpt-3/optimizer.safetensors")

@@ -22,16 +22,17 @@ from rich.console import Console
 from torch import nn
 from torch.nn import functional as F
 
-from cadence import Controller, progress
+from cadence import Controller
+from cadence.summaries import progress
 from cadence.config import config_from_dict
 from cadence.errors import ConfigError
-from cadence.progress import ProgressReporter
-from cadence.summary import read_metrics
-from cadence.throughput import LoopWork, format_throughput, throughput_logs
+from cadence.summaries.progress import ProgressReporter
+from cadence.summaries.writer import read_metrics
+from cadence.summaries.throughput import LoopWork, format_throughput, throughput_logs
 from cadence.torch import Context, Task, build_runners, run_training
-from cadence.torch.device_peaks import PEAK_TFLOPS, chip_of, peak_flops
-from cadence.torch.state import seed_everything
-from cadence.torch.throughput import count_flops_per_sample
+from cadence.torch.components.device_peaks import PEAK_TFLOPS, chip_of, peak_flops
+from cadence.torch.runtime.rng import seed_everything
+from cadence.torch.components.throughput import count_flops_per_sample
 
 TASKS = Path(__file__).parent / "tasks.py"
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -351,7 +352,7 @@ def test_the_progress_line_shows_the_throughput_in_its_units(monkeypatch):
 
 
 def test_the_report_plots_the_throughput_and_gives_its_medians(tmp_path):
-    from cadence.report import _panel_order, build_report
+    from cadence.reports.run_report import _panel_order, build_report
 
     pytest.importorskip("matplotlib")
     train(TokenTask(), 12, model_dir=tmp_path, peak_tflops=1e-6)

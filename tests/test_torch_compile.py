@@ -22,11 +22,11 @@ from torch import nn
 from cadence.config import load_config
 from cadence.config.schema import CompileConfig, TrainerConfig
 from cadence.errors import CheckpointError, ConfigError
-from cadence.summary import read_metrics
+from cadence.summaries.writer import read_metrics
 from cadence.torch import Context, build_runners, export_model, load_exported, run_training
-from cadence.torch.compile import CompileError, compile_model, compile_module, eager_forward, is_compiled
-from cadence.torch.sharded_checkpoint import _reader, read_model_state
-from cadence.torch.state import load_model_safetensors
+from cadence.torch.components.compile import CompileError, compile_model, compile_module, eager_forward, is_compiled
+from cadence.torch.checkpoint_io.sharded import _reader, read_model_state
+from cadence.torch.checkpoint_io.state import load_model_safetensors
 from cli_run import checkpoint_weights, run_cadence, same_weights
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -23,10 +23,10 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from cadence.checkpoint.files import MemoryWriter
-from cadence.coordination import LocalCoordinator
+from cadence.runtime.coordination import LocalCoordinator
 from cadence.torch import Context, ResumableLoader, ResumableSampler, TorchTrainer, seed_everything
-from cadence.torch.distributed import init_distributed, rank_env, shutdown_distributed
-from cadence.torch.trainer import _rank_seed
+from cadence.torch.runtime.distributed import init_distributed, rank_env, shutdown_distributed
+from cadence.torch.loop.trainer import _rank_seed
 from dist_worker import IdsTask
 
 WORKER = str(Path(__file__).with_name("dist_worker.py"))
@@ -236,14 +236,14 @@ def test_elastic_rng_states_in_process(caplog):
     state["rng"] = state["rng"] * 2  # as if saved by 2 ranks
     state["global_step"] = 7
     new_rank = _trainer(Context(rank=2, world_size=3, seed=4))
-    with caplog.at_level(logging.WARNING, logger="cadence.torch.trainer"):
+    with caplog.at_level(logging.WARNING, logger="cadence.torch.loop.trainer"):
         new_rank.load_checkpoint(files, state)
     assert "none for rank 2 of 3" in caplog.text
     got = torch.rand(3)
     seed_everything(_rank_seed(4, 2, 7))
     assert torch.equal(got, torch.rand(3))
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="cadence.torch.trainer"):
+    with caplog.at_level(logging.WARNING, logger="cadence.torch.loop.trainer"):
         _trainer(Context()).load_checkpoint(files, state)
     assert "that of rank 1 is not used" in caplog.text
 

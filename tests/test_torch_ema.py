@@ -1,4 +1,4 @@
-"""``trainer.ema``: an exponential moving average of the weights (cadence.torch.ema.ModelEMA).
+"""``trainer.ema``: an exponential moving average of the weights (cadence.torch.components.ema.ModelEMA).
 
 The average against a hand computation and torch.optim.swa_utils; the swap in and out of the
 model; the EMA in every checkpoint (``ema.safetensors``; DCP shards under FSDP) and its exact
@@ -30,12 +30,12 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from cadence.checkpoint.files import MemoryWriter
 from cadence.config import config_from_dict
 from cadence.errors import ConfigError, SanityCheckError
-from cadence.summary import read_metrics
+from cadence.summaries.writer import read_metrics
 from cadence.torch import Context, TorchEvaluator, build_runners, run_evaluation, run_sidecar, run_training, seed_everything
-from cadence.torch.experiment import run_export
-from cadence.torch.ema import EMASettings, ModelEMA
-from cadence.torch.safetensors_io import safetensors_metadata, state_dict_from_safetensors
-from cadence.torch.sharded_checkpoint import read_model_state
+from cadence.torch.experiments.experiment import run_export
+from cadence.torch.components.ema import EMASettings, ModelEMA
+from cadence.torch.checkpoint_io.safetensors_io import safetensors_metadata, state_dict_from_safetensors
+from cadence.torch.checkpoint_io.sharded import read_model_state
 from cli_run import run_cadence, same_weights
 from tasks import TinyTask
 from test_torch_trainer import save
@@ -213,7 +213,7 @@ def test_a_checkpoint_without_an_ema_starts_it_from_its_weights_and_ema_off_igno
 
 def test_an_export_with_signatures_holds_the_ema_weights_under_the_same_names(tmp_path):
     from cadence.torch import load_exported
-    from cadence.torch.experiment import ModelExporter, load_task_class
+    from cadence.torch.experiments.experiment import ModelExporter, load_task_class
 
     task = load_task_class(f"{HERE / 'signature_tasks.py'}:SignatureTask")()
     model = task.build_model()

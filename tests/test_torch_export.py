@@ -17,10 +17,9 @@ from torch import nn
 import cadence
 from cadence.errors import CadenceError
 from cadence.torch import FORMATS, ExportModel, Task, export_model, load_exported
-from cadence.torch import export_formats
-from cadence.torch.export import (
-    ExportDependencyError,
-    ExportError,
+from cadence.torch.export import formats as export_formats
+from cadence.torch.export.formats import ExportDependencyError, ExportError
+from cadence.torch.export.api import (
     read_export_metadata,
 )
 

@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 from cadence import Controller
 from cadence.config import config_from_dict
-from cadence.profiler_window import NEVER, ProfilerWindow
+from cadence.config.components.profiler import NEVER, ProfilerWindow
 from cadence.torch import Context, build_runners, run_training
-from cadence.torch.profiling import StepProfiler
+from cadence.torch.components.profiling import StepProfiler
 from cli_run import ROOT, run_cadence, same_weights
 from tasks import TinyTask
 

@@ -25,8 +25,14 @@ from cadence.torch import (
     state_dict_from_safetensors,
     torch_state_to_bytes,
 )
-from cadence.torch.state import (RNGSnapshot, SafetensorsPayload, clone_tree, safetensors_metadata, save_torch_state,
-                                  state_dict_to_safetensors)
+from cadence.torch.checkpoint_io.state import (
+    SafetensorsPayload,
+    clone_tree,
+    safetensors_metadata,
+    save_torch_state,
+    state_dict_to_safetensors,
+)
+from cadence.torch.runtime.rng import RNGSnapshot
 
 
 def draws():
@@ -266,7 +272,7 @@ def test_clone_tree_copies_tensors_and_rebuilds_containers():
 def test_loading_copies_once_from_views_of_the_file_bytes():
     """Issue 13: the model's tensors are views of the verified bytes (no intermediate copy) and
     are copied once into the parameters; the parameters own their memory afterwards."""
-    from cadence.torch.state import safetensors_views
+    from cadence.torch.checkpoint_io.state import safetensors_views
 
     src = Tied()
     data = bytearray(model_to_safetensors(src))
@@ -291,7 +297,7 @@ def test_loading_copies_once_from_views_of_the_file_bytes():
     (lambda h: h.update(w=[1, 2]), "is not an object"),
 ])
 def test_view_reader_refuses_bad_headers(tamper, reason):
-    from cadence.torch.state import safetensors_views
+    from cadence.torch.checkpoint_io.state import safetensors_views
 
     data = state_dict_to_safetensors({"w": torch.ones(2, 3), "b": torch.zeros(2)})
     (n,) = struct.unpack("<Q", data[:8])

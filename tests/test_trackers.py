@@ -344,7 +344,7 @@ def test_an_unreachable_mlflow_server_warns_once_and_loses_no_checkpoint(tmp_pat
 
 def test_a_missing_extra_is_one_line_naming_it(tmp_path):
     config = _config(tmp_path, {"mlflow": {}})
-    code = ("import sys; sys.modules['mlflow'] = None; from cadence.cli import main; "
+    code = ("import sys; sys.modules['mlflow'] = None; from cadence.cli.main import main; "
             f"sys.exit(main(['train', {str(config)!r}, '--model-dir', {str(tmp_path / 'run')!r}, '--no-progress']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
                           env={**ENV, **_env(tmp_path)}, cwd=tmp_path)

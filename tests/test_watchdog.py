@@ -1,4 +1,4 @@
-"""The hang watchdog (cadence.watchdog): quiet while the run beats, fires once when it stops, and
+"""The hang watchdog (cadence.runtime.watchdog): quiet while the run beats, fires once when it stops, and
 reports the phase, the step and where the watched thread is stuck."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from cadence.controller import Controller
-from cadence.watchdog import HANG_EXIT_CODE, Heartbeat, Watchdog, unwatched
+from cadence.loop.controller import Controller
+from cadence.runtime.watchdog import HANG_EXIT_CODE, Heartbeat, Watchdog, unwatched
 from fakes import FakeTrainer
 
 

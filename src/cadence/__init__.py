@@ -15,14 +15,14 @@ from cadence._lazy import lazy_attributes
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Controller": "cadence.controller",
+    "Controller": "cadence.loop.controller",
     "Callback": "cadence.callbacks",
     "RunContext": "cadence.lifecycle",
-    "Trainer": "cadence.runner",
-    "Evaluator": "cadence.runner",
+    "Trainer": "cadence.loop.runner",
+    "Evaluator": "cadence.loop.runner",
     "CheckpointManager": "cadence.checkpoint",
-    "SummaryWriter": "cadence.summary",
-    "ProgressReporter": "cadence.progress",
+    "SummaryWriter": "cadence.summaries.writer",
+    "ProgressReporter": "cadence.summaries.progress",
     "ExperimentConfig": "cadence.config",
     "load_config": "cadence.config",
     "CadenceError": "cadence.errors",
@@ -46,9 +46,9 @@ _EXPORTS = {
     "RecoveryAction": "cadence.actions",
     "SaveCheckpointIfPreempted": "cadence.actions",
     "BestCheckpointExporter": "cadence.actions",
-    "SidecarEvaluator": "cadence.sidecar",
-    "resolve_role": "cadence.cluster",
-    "build_report": "cadence.report",
+    "SidecarEvaluator": "cadence.sidecar.evaluator",
+    "resolve_role": "cadence.cluster.roles",
+    "build_report": "cadence.reports.run_report",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -72,9 +72,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from cadence.callbacks import Callback
     from cadence.lifecycle import RunContext
     from cadence.checkpoint import CheckpointManager
-    from cadence.cluster import resolve_role
+    from cadence.cluster.roles import resolve_role
     from cadence.config import ExperimentConfig, load_config
-    from cadence.controller import Controller
+    from cadence.loop.controller import Controller
     from cadence.errors import (
         CadenceError,
         CheckpointError,
@@ -89,8 +89,8 @@ if TYPE_CHECKING:  # pragma: no cover
         WriterLeaseHeldError,
         WriterLeaseLostError,
     )
-    from cadence.progress import ProgressReporter
-    from cadence.report import build_report
-    from cadence.runner import Evaluator, Trainer
-    from cadence.sidecar import SidecarEvaluator
-    from cadence.summary import SummaryWriter
+    from cadence.summaries.progress import ProgressReporter
+    from cadence.reports.run_report import build_report
+    from cadence.loop.runner import Evaluator, Trainer
+    from cadence.sidecar.evaluator import SidecarEvaluator
+    from cadence.summaries.writer import SummaryWriter

@@ -80,5 +80,5 @@ PROFILE = "profile"
 
 def profile_dir(model_dir: str) -> str:
     """``profile/``: the profiler's traces, ``rank<R>.<time>.pt.trace.json[.gz]`` (one per rank and
-    cycle), laid out as TensorBoard's profiler plugin reads a run (:mod:`cadence.torch.profiling`)."""
+    cycle), laid out as TensorBoard's profiler plugin reads a run (:mod:`cadence.torch.components.profiling`)."""
     return join(model_dir, PROFILE)

@@ -18,7 +18,7 @@ one place (:func:`components`), never probed for one optional method at a time:
   the wrapper's ``state_dict``), so the checkpoint layout does not depend on how deep they sit.
 * :class:`ChecksOutputs` -- ``check_outputs(metrics)``: an eval action that reads metrics by
   name checks, before training, that the evaluation's outputs hold them (the sanity check,
-  :func:`cadence.sanity.sanity_check`), so a misnamed metric fails before any step is trained.
+  :func:`cadence.loop.sanity.sanity_check`), so a misnamed metric fails before any step is trained.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, Se
 
 if TYPE_CHECKING:  # pragma: no cover
     from cadence.checkpoint import CheckpointManager
-    from cadence.coordination import Coordinator
-    from cadence.runner import Evaluator, Trainer
+    from cadence.runtime.coordination import Coordinator
+    from cadence.loop.runner import Evaluator, Trainer
 
 __all__ = ["Action", "ChecksOutputs", "Closeable", "Composite", "RunAware", "RunContext", "components", "owner_of",
            "stateful_members"]

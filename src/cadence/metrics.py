@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from cadence.coordination import Coordinator, LocalCoordinator
+from cadence.runtime.coordination import Coordinator, LocalCoordinator
 
 __all__ = [
     "Concat",
@@ -431,7 +431,7 @@ def reduce_metrics(reducers: Mapping[str, MetricReducer], coordinator: Coordinat
     """The value of every reducer over all ranks: one ``coordinator.all_gather`` of all their states.
 
     A collective: every rank calls it with reducers of the same names. ``coordinator``: default a
-    :class:`~cadence.coordination.LocalCoordinator` (a single process).
+    :class:`~cadence.runtime.coordination.LocalCoordinator` (a single process).
     """
     coordinator = coordinator if coordinator is not None else LocalCoordinator()
     gathered = coordinator.all_gather(slot_states(reducers))

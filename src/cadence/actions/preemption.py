@@ -9,7 +9,7 @@ from typing import Any, Iterable
 
 from cadence.errors import PreemptedExit
 from cadence.lifecycle import RunContext
-from cadence.signals import SignalHandlers, install_handlers, signal_name
+from cadence.runtime.signals import SignalHandlers, install_handlers, signal_name
 
 logger = logging.getLogger("cadence.actions")
 

@@ -33,7 +33,7 @@ from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.checkpoint.objects import load_object, save_object, snapshot_objects
 from cadence.checkpoint.protocol import Restorable, Savable, Stateful
 from cadence.checkpoint.space import raise_if_full
-from cadence.coordination import Coordinator
+from cadence.runtime.coordination import Coordinator
 from cadence.storage import Storage
 from cadence.errors import CheckpointError, CheckpointSpaceError, CorruptCheckpointError
 

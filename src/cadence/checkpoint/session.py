@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Mapping
 from cadence.checkpoint.copy import JSONState
 from cadence.checkpoint.manager import CheckpointManager
 from cadence.checkpoint.protocol import CheckpointReader, ShardTarget, Stateful, WritesShards
-from cadence.coordination import Coordinator
+from cadence.runtime.coordination import Coordinator
 from cadence.errors import CheckpointError, TrainingDivergedError
 
 logger = logging.getLogger("cadence")

@@ -183,7 +183,7 @@ class ExportConfig(_Model):
 
 LRScheduleKind = Literal["warmup_cosine", "warmup_linear", "warmup_constant"]
 LR_SCHEDULE_KINDS: tuple[str, ...] = get_args(LRScheduleKind)
-"""The learning-rate schedules ``trainer.lr_schedule.kind`` names (built by ``cadence.torch.lr_schedule``)."""
+"""The learning-rate schedules ``trainer.lr_schedule.kind`` names (built by ``cadence.torch.components.lr_schedule``)."""
 
 
 class LRScheduleConfig(_Model):

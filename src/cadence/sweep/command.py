@@ -7,7 +7,7 @@ import argparse
 import json
 import shutil
 
-from cadence.progress import format_value
+from cadence.summaries.progress import format_value
 
 __all__ = ["ls_sweep", "report_sweep", "run_sweep"]
 

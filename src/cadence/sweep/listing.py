@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from cadence.progress import format_value
+from cadence.summaries.progress import format_value
 
 __all__ = ["format_sweep_table", "short_names", "sweep_listing"]
 

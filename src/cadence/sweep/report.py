@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from cadence.errors import CadenceError, ConfigError
-from cadence.report import INSTALL_HINT, ReportPaths
-from cadence.report_page import PAGE_CSS as _CSS
-from cadence.report_page import escape as _e
-from cadence.report_page import format_time as _when
-from cadence.report_page import html_table as _table
-from cadence.report_page import write_page_file as _write
+from cadence.reports.run_report import INSTALL_HINT, ReportPaths
+from cadence.reports.page import PAGE_CSS as _CSS
+from cadence.reports.page import escape as _e
+from cadence.reports.page import format_time as _when
+from cadence.reports.page import html_table as _table
+from cadence.reports.page import write_page_file as _write
 from cadence.sweep.listing import short_names, sweep_listing
 
 __all__ = ["IMPORTANCE_NEEDS", "build_sweep_report"]

@@ -32,9 +32,9 @@ from typing import Any
 from cadence import layout
 from cadence.config.schema import ExperimentConfig
 from cadence.errors import ConfigError
-from cadence.progress import format_value
-from cadence.launch import die_with_parent
-from cadence.signals import install_handlers, signal_name
+from cadence.summaries.progress import format_value
+from cadence.cluster.launch import die_with_parent
+from cadence.runtime.signals import install_handlers, signal_name
 from cadence.sweep.best_link import point_best
 from cadence.sweep.pruning import read_decision
 from cadence.sweep.space import SweepSpace, check_against_config, distributions, load_space, set_params
@@ -247,7 +247,7 @@ class Sweep:
         expires ``sidecar.lease_ttl`` after a kill)."""
         from cadence.checkpoint import writer_lease
         from cadence.checkpoint.leases import Leases
-        from cadence.sidecar import lease_holder
+        from cadence.sidecar.evaluator import lease_holder
 
         trial_dir = self.dir.trial_dir(number)
         if (trial_dir / layout.WRITER).is_dir():

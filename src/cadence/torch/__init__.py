@@ -4,34 +4,30 @@ Everything in cadence that imports torch lives in this package.
 """
 
 from cadence._lazy import lazy_attributes
-from cadence.torch.batch import first_tensor, move_to_device
-from cadence.torch.context import Context
-from cadence.torch.data import ResumableLoader, ResumableSampler
-from cadence.torch.distributed import TorchCoordinator, init_distributed, rank_env, shutdown_distributed
-from cadence.torch.evaluator import TorchEvaluator
-from cadence.torch.export import ExportModel, export_model, load_exported
-from cadence.torch.export_formats import FORMATS, ExportSpec
-from cadence.torch.metrics import TorchMetricsReducer
-from cadence.torch.precision import Precision, resolve_precision
-from cadence.torch.signatures import (
-    ExportSignature,
-    export_model_signatures,
-    read_signatures,
-)
-from cadence.torch.state import (
-    get_rng_state,
+from cadence.torch.data.batch import first_tensor, move_to_device
+from cadence.torch.runtime.context import Context
+from cadence.torch.data.loaders import ResumableLoader, ResumableSampler
+from cadence.torch.runtime.distributed import TorchCoordinator, init_distributed, rank_env, shutdown_distributed
+from cadence.torch.loop.evaluator import TorchEvaluator
+from cadence.torch.export.api import ExportModel, export_model, load_exported
+from cadence.torch.export.formats import FORMATS
+from cadence.torch.task.export_specs import ExportSpec
+from cadence.torch.components.metrics import TorchMetricsReducer
+from cadence.torch.components.precision import Precision, resolve_precision
+from cadence.torch.export.signatures import export_model_signatures, read_signatures
+from cadence.torch.task.export_specs import ExportSignature
+from cadence.torch.checkpoint_io.state import (
     load_model_safetensors,
     load_torch_state,
     model_to_safetensors,
-    seed_everything,
-    set_rng_state,
     state_dict_from_safetensors,
     state_dict_to_safetensors,
     torch_state_to_bytes,
     unwrap_model,
 )
-from cadence.torch.task import Task
-from cadence.torch.trainer import TorchTrainer, build_runners
+from cadence.torch.runtime.rng import get_rng_state, seed_everything, set_rng_state
+from cadence.torch.task.task import Task
+from cadence.torch.loop.trainer import TorchTrainer, build_runners
 
 _EXPERIMENT = ("Run", "build_run", "build_sidecar", "build_task", "load_task_class", "run_evaluation", "run_sidecar",
                "run_training")
@@ -39,8 +35,11 @@ _SMOKE = ("SmokeReport", "StageResult", "run_smoke")
 
 # The config-driven entry points, imported on first use.
 __getattr__ = lazy_attributes(
-    __name__, {**dict.fromkeys(_EXPERIMENT, "cadence.torch.experiment"), **dict.fromkeys(_SMOKE, "cadence.torch.smoke"),
-               "train_and_evaluate": "cadence.torch.roles"}, ()
+    __name__,
+    {**dict.fromkeys(_EXPERIMENT, "cadence.torch.experiments.experiment"),
+     **dict.fromkeys(_SMOKE, "cadence.torch.experiments.smoke"),
+     "train_and_evaluate": "cadence.torch.experiments.roles"},
+    (),
 )[0]
 
 

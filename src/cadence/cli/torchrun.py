@@ -1,0 +1,294 @@
+"""``cadence train --nproc N``: the ranks of a job started through torch's own launcher
+(``torch.distributed.run``), and what every rank does at its end.
+
+The launcher runs as ``python -m cadence.cli.torchrun TORCHRUN_ARGS...``: torch's own ``main``, in a
+process that also records, when the job gives up (a rank failed and ``--max-restarts`` are used
+up), which ranks failed and how, for ``cadence train`` to say so in its one-line error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from rich.console import Console
+
+from cadence.errors import ConfigError
+from cadence.runtime.watchdog import HANG_EXIT_CODE
+
+if TYPE_CHECKING:
+    from cadence.config import ExperimentConfig
+
+logger = logging.getLogger("cadence")
+
+__all__ = ["LOG_LINE_PREFIX", "REPORT_ENV", "end_distributed", "env_rank", "failure_message", "log_restart",
+           "torchrun_command", "train_with_torchrun", "wants_torchrun"]
+
+_TORCHRUN_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts")
+REPORT_ENV = "CADENCE_TORCHRUN_REPORT"
+"""Where the launcher (``python -m cadence.cli.torchrun``) writes the failed ranks of a job that gave up
+(JSON); set by :func:`train_with_torchrun`, removed from the environment the workers get."""
+
+LOG_LINE_PREFIX = "[rank${rank}]:"
+"""Each worker's output lines are prefixed with its global rank (torchrun's
+``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``; torch 2.13's launcher has no command-line flag for it)."""
+
+
+def env_rank() -> int:
+    """This process's global rank from `$RANK` (0 outside a distributed job)."""
+    try:
+        return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def end_distributed(ok: bool) -> None:
+    """Close this rank's process group before it exits: a gloo group left to the interpreter's
+    exit can abort the process (SIGABRT, which would then hide the real exit status).
+
+    ``ok``: the work ended normally, so wait for the other ranks first. After an error, close
+    it at once (the others may never arrive), and only a gloo group (a local operation)."""
+    if "torch" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    from cadence.torch.runtime.distributed import shutdown_distributed
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if ok:
+        shutdown_distributed(barrier=True)
+    elif dist.get_backend() == "gloo":
+        try:
+            shutdown_distributed()
+        except Exception:  # best effort: the error being raised is what matters
+            pass
+
+
+def wants_torchrun(args: argparse.Namespace) -> bool:
+    given = [f"--{name.replace('_', '-')}" for name in _TORCHRUN_FLAGS if getattr(args, name, None) is not None]
+    if not given:
+        return False
+    if args.nproc is None:
+        raise ConfigError(f"{', '.join(given)} need --nproc N (the processes to start on this machine)")
+    if os.environ.get("TORCHELASTIC_RUN_ID") or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise ConfigError("--nproc: this process already runs under torchrun; leave --nproc and its options out")
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
+    nnodes = 1 if args.nnodes is None else args.nnodes
+    if nnodes < 1:
+        raise ConfigError(f"--nnodes: must be >= 1, got {nnodes}")
+    if nnodes > 1 and not args.rdzv_endpoint:
+        raise ConfigError(f"--nnodes {nnodes}: several machines need --rdzv-endpoint HOST:PORT (the same on every node)")
+    if args.node_rank is not None and not 0 <= args.node_rank < nnodes:
+        raise ConfigError(f"--node-rank: must be in [0, {nnodes}), got {args.node_rank}")
+    if args.rdzv_endpoint and ":" not in args.rdzv_endpoint:
+        raise ConfigError(f"--rdzv-endpoint: expected HOST:PORT, got {args.rdzv_endpoint!r}")
+    if _max_restarts(args) < 0:
+        raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
+    return True
+
+
+def _max_restarts(args: argparse.Namespace) -> int:
+    value = getattr(args, "max_restarts", None)
+    return 0 if value is None else value
+
+
+def torchrun_command(args: argparse.Namespace, python: str = sys.executable, *,
+                     command: str = "train", extra: Sequence[str] = ()) -> list[str]:
+    """The launcher command of ``cadence train ... --nproc N``: torch's launcher (``torch.distributed.run``,
+    through ``python -m cadence.cli.torchrun``) with the job's layout and ``--max-restarts``, running
+    ``-m cadence train`` with the other arguments in every worker."""
+    nnodes = 1 if args.nnodes is None else args.nnodes
+    cmd = [python, "-m", "cadence.cli.torchrun", "--nproc-per-node", str(args.nproc), "--nnodes", str(nnodes)]
+    if args.node_rank is not None:
+        cmd += ["--node-rank", str(args.node_rank)]
+    if nnodes == 1 and not args.rdzv_endpoint:
+        cmd += ["--standalone"]  # a local rendezvous on a free port
+    else:
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
+        if args.rdzv_id:
+            cmd += ["--rdzv-id", args.rdzv_id]
+    # --max-restarts K: a failed rank (killed, crashed, ended by its hang watchdog) makes the agent
+    # stop the others and start the whole group again, up to K times; each start resumes from the
+    # latest committed checkpoint. 0 (the default): a failed rank ends the job. --tee 3: the
+    # workers' stdout and stderr reach the console through the agent, each line prefixed with its
+    # rank (the prefix applies only to tee'd streams).
+    cmd += ["--max-restarts", str(_max_restarts(args)), "--tee", "3"]
+    worker = ["-m", "cadence", "--log-level", args.log_level, command, args.config]
+    if args.model_dir is not None:
+        worker += ["--model-dir", args.model_dir]
+    for text in args.overrides:
+        worker += ["--set", text]
+    if getattr(args, "no_progress", False):
+        worker += ["--no-progress"]
+    return cmd + worker + list(extra)
+
+
+def train_with_torchrun(args: argparse.Namespace, cfg: ExperimentConfig, console: Console, *,
+                        command: str = "train", extra: Sequence[str] = (),
+                        env_extra: Mapping[str, str] | None = None) -> int:
+    """Run ``cadence train`` on ``args.nproc`` processes of this machine (and more nodes) through
+    torch's launcher (:func:`torchrun_command`); return the job's exit status. ``cfg`` is the
+    config, already loaded once here so that a bad one fails before any process starts. A failed
+    job ends with one line naming the rank that failed first and how (:func:`failure_message`).
+
+    SIGTERM / SIGHUP to this process are forwarded to the launcher, which stops the ranks."""
+    cfg.require_model_dir()
+    import subprocess
+
+    from cadence.runtime.signals import install_handlers
+
+    cmd = torchrun_command(args, command=command, extra=extra)
+    env = dict(os.environ)
+    env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", LOG_LINE_PREFIX)
+    # The workers write to files the agent copies out: rich would wrap their lines at 80 columns.
+    env.setdefault("COLUMNS", str(max(80, shutil.get_terminal_size((130, 24)).columns - 10)))
+    # Each start of the group gets a fresh TCPStore, hosted by its rank 0: in the agent's store,
+    # which outlives the workers, a restarted group finds the keys of the previous one and can hang
+    # in init_process_group (pytorch/pytorch#135712).
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    fd, report = tempfile.mkstemp(prefix="cadence-torchrun-", suffix=".json")
+    os.close(fd)
+    env[REPORT_ENV] = report
+    env.update(env_extra or {})
+    logger.info("starting %d processes: %s", args.nproc, " ".join(cmd))
+    try:
+        proc = subprocess.Popen(cmd, env=env)
+
+        def forward(signum: int, _frame: Any) -> None:  # stopping cadence stops the launcher, which stops the ranks
+            proc.send_signal(signum)
+
+        forwarded = install_handlers((signal.SIGTERM, getattr(signal, "SIGHUP", None)), forward,
+                                     owner="cadence train")
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:  # the terminal's SIGINT reached the launcher too; let it stop the ranks
+            try:
+                code = proc.wait(timeout=60)
+            except (KeyboardInterrupt, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+            raise
+        finally:
+            forwarded.restore()
+        failures = _read_report(report)
+    finally:
+        try:
+            os.unlink(report)
+        except OSError:
+            pass
+    if code != 0:
+        console.print(f"[red]cadence: failed:[/red] {failure_message(code, failures, _max_restarts(args))}",
+                      highlight=False, soft_wrap=True)
+    return code
+
+
+def log_restart() -> None:
+    """In a worker of a torchrun job that restarted (``TORCHELASTIC_RESTART_COUNT`` > 0): say so,
+    once per job (rank 0 calls it)."""
+    try:
+        count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        limit = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    except ValueError:
+        return
+    if count > 0:
+        logger.warning("torchrun restarted the job after a failure (restart %d of --max-restarts %d): resuming "
+                       "from the latest committed checkpoint", count, limit)
+
+
+def _read_report(path: str) -> list[dict[str, Any]]:
+    """The failed ranks the launcher recorded (see :func:`_launcher_main`); [] when none were."""
+    try:
+        with open(path) as f:
+            text = f.read()
+        failures = json.loads(text)["failures"] if text.strip() else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [f for f in failures if isinstance(f, dict) and isinstance(f.get("rank"), int)
+            and isinstance(f.get("exitcode"), int)] if isinstance(failures, list) else []
+
+
+def _how(failure: dict[str, Any]) -> str:
+    """How one rank ended: killed by a signal, ended by its hang watchdog, or an exit status."""
+    code = failure["exitcode"]
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    if code == HANG_EXIT_CODE:
+        return (f"was ended by its hang watchdog (exit status {code}: no progress for trainer.hang_timeout "
+                "seconds; where it was stuck is logged above)")
+    return f"exited with status {code}"
+
+
+def failure_message(code: int, failures: list[dict[str, Any]], max_restarts: int) -> str:
+    """``cadence train --nproc N``'s one-line error: the rank that failed first and how, the
+    others that failed with it, and the restarts used up; without a report (the launcher itself
+    failed, e.g. at the rendezvous) the launcher's exit status."""
+    if not failures:
+        return (f"the distributed job exited with status {code}; torchrun's report above names the failed "
+                "rank")
+    first, *others = failures
+    details = ", ".join(f"{label} {first[key]}" for key, label in (("local_rank", "local rank"), ("pid", "pid"))
+                        if isinstance(first.get(key), int))
+    text = f"rank {first['rank']}" + (f" ({details})" if details else "") + f" {_how(first)}"
+    if others:
+        text += "; also ended: " + ", ".join(f"rank {f['rank']} ({_short(f)})" for f in others)
+    if max_restarts == 0:
+        text += "; the job was not restarted (--max-restarts 0; --max-restarts K restarts it from its last checkpoint)"
+    else:
+        times = "once" if max_restarts == 1 else f"{max_restarts} times"
+        text += f"; the job was restarted {times} already (--max-restarts {max_restarts}, all used)"
+    return text
+
+
+def _short(failure: dict[str, Any]) -> str:
+    code = failure["exitcode"]
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"hang watchdog, exit {code}" if code == HANG_EXIT_CODE else f"exit {code}"
+
+
+def _launcher_main(argv: list[str]) -> None:
+    """``python -m cadence.cli.torchrun TORCHRUN_ARGS...``: torch's launcher (``torch.distributed.run``'s
+    ``main``) in this process. When the job gives up (``ChildFailedError``: a rank failed with no
+    restart left), the failed ranks -- global rank, local rank, pid, exit code (negative: the
+    signal) -- go to the JSON file ``$CADENCE_TORCHRUN_REPORT`` (first observed failure first);
+    then the error propagates as under ``torchrun`` (its report, exit status 1)."""
+    report = os.environ.pop(REPORT_ENV, None)  # not for the workers
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    try:
+        main(argv)
+    except ChildFailedError as e:
+        if report:
+            _write_report(report, e)
+        raise
+
+
+def _write_report(path: str, error: Any) -> None:
+    try:
+        first, _ = error.get_first_failure()
+        ranks = sorted(error.failures, key=lambda r: (r != first, error.failures[r].timestamp, r))
+        failures = [{"rank": int(r), "local_rank": int(error.failures[r].local_rank), "pid": int(error.failures[r].pid),
+                     "exitcode": int(error.failures[r].exitcode)} for r in ranks]
+        with open(path, "w") as f:
+            json.dump({"failures": failures}, f)
+    except Exception as e:  # the report is a courtesy: never hide the job's own error
+        logger.warning("could not record the failed ranks in %s: %s", path, e)
+
+
+if __name__ == "__main__":
+    _launcher_main(sys.argv[1:])

@@ -1,0 +1,1 @@
+"""Roles in a cluster and the processes cadence starts side by side."""

@@ -1,0 +1,1 @@
+"""Reading a model dir for people: cadence ls and cadence report."""

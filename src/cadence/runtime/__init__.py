@@ -1,0 +1,1 @@
+"""The process's runtime: how ranks coordinate, signal handlers, the hang watchdog."""

@@ -1,0 +1,1 @@
+"""Continuous evaluation in a process of its own: the sidecar evaluator."""

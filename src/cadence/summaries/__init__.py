@@ -1,0 +1,1 @@
+"""What a run reports as it goes: TensorBoard events and metrics.jsonl, progress lines, throughput."""

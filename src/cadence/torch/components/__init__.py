@@ -1,0 +1,1 @@
+"""Training components a config turns on: EMA, profiler, compile, LR schedule, precision, throughput, metrics."""

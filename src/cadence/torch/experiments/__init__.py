@@ -1,0 +1,1 @@
+"""Assembling a run from an experiment config: task, runners, checkpoints, actions; roles and the smoke test."""

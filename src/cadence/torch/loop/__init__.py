@@ -1,0 +1,1 @@
+"""The PyTorch trainer and evaluator: the step loop behind the Trainer and Evaluator protocols."""

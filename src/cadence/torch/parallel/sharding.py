@@ -1,0 +1,178 @@
+"""Sharded data parallelism (``trainer.strategy: fsdp``): FSDP2's ``fully_shard`` over the
+units a :class:`~cadence.torch.Task` names (:meth:`Task.fsdp_units`), then over the root.
+
+This module knows nothing of the Task: its callers pass the units, and a function that builds a
+plain model.
+
+A sharded model stays the same module object (``fully_shard`` changes it in place), so the
+trainer and the in-process evaluator share it as they share a DDP-wrapped model's module. Its
+parameters are ``DTensor`` shards; what needs the whole model goes through the helpers here:
+
+* checkpoints are sharded (:mod:`cadence.torch.checkpoint_io.sharded`: every rank writes its own
+  shards through torch.distributed.checkpoint), on a gloo group of their own
+  (:func:`checkpoint_group`);
+* :func:`load_full_model` / :func:`load_full_optimizer`: every rank loads the full state of a
+  checkpoint that is not sharded (``model.safetensors``, e.g. of a DDP run) and keeps its shards;
+* :func:`unsharded` (a collective): every unit's parameters gathered for the duration of an
+  evaluation, so that forward runs no collectives (ranks may evaluate different numbers of
+  batches: the shards of the validation data are unpadded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from cadence.torch.runtime.context import Context
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+def _fsdp() -> Any:
+    import torch.distributed.fsdp as fsdp
+
+    return fsdp
+
+
+def check_strategy(strategy: str, precision: str) -> None:
+    """``ValueError`` for an unknown strategy, or a precision it does not support (``precision``
+    is a resolved name: ``"32"``, ``"bf16"`` or ``"fp16"``)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: use 'ddp' or 'fsdp'")
+    if strategy == "fsdp" and precision == "fp16":
+        raise ValueError("precision 'fp16' is not supported with strategy 'fsdp' (its grad scaler is not "
+                         "sharding-aware): use precision 'bf16' or '32'")
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True for a model sharded by ``fully_shard``."""
+    return isinstance(model, _fsdp().FSDPModule)
+
+
+def shard_model(model: nn.Module, units: Sequence[nn.Module], ctx: Context, precision: str, *,
+                declared_by: str = "fsdp_units") -> nn.Module:
+    """Apply ``fully_shard`` to each of ``units`` (submodules of ``model``, e.g.
+    ``task.fsdp_units(model)``; innermost first), then to ``model``, over all ranks; ``model``
+    itself, sharded in place, is returned. ``declared_by`` names where the units came from in the
+    ``ValueError`` for a unit that is not in the model.
+
+    ``precision`` ``"bf16"``: ``MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32)`` (parameters all-gathered in bfloat16, gradients reduced in float32);
+    ``"32"``: none. A single process shards nothing (the model is returned as it is).
+    """
+    check_strategy("fsdp", precision)
+    model = model.to(ctx.device)
+    if ctx.world_size == 1:
+        return model
+    ctx.require_process_group("strategy 'fsdp'")
+    fsdp = _fsdp()
+    kwargs: dict[str, Any] = {}
+    if precision == "bf16":
+        kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    inner = []
+    for unit in units:
+        if id(unit) not in order:
+            raise ValueError(f"{declared_by} returned a {type(unit).__name__} that is not in the model")
+        if unit is not model:
+            inner.append(unit)
+    # modules() is pre-order: reversed, every unit comes before the units that contain it.
+    for unit in sorted(inner, key=lambda m: -order[id(m)]):
+        fsdp.fully_shard(unit, reshard_after_forward=True, **kwargs)
+    # The root's parameters are needed first in backward: kept after forward (FSDP2's default).
+    fsdp.fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
+
+
+def default_fsdp_units(model: nn.Module, classes: tuple[type[nn.Module], ...]) -> list[nn.Module]:
+    """The submodules of one of ``classes``; when there are none, the root's direct children that
+    have parameters."""
+    units = [m for m in model.modules() if m is not model and isinstance(m, classes)]
+    if units:
+        return units
+    return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def checkpoint_group() -> Any:
+    """Collective (every rank calls it at the same point): a new gloo group over all ranks, for
+    the collectives of sharded checkpoint writes -- they may run on a background thread while
+    training runs its own on the default group."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+
+def full_copy(build_model: Callable[[], nn.Module], model: nn.Module) -> nn.Module | None:
+    """Collective: the sharded ``model``'s full state gathered into a plain model built by
+    ``build_model()`` (e.g. ``task.build_model``) on CPU, on rank 0 (for an export); None on the
+    other ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not state:  # not rank 0: its part is done
+        return None
+    from cadence.torch.runtime.rng import RNGSnapshot
+
+    rng = RNGSnapshot()  # building draws initial weights: the training's RNG must not move (exact resume)
+    plain = build_model()
+    rng.restore()
+    plain.load_state_dict(state)
+    return plain
+
+
+def load_full_model(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Load a full state dict (the same on every rank) into the sharded ``model``: each rank keeps
+    its shards. Strict (the caller checks the keys first, for a better message)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+def load_full_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Load a full, FQN-keyed optimizer state (the same on every rank) into ``optimizer`` over the
+    sharded ``model``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, dict(state), options=StateDictOptions(full_state_dict=True))
+    # It turns the param groups' tuples (Adam's betas) into lists: give them back their type, so
+    # that a resumed run's state (and its next checkpoint) is the uninterrupted run's.
+    for group, saved in zip(optimizer.param_groups, state.get("param_groups", ())):
+        for key, value in saved.items():
+            if key != "params" and isinstance(value, tuple) and isinstance(group.get(key), list):
+                group[key] = tuple(group[key])
+
+
+@contextlib.contextmanager
+def unsharded(model: nn.Module) -> Iterator[None]:
+    """Collective on entry (every rank enters): every FSDP unit of ``model`` all-gathers its
+    parameters and keeps them until exit, so that forward passes inside run no collective.
+    A model that is not sharded: nothing is done."""
+    if not is_sharded(model):
+        yield
+        return
+    fsdp = _fsdp()
+    units = [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        for unit in units:
+            unit.unshard()
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(unit is not model, recurse=False)  # as shard_model set it
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """FSDP2's counterpart of DDP's ``no_sync()``: backward passes inside accumulate unsharded
+    gradients without reduce-scattering them; the first backward after exit reduces them all."""
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]

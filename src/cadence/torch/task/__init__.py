@@ -1,0 +1,1 @@
+"""The Task a user subclasses, and the value types it returns."""
