@@ -1,4 +1,4 @@
-"""Paths of the model directory (DESIGN.md's contract), for local paths and fsspec URLs alike."""
+"""Paths of the model directory (docs/design.md's contract), for local paths and fsspec URLs alike."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Framework-agnostic checkpoints: atomic commits, manifests, retention, verified restore.
 
 Nothing here imports torch; ``cadence.torch`` provides checkpointable wrappers for models and
-optimizers. See :class:`CheckpointManager` for the contract and DESIGN.md for the on-disk layout.
+optimizers. See :class:`CheckpointManager` for the contract and docs/design.md for the on-disk layout.
 """
 
 from cadence.checkpoint.copy import JSONState, copy_objects

@@ -1,4 +1,4 @@
-"""The writer lease: one trainer writes a model dir at a time (DESIGN.md, "One writer per model dir").
+"""The writer lease: one trainer writes a model dir at a time (docs/design.md, "One writer per model dir").
 
 Each acquisition is one small JSON file in ``MODEL_DIR/.writer/``, named by its *fencing token*,
 an integer that only grows::

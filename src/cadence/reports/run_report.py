@@ -1,6 +1,6 @@
 """``cadence report``: one self-contained HTML page (and a PNG) describing a run's model dir.
 
-:func:`build_report` reads a model directory (DESIGN.md's contract) and writes
+:func:`build_report` reads a model directory (docs/design.md's contract) and writes
 
 * ``report.html``: run facts (finished or not, steps, duration, steps/s, the medians of the
   throughput -- samples/s, tokens/s, MFU, peak memory -- when logged, best), the metric plots

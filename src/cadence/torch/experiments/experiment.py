@@ -1,5 +1,5 @@
 """Build a run from an :class:`~cadence.config.ExperimentConfig`: task, runners, checkpoint
-manager and controller, laid out in the model directory (DESIGN.md's contract).
+manager and controller, laid out in the model directory (docs/design.md's contract).
 
 This is what ``cadence train`` and ``cadence evaluate`` call; it is also the short way to run a
 config from Python::
