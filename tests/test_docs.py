@@ -25,8 +25,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 RUN_MARKER = "<!-- docs-test: run -->"
@@ -98,6 +96,7 @@ def test_runnable_blocks_are_marked_and_found() -> None:
     assert {page.name for page in runnable_pages()} >= {"README.md", "quickstart.md", "loop-and-actions.md"}
 
 
+@pytest.mark.slow  # a process per block
 @pytest.mark.parametrize("pages", list(runnable_groups()))
 def test_runnable_blocks_run(pages: str, tmp_path: Path) -> None:
     page = runnable_groups()[pages]
