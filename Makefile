@@ -39,9 +39,15 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run.py
 
-# Regenerate docs/config.md and docs/cli.md from the code (tests/test_docgen.py fails when stale).
-docs: $(STAMP)
+$(VENV)/.docs-installed: $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e ".[docs]"
+	touch $@
+
+# Regenerate docs/config.md and docs/cli.md from the code (tests/test_docgen.py fails when stale), then build
+# the site into site/ with --strict: a broken link, anchor or API reference fails (CI runs it after lint).
+docs: $(VENV)/.docs-installed
 	$(BIN)/python -m cadence.cli.docgen
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) runs build dist src/*.egg-info
+	rm -rf $(VENV) runs build dist site src/*.egg-info

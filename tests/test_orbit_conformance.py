@@ -6,7 +6,7 @@ Each test's docstring names the Orbit test it ports. TF specifics are translated
 is the trainer's ``global_step``; Orbit's ``tf.train.CheckpointManager(checkpoint_interval=...)``
 is ``Controller(checkpoint_interval=...)`` with a ``cadence.checkpoint.CheckpointManager``;
 ``restore_checkpoint()`` is ``Controller.restore()`` (a step, not a path). Where cadence differs
-on purpose (README, "Coming from another tool > Orbit"), the test asserts cadence's documented
+on purpose (docs/guide/coming-from.md, "Orbit and the TF Model Garden trainer"), the test asserts cadence's documented
 behaviour and its docstring says "differs from Orbit: ...".
 """
 
