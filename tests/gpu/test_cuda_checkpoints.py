@@ -41,9 +41,9 @@ class Runs:
     """The runs of one precision, made once per module: ``straight`` (20 steps) and ``resumed``
     (10, then resumed to 20), with asynchronous saves; ``output``: the resuming process's."""
 
-    def __init__(self, root: Path, precision: str) -> None:
+    def __init__(self, root: Path, precision: str, device: str = "cuda") -> None:
         self.root = root
-        config = write_config(root, device="cuda", precision=precision, checkpoint={"async_save": True})
+        config = write_config(root, device=device, precision=precision, checkpoint={"async_save": True})
         self.output = resumed_as_straight(root, config)
 
 
@@ -70,7 +70,12 @@ def test_a_cuda_run_saved_asynchronously_resumes_bit_identically(runs, precision
 
 
 def test_fp16_checkpoints_hold_the_grad_scaler_and_a_resumed_run_continues_it(runs):
-    run = runs("fp16")
+    check_grad_scaler_continues(runs("fp16"))
+
+
+def check_grad_scaler_continues(run: Runs) -> None:
+    """The fp16 runs' checkpoints hold the grad scaler's state, and the resumed run's is the
+    straight run's."""
     assert "loss scale starts afresh" not in run.output
     halfway = optimizer_state(final_checkpoint(run.root / "resumed", 10))["grad_scaler"]
     assert halfway is not None and halfway["scale"] > 0

@@ -75,12 +75,19 @@ def fewer_than_two_gpus() -> bool:
 @pytest.mark.skipif(fewer_than_two_gpus(), reason="needs 2 GPUs: NCCL refuses two ranks on one GPU (the one-GPU job covers it)")
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_cadence_train_on_two_gpus_over_nccl_resumes_bit_identically(tmp_path, strategy):
+    check_two_rank_run(tmp_path, strategy, "cuda")
+
+
+def check_two_rank_run(tmp_path: Path, strategy: str, device: str) -> None:
+    """``cadence train --nproc 2`` on ``device`` (``cuda``: NCCL; ``cpu``: gloo, a check of this
+    test's logic), saving asynchronously: resumed bit-identical; FSDP's checkpoints sharded."""
     probes = tmp_path / "probes"
     probes.mkdir()
-    config = write_config(tmp_path, params={"probe_dir": str(probes)}, device="cuda", strategy=strategy,
+    config = write_config(tmp_path, params={"probe_dir": str(probes)}, device=device, strategy=strategy,
                           checkpoint={"async_save": True})
     resumed_as_straight(tmp_path, config, nproc=2)
-    assert {p.name: p.read_text() for p in probes.iterdir()} == {"rank0.backend": "nccl", "rank1.backend": "nccl"}
+    backend = "nccl" if device == "cuda" else "gloo"
+    assert {p.name: p.read_text() for p in probes.iterdir()} == {"rank0.backend": backend, "rank1.backend": backend}
     files = sorted(p.name for p in final_checkpoint(tmp_path / "resumed", 20).iterdir())
     if strategy == "fsdp":  # every rank wrote its shards, on the gloo checkpoint group, in the background
         assert files == [".metadata", "MANIFEST.json", "__0_0.distcp", "__1_0.distcp", "state.json"]
