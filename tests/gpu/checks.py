@@ -43,13 +43,13 @@ def write_config(directory: Path, *, task: str = DETERMINISTIC, params: dict[str
 def train(config: Path, model_dir: Path, *sets: str, nproc: int | None = None, env: dict[str, str] | None = None,
           timeout: float = 300) -> subprocess.CompletedProcess:
     """``cadence train CONFIG --model-dir MODEL_DIR --set ...`` (``--nproc N``) to completion, with
-    :data:`DETERMINISTIC_ENV` and ``env``, asserted to exit 0; the process (its output for the
-    caller's checks)."""
+    :data:`DETERMINISTIC_ENV` and ``env`` (and log lines 200 columns wide, so that a message is on
+    one line), asserted to exit 0; the process (its output for the caller's checks)."""
     args = ["train", str(config), "--model-dir", str(model_dir), "--no-progress"]
     args += [a for s in sets for a in ("--set", s)]
     if nproc is not None:
         args += ["--nproc", str(nproc)]
-    proc = run_cadence(*args, env={**DETERMINISTIC_ENV, **(env or {})}, timeout=timeout)
+    proc = run_cadence(*args, env={"COLUMNS": "200", **DETERMINISTIC_ENV, **(env or {})}, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

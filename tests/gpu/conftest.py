@@ -2,7 +2,7 @@
 
 Without CUDA every test here is skipped, all with one reason (:data:`SKIP_REASON`, one line in
 the summary); they are still collected, so an import error shows on any machine. The shared
-helpers of ``tests/`` (``cli_run``, ``tasks``) are importable from here whatever the layout."""
+helpers of ``tests/`` (``cli_run``, ``tasks``) and of this folder are importable from here."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
+for folder in (TESTS, HERE):  # whatever pytest's import mode
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 SKIP_REASON = "gpu tier: CUDA is not available on this machine"
 
