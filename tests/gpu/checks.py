@@ -84,7 +84,7 @@ def optimizer_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def check_snapshot_staging(device: str) -> None:
-    """A trainer's asynchronous snapshot on ``device``: on CUDA its model and optimizer tensors
+    """A trainer's asynchronous snapshot on ``device`` (``cpu`` or ``cuda:N``): on CUDA its model and optimizer tensors
     are copied into pinned host memory without blocking (``ready`` is the event the writer waits
     for), on CPU into plain memory (nothing to wait for). Training goes on at once; what is
     written is the state at the snapshot, and the next snapshot reuses the written one's memory."""

@@ -12,8 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from checks import check_snapshot_staging, check_throughput_records, final_checkpoint, optimizer_state, \
-    resumed_as_straight, write_config
+from checks import (
+    check_snapshot_staging,
+    check_throughput_records,
+    final_checkpoint,
+    optimizer_state,
+    resumed_as_straight,
+    write_config,
+)
 from cli_run import checkpoint_weights
 from cadence.summaries.writer import read_metrics
 from cadence.torch.components.device_peaks import peak_flops
@@ -22,7 +28,7 @@ from cadence.torch.components.throughput import float32_matmuls_use_tf32
 
 
 def test_an_asynchronous_snapshot_stages_cuda_tensors_in_pinned_memory():
-    check_snapshot_staging("cuda")
+    check_snapshot_staging("cuda:0")  # the device the parameters report
 
 
 def test_bf16_and_fp16_resolve_on_cuda_to_autocast_and_fp16_to_a_grad_scaler():
