@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint bench docs clean
+.PHONY: install demo test test-gpu lint bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The CUDA paths (tests/gpu): pinned staging, NCCL with the gloo checkpoint group, bf16 / fp16,
+# inductor, peak memory, MFU. Needs a CUDA build of torch; without CUDA every test is skipped (one reason).
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q tests/gpu
 
 # Linter, type checker and the layering contracts (pyproject.toml); CI runs it before the tests.
 lint: $(STAMP)
