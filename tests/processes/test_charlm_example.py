@@ -8,6 +8,7 @@ import json
 import math
 import re
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,11 @@ import yaml
 from torch import nn
 
 from cadence.summaries.writer import read_metrics
-from cli_run import checkpoint_weights
-from test_distributed_training import cadence
+from cli_run import checkpoint_weights, run_cadence
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "charlm" / "config.yaml"
+cadence = partial(run_cadence, env={"COLUMNS": "200"})  # the CLI runner, 200 columns wide
 CHANCE = 1 / 13  # uniform over the 13 characters "0123456789+=;"
 SHORT = ("trainer.train_steps=40", "trainer.steps_per_loop=20", "trainer.checkpoint_interval=20",
          "trainer.validation_interval=20")

@@ -9,11 +9,9 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import crc32c
-import fsspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -73,15 +71,6 @@ def save_n(manager: CheckpointManager, step: int, **extra) -> str:
 @pytest.fixture
 def ckdir(tmp_path: Path) -> str:
     return str(tmp_path / "model" / "checkpoints")
-
-
-@pytest.fixture
-def memdir() -> str:
-    url = f"memory://cadence-test-{uuid.uuid4().hex}/checkpoints"
-    yield url
-    fs, path = fsspec.core.url_to_fs(url)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
 
 
 # -- round trip, layout, manifest ----------------------------------------------------------------

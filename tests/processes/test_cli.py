@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,15 +11,11 @@ import pytest
 import yaml
 
 from cadence.summaries.writer import read_metrics
+from cli_run import run_cadence as cadence
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits" / "config.yaml"
 TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:TinyTask"
-
-
-def cadence(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cadence", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")

@@ -9,31 +9,21 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
-import yaml
 
 from cadence.summaries.writer import read_metrics
+from cli_run import ENV as RUN_ENV
+from cli_run import run_cadence
+from configs import write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits" / "config.yaml"
 TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:TinyTask"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
-
-
-def cadence(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cadence", *args], capture_output=True, text=True, env=ENV,
-                          timeout=timeout)
-
-
-def tiny_config(tmp_path: Path, steps: int = 24, **trainer) -> Path:
-    cfg = {"task": {"class": TASK, "params": {"n": 256}},
-           "trainer": {"train_steps": steps, "steps_per_loop": 4, "checkpoint_interval": 8,
-                       "validation_interval": 8, "max_to_keep": None, "seed": 1, **trainer}}
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+ENV = {**RUN_ENV, "COLUMNS": "200"}
+cadence = partial(run_cadence, env={"COLUMNS": "200"})  # the CLI runner, 200 columns wide
 
 
 def final_weights(model_dir: Path, step: int) -> bytes:
@@ -61,7 +51,7 @@ def test_digits_on_two_ranks_trains_evaluates_checkpoints_and_resumes(tmp_path):
 
 
 def test_sigterm_to_a_non_zero_rank_commits_one_step_on_all_and_resumes_exactly(tmp_path):
-    config = tiny_config(tmp_path)
+    config = write_config(tmp_path, params={"n": 256})
     straight = tmp_path / "straight"
     proc = cadence("train", str(config), "--model-dir", str(straight), "--nproc", "2", "--no-progress")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -97,7 +87,7 @@ def test_sigterm_to_a_non_zero_rank_commits_one_step_on_all_and_resumes_exactly(
 
 @pytest.mark.parametrize("nproc", ["1", "3"])
 def test_a_two_rank_checkpoint_resumes_on_another_world_size(tmp_path, nproc):
-    config = tiny_config(tmp_path)
+    config = write_config(tmp_path, params={"n": 256})
     run = tmp_path / "run"
     first = cadence("train", str(config), "--model-dir", str(run), "--nproc", "2", "--no-progress",
                     "--set", "trainer.train_steps=8")

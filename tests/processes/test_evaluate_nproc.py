@@ -8,13 +8,13 @@ import json
 import pytest
 
 from cli_run import run_cadence
-from test_distributed_training import tiny_config
+from configs import write_config
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("evaluate-nproc")
-    config = tiny_config(tmp, steps=8)
+    config = write_config(tmp, params={"n": 256}, trainer={"train_steps": 8})
     proc = run_cadence("train", str(config), "--model-dir", str(tmp / "run"), "--no-progress")
     assert proc.returncode == 0, proc.stderr
     return config, tmp / "run"

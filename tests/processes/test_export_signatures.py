@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ from cadence.torch.experiments.experiment import ModelExporter, load_task_class,
 from cadence.torch.export.api import read_export_metadata
 from cadence.torch.export.formats import FILES, ExportError
 from cadence.torch.export.signatures import check_signatures
+from cli_run import run_cadence as cadence
 
 HERE = Path(__file__).resolve().parents[1]
 SIG_TASKS = HERE / "signature_tasks.py"
@@ -310,11 +309,6 @@ def test_export_model_action_writes_signatures(tmp_path):
 
 
 # -- the command -----------------------------------------------------------------------------------
-
-
-def cadence(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cadence", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
 
 
 def test_cadence_export_command_writes_every_signature(tmp_path):

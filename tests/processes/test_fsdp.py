@@ -5,18 +5,18 @@ what it does not support."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from cadence.summaries.writer import read_metrics
-from cli_run import checkpoint_weights, same_weights
-from test_distributed_training import ENV, cadence, tiny_config
+from cli_run import checkpoint_weights, run_cadence, run_torchrun, same_weights
+from configs import write_config
 
 WORKER = Path(__file__).parents[1] / "fsdp_worker.py"
+cadence = partial(run_cadence, env={"COLUMNS": "200"})  # the CLI runner, 200 columns wide
 
 
 def weights(model_dir: Path, step: int) -> dict:
@@ -35,7 +35,7 @@ def train(config: Path, model_dir: Path, *sets: str) -> None:
     (("trainer.grad_clip_norm=0.05",), False),
 ], ids=["plain", "accum-async", "clip"])
 def test_fsdp_trains_evaluates_and_checkpoints_the_same_weights_as_ddp(tmp_path, extra, exact):
-    config = tiny_config(tmp_path)
+    config = write_config(tmp_path, params={"n": 256})
     train(config, tmp_path / "ddp", *extra)
     train(config, tmp_path / "fsdp", "trainer.strategy=fsdp", *extra)
     if exact:
@@ -60,7 +60,7 @@ def test_fsdp_trains_evaluates_and_checkpoints_the_same_weights_as_ddp(tmp_path,
 
 
 def test_an_fsdp_run_resumed_from_a_checkpoint_ends_bit_identical(tmp_path):
-    config = tiny_config(tmp_path, steps=40, strategy="fsdp")
+    config = write_config(tmp_path, params={"n": 256}, trainer={"train_steps": 40, "strategy": "fsdp"})
     train(config, tmp_path / "straight")
     run = tmp_path / "run"
     train(config, run, "trainer.train_steps=20")
@@ -74,8 +74,7 @@ def test_an_fsdp_run_resumed_from_a_checkpoint_ends_bit_identical(tmp_path):
 
 
 def test_fsdp_clips_by_the_global_norm_and_evaluates_uneven_shards(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKER), str(tmp_path)], capture_output=True, text=True, env=ENV, timeout=120)
+    proc = run_torchrun(2, str(WORKER), str(tmp_path), env={"COLUMNS": "200"}, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -92,7 +91,7 @@ def test_fsdp_clips_by_the_global_norm_and_evaluates_uneven_shards(tmp_path):
 
 
 def test_fsdp_with_bf16_trains_and_saves_float32_weights(tmp_path):
-    config = tiny_config(tmp_path, steps=8, strategy="fsdp", precision="bf16")
+    config = write_config(tmp_path, params={"n": 256}, trainer={"train_steps": 8, "strategy": "fsdp", "precision": "bf16"})
     train(config, tmp_path / "run")
     weights = checkpoint_weights(tmp_path / "run" / "checkpoints" / "ckpt-8")
     assert {str(v.dtype) for v in weights.values()} == {"torch.float32"}  # bf16 only in the all-gathers
@@ -104,7 +103,7 @@ def test_fsdp_with_bf16_trains_and_saves_float32_weights(tmp_path):
     (("trainer.strategy=zero3",), "trainer.strategy"),
 ])
 def test_an_unsupported_strategy_setting_is_a_one_line_config_error(tmp_path, sets, message):
-    config = tiny_config(tmp_path)
+    config = write_config(tmp_path, params={"n": 256})
     proc = cadence("train", str(config), "--model-dir", str(tmp_path / "run"), "--nproc", "2", "--no-progress",
                    *[a for s in sets for a in ("--set", s)])
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -117,7 +116,8 @@ def test_an_unsupported_strategy_setting_is_a_one_line_config_error(tmp_path, se
 def test_fsdp_exports_the_gathered_model_equal_to_its_checkpoint(tmp_path, on):
     import yaml
 
-    config = tiny_config(tmp_path, steps=16, strategy="fsdp", best_checkpoint={"metric": "accuracy"})
+    config = write_config(tmp_path, params={"n": 256}, trainer={"train_steps": 16, "strategy": "fsdp",
+                                                                 "best_checkpoint": {"metric": "accuracy"}})
     cfg = yaml.safe_load(config.read_text())
     cfg["export"] = {"on": on, "formats": ["safetensors", "torch_export"]}
     config.write_text(yaml.safe_dump(cfg))

@@ -12,10 +12,8 @@ import sys
 import textwrap
 import threading
 import time
-import uuid
 from pathlib import Path
 
-import fsspec
 import pytest
 
 from cadence.checkpoint import CheckpointManager
@@ -47,15 +45,6 @@ def save(manager: CheckpointManager, *steps: int) -> list[int]:
 @pytest.fixture
 def ckdir(tmp_path: Path) -> str:
     return str(tmp_path / "model" / "checkpoints")
-
-
-@pytest.fixture
-def memdir():
-    url = f"memory://cadence-leases-{uuid.uuid4().hex}/checkpoints"
-    yield url
-    fs, path = fsspec.core.url_to_fs(url)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
 
 
 def lease(after=None, reading=None, expires=T0 + 10, max_pending=None) -> Lease:

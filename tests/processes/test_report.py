@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -21,16 +20,12 @@ from cadence.errors import CadenceError
 from cadence.reports.run_report import build_report
 from cadence.sidecar.evaluator import EvaluationLog
 from cadence.summaries.writer import SummaryWriter, read_metrics
+from cli_run import run_cadence as cadence
 
 PIL_Image = pytest.importorskip("PIL.Image", reason="Pillow (a matplotlib dependency) is needed to check the PNG")
 
 TASKS = Path(__file__).parents[1] / "tasks.py"
 TRAIN_BLUE = (0x1F, 0x77, 0xB4)  # the colour of the training series (cadence.reports.run_report._TRAIN_COLOR)
-
-
-def cadence(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cadence", *args], capture_output=True, text=True, timeout=120, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def train(model_dir: Path, **trainer) -> None:

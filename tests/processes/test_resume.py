@@ -9,10 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import yaml
+
+from cli_run import run_cadence
 
 TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:TinyTask"
 STEPS = 60
@@ -29,13 +32,7 @@ def write_config(tmp_path: Path, **trainer) -> Path:
     return path
 
 
-def cadence(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "cadence", *args], capture_output=True, text=True,
-                          env=env, timeout=180)
-    if check:
-        assert proc.returncode == 0, proc.stderr
-    return proc
+cadence = partial(run_cadence, check=True)  # the CLI runner; check=False to look at a failure
 
 
 def final_weights(model_dir: Path) -> bytes:

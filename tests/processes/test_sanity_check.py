@@ -25,7 +25,7 @@ from cadence.errors import (CheckpointError, ConfigError, SanityCheckError, Trai
 from cadence.lifecycle import ChecksOutputs
 from cadence.loop.sanity import sanity_check
 from cadence.summaries.writer import read_metrics
-from cli_run import run_cadence
+from cli_run import run_cadence as cadence
 from fakes import MODEL_FILE, FakeTrainer
 
 TASKS = Path(__file__).parents[1] / "sanity_tasks.py"
@@ -291,10 +291,6 @@ def write_config(tmp_path: Path, task: str, **trainer) -> Path:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def cadence(*args: str) -> subprocess.CompletedProcess:
-    return run_cadence(*args)
 
 
 def train(config: Path, model_dir: Path, *extra: str) -> subprocess.CompletedProcess:

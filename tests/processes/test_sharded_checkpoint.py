@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import warnings
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -24,12 +25,14 @@ from safetensors.torch import load_file
 
 from cadence.summaries.writer import read_metrics
 from cli_run import ENV as RUN_ENV
-from cli_run import checkpoint_weights, run_cadence, same_weights
-from test_distributed_training import ENV, cadence, tiny_config
+from cli_run import checkpoint_weights, run_cadence, run_torchrun, same_weights
+from configs import write_config
 
 HERE = Path(__file__).resolve().parents[1]
 WORKER = HERE / "sharded_worker.py"
 STEPS = 24  # checkpoints at 8, 16, 24
+ENV = {**RUN_ENV, "COLUMNS": "200"}
+cadence = partial(run_cadence, env={"COLUMNS": "200"})  # the CLI runner, 200 columns wide
 SHARDS = ("__0_0.distcp", "__1_0.distcp")
 
 
@@ -114,7 +117,7 @@ def straight(tmp_path_factory) -> tuple[Path, Path]:
     """``(config, model_dir)`` of an uninterrupted 2-rank FSDP run to step 24 (sharded checkpoints
     at 8, 16, 24). Tests copy the model dir before changing anything in it."""
     tmp = tmp_path_factory.mktemp("straight")
-    config = tiny_config(tmp, steps=STEPS, strategy="fsdp")
+    config = write_config(tmp, params={"n": 256}, trainer={"train_steps": STEPS, "strategy": "fsdp"})
     model_dir = tmp / "run"
     train(config, model_dir)
     assert committed(model_dir) == [8, 16, 24] and final_step(model_dir) == STEPS
@@ -200,9 +203,8 @@ def test_a_two_rank_checkpoint_loads_resharded_on_another_world_size(tmp_path, s
     # What the ranks load: the full model and optimizer state of the 2-rank checkpoint, bit for bit.
     out = tmp_path / "loaded.pt"
     checkpoints = copy_run(reference / "checkpoints", tmp_path / "checkpoints")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), str(WORKER), "restore", str(checkpoints), str(out)],
-                          capture_output=True, text=True, env={**RUN_ENV, "COLUMNS": "200"}, timeout=120)
+    proc = run_torchrun(nproc, str(WORKER), "restore", str(checkpoints), str(out), env={"COLUMNS": "200"},
+                        timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "not promised to be bit-identical" in proc.stderr
     loaded = torch.load(out, weights_only=True)
@@ -364,9 +366,7 @@ def test_a_failed_asynchronous_shard_write_on_one_rank_fails_the_run_and_commits
 
 
 def test_a_failed_background_shard_write_is_raised_on_every_rank_once(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKER), "fail", str(tmp_path)],
-                          capture_output=True, text=True, env={**RUN_ENV, "COLUMNS": "200"}, timeout=120)
+    proc = run_torchrun(2, str(WORKER), "fail", str(tmp_path), env={"COLUMNS": "200"}, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank, result in enumerate(results):

@@ -10,16 +10,20 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import yaml
 
 from cadence.summaries.writer import read_metrics
+from cli_run import ENV as RUN_ENV
+from cli_run import run_cadence
 
 ROOT = Path(__file__).resolve().parents[2]
 TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:TinyTask"
 STEPS = list(range(2, 31, 2))  # checkpoints every 2 steps up to 30
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+ENV = {**RUN_ENV, "COLUMNS": "200"}
+cadence = partial(run_cadence, env={"COLUMNS": "200"})  # the CLI runner, 200 columns wide
 
 
 def write_config(tmp_path: Path, *, max_to_keep, max_pending=14, eval_sleep=0.04, step_sleep=0.02) -> Path:
@@ -32,11 +36,6 @@ def write_config(tmp_path: Path, *, max_to_keep, max_pending=14, eval_sleep=0.04
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def cadence(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cadence", *args], capture_output=True, text=True, env=ENV,
-                          timeout=timeout)
 
 
 def evaluations(model_dir: Path) -> list[dict]:

@@ -4,9 +4,6 @@ task, and each kind of broken task fails at the stage that shows it, with the la
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,15 +14,11 @@ from cadence.config import config_from_dict
 from cadence.errors import ConfigError
 from cadence.torch import load_exported, run_smoke
 from cadence.torch.experiments.smoke import STAGES, SmokeCheckError
+from cli_run import run_cadence as cadence
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits" / "config.yaml"
 TASKS = Path(__file__).parents[1] / "smoke_tasks.py"
-
-
-def cadence(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cadence", *args], check=False, capture_output=True, text=True,
-                          cwd=cwd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def config_data(tmp_path: Path, task: str = "SmokeTask", **sections) -> dict:

@@ -14,8 +14,8 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import uuid
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -203,8 +203,7 @@ def test_export_clean_up_never_deletes_below_a_link(tmp_path: Path) -> None:
 # -- through the CLI, as a user runs it ----------------------------------------------------------
 
 
-def cadence(*args: str) -> subprocess.CompletedProcess:
-    return run_cadence(*args, env={"COLUMNS": "1000"})
+cadence = partial(run_cadence, env={"COLUMNS": "1000"})  # the CLI runner, no line wrapped
 
 
 def test_cli_never_reads_a_linked_model_file(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from cadence.runtime.coordination import LocalCoordinator
 from cadence.torch import Context, ResumableLoader, ResumableSampler, TorchTrainer, seed_everything
 from cadence.torch.runtime.distributed import init_distributed, rank_env, shutdown_distributed
 from cadence.torch.loop.trainer import _rank_seed
+from cli_run import torchrun_command
 from dist_worker import IdsTask
 
 WORKER = str(Path(__file__).parents[1] / "dist_worker.py")
@@ -39,8 +40,7 @@ def run_ranks(nproc: int, scenario: str, out: Path, *args: str) -> list[dict]:
     if nproc == 1:
         cmd = [sys.executable, WORKER, scenario, str(out), *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               WORKER, scenario, str(out), *args]
+        cmd = torchrun_command(nproc, WORKER, scenario, str(out), *args)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=ENV)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return [json.loads((out / f"{scenario}-rank{r}.json").read_text()) for r in range(nproc)]

@@ -36,7 +36,7 @@ from cadence.torch.experiments.experiment import run_export
 from cadence.torch.components.ema import EMASettings, ModelEMA
 from cadence.torch.checkpoint_io.safetensors_io import safetensors_metadata, state_dict_from_safetensors
 from cadence.torch.checkpoint_io.sharded import read_model_state
-from cli_run import run_cadence, same_weights
+from cli_run import run_cadence, run_torchrun, same_weights
 from tasks import TinyTask
 from in_memory import save
 
@@ -428,9 +428,7 @@ def test_the_sanity_check_names_a_raw_metric_that_is_not_evaluated(tmp_path):
 
 
 def test_under_fsdp_each_ranks_ema_is_sharded_like_the_parameters(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKER), str(tmp_path)], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    proc = run_torchrun(2, str(WORKER), str(tmp_path), timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -163,10 +163,12 @@ def test_a_resumed_run_keeps_the_window_in_global_steps(tmp_path):
     assert [profiler_steps(t) for t in written.values()] == [[9], [13, 14]]
 
 
-def test_a_model_dir_on_an_fsspec_store_gets_gzipped_traces(tmp_path):
+def test_a_model_dir_on_an_fsspec_store_gets_gzipped_traces(tmp_path, monkeypatch):
     import fsspec
 
     url = f"memory://cadence-profiling-{os.getpid()}/run"
+    (tmp_path / "temp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))  # this test's own temp dir, no other's files
     temp = set(os.listdir(tempfile.gettempdir()))
     try:
         run_training(config_from_dict(settings(tmp_path, url, steps=8, validation_interval=None, profiler={

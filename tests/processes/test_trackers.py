@@ -7,7 +7,6 @@ from __future__ import annotations
 import glob
 import json
 import logging
-import socket
 import struct
 import subprocess
 import sys
@@ -321,14 +320,8 @@ def test_wandb_offline_runs_share_one_run_id_and_hold_the_same_content(pipeline)
     assert resumed["artifacts"] == [("export-final", ["metadata.json", "model.safetensors"])]
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_an_unreachable_mlflow_server_warns_once_and_loses_no_checkpoint(tmp_path):
-    config = _config(tmp_path, {"mlflow": {"tracking_uri": f"http://127.0.0.1:{_closed_port()}"}})
+def test_an_unreachable_mlflow_server_warns_once_and_loses_no_checkpoint(tmp_path, closed_port):
+    config = _config(tmp_path, {"mlflow": {"tracking_uri": f"http://127.0.0.1:{closed_port}"}})
     # MLflow's own retries left at their defaults: the tracker's first look at the server fails at once
     proc = run_cadence("train", str(config), "--model-dir", str(tmp_path / "run"), "--no-progress",
                        env=_env(tmp_path), cwd=tmp_path, timeout=60)

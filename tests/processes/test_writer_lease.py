@@ -18,7 +18,8 @@ from cadence.checkpoint import CheckpointManager, JSONState
 from cadence.checkpoint.writer_lease import WriterLease, check_free, current_lease, take_over
 from cadence.errors import WriterLeaseHeldError, WriterLeaseLostError
 from cadence.storage import Storage
-from cli_run import ENV, run_cadence
+from cli_run import ENV, run_torchrun
+from cli_run import run_cadence as cadence
 
 TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:TinyTask"
 
@@ -261,10 +262,6 @@ def write_config(tmp_path: Path, steps: int = 40, step_sleep: float = 0.0) -> Pa
     return path
 
 
-def cadence(*args: str) -> subprocess.CompletedProcess:
-    return run_cadence(*args)
-
-
 def start_training(config: Path, model_dir: Path) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "cadence", "train", str(config), "--model-dir", str(model_dir),
                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
@@ -322,10 +319,8 @@ def test_the_ranks_of_a_job_all_refuse_when_another_trainer_holds_the_lease(tmp_
     proc, _ = hold(tmp_path / "run")
     try:
         config = write_config(tmp_path, steps=10)
-        job = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--tee", "3",
-             "-m", "cadence", "train", str(config), "--model-dir", str(tmp_path / "run"), "--no-progress"],
-            capture_output=True, text=True, env=ENV, timeout=180)
+        job = run_torchrun(2, "-m", "cadence", "train", str(config), "--model-dir", str(tmp_path / "run"),
+                           "--no-progress", tee=3, timeout=180)
         assert job.returncode != 0
         text = one_line(job.stdout + job.stderr)
         assert text.count(f"is being written by pid {proc.pid}") >= 2, text[-3000:]

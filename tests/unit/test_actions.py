@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from pathlib import Path
 
 import fsspec
@@ -59,15 +58,6 @@ class FakeScalar:
 
     def item(self) -> float:
         return self.value
-
-
-@pytest.fixture
-def memdir():
-    url = f"memory://cadence-actions-{uuid.uuid4().hex}"
-    yield url
-    fs, path = fsspec.core.url_to_fs(url)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
 
 
 @pytest.fixture(params=["local", "memory"])
