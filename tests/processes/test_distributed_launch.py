@@ -1,6 +1,6 @@
 """``cadence train --nproc N``: the launcher command, a 2-rank run through torch's launcher
 (rank-prefixed output, one reporting rank), a rank killed with SIGKILL ending the job, and the
-one-line error naming the failed rank (restarts: tests/test_elastic.py)."""
+one-line error naming the failed rank (restarts: tests/processes/test_elastic.py)."""
 
 from __future__ import annotations
 

@@ -245,7 +245,7 @@ def test_other_action_errors_propagate_after_committing_the_trained_steps(tmp_pa
                    train_actions=[boom], progress=False)
     with pytest.raises(KeyError):
         c.train(9)
-    assert m.steps() == [3] and m.final_step() is None  # kept (tests/test_sanity_check.py), not final
+    assert m.steps() == [3] and m.final_step() is None  # kept (tests/processes/test_sanity_check.py), not final
 
 
 def test_stateful_actions_are_checkpointed(tmp_path):
