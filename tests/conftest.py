@@ -12,7 +12,8 @@ The helper modules the tests import (``tasks``, ``fakes``, ``cli_run``, the torc
 
 Fixtures: ``cadence`` (the CLI runner, :func:`cli_run.run_cadence`), ``torchrun`` (:func:`cli_run.run_torchrun`),
 ``write_config`` (:func:`configs.write_config`), ``memdir`` (a fresh ``memory://`` directory),
-``s3_server`` (moto on a held port), ``closed_port`` (a port that refuses connections and stays so).
+``s3_server`` (moto on a held port), ``closed_port`` (a port that refuses connections and stays so),
+``digits_run`` (the digits example trained once for the whole run, for the tests that only read it).
 Every test also runs with the process-global state that ``cadence.cli.main`` and ``load_task_class``
 change (logging, ``sys.path``, signal handlers) restored afterwards, so that tests do not depend on
 their order or on the xdist worker they land on.
@@ -20,10 +21,12 @@ their order or on the xdist worker they land on.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -163,3 +166,31 @@ def closed_port() -> Iterator[int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         yield int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def digits_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """``cadence train examples/digits/config.yaml`` to completion (600 steps; run from the model dir's
+    parent, so the config's relative task path must resolve against the config file), once for the
+    whole run, xdist workers included (the first trains under a file lock, the others wait and
+    share it): its model dir and its process (output captured). The tests only read the model dir,
+    or run a command that must leave it as it is."""
+    from filelock import FileLock
+
+    from cli_run import ROOT, run_cadence
+
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        shared = shared.parent  # the run's folder, above each worker's own
+    where = shared / "digits-shared"
+    model_dir, record = where / "run", where / "process.json"
+    with FileLock(str(shared / "digits-shared.lock")):
+        if not record.exists():
+            where.mkdir(exist_ok=True)
+            proc = run_cadence("train", str(ROOT / "examples" / "digits" / "config.yaml"), "--model-dir",
+                               str(model_dir), cwd=where)
+            record.write_text(json.dumps({"args": proc.args, "returncode": proc.returncode,
+                                          "stdout": proc.stdout, "stderr": proc.stderr}))
+    done = json.loads(record.read_text())
+    assert done["returncode"] == 0, done["stdout"] + done["stderr"]
+    return model_dir, subprocess.CompletedProcess(done["args"], done["returncode"], done["stdout"], done["stderr"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,15 +15,6 @@ from cli_run import run_cadence as cadence
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits" / "config.yaml"
 TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:TinyTask"
-
-
-@pytest.fixture(scope="module")
-def digits_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    model_dir = tmp_path_factory.mktemp("digits") / "run"
-    # run from elsewhere: the config's relative task path resolves against the config file
-    proc = cadence("train", str(DIGITS), "--model-dir", str(model_dir), cwd=model_dir.parent)
-    assert proc.returncode == 0, proc.stderr
-    return model_dir, proc
 
 
 def test_digits_example_reaches_95_percent(digits_run):

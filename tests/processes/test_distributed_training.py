@@ -30,9 +30,8 @@ def final_weights(model_dir: Path, step: int) -> bytes:
     return (model_dir / "checkpoints" / f"ckpt-{step}" / "model.safetensors").read_bytes()
 
 
-def test_digits_on_two_ranks_trains_evaluates_checkpoints_and_resumes(tmp_path):
-    single = cadence("train", str(DIGITS), "--model-dir", str(tmp_path / "one"), "--no-progress")
-    assert single.returncode == 0, single.stderr
+def test_digits_on_two_ranks_trains_evaluates_checkpoints_and_resumes(tmp_path, digits_run):
+    single, _ = digits_run  # the same config on one process
     run = tmp_path / "two"
     first = cadence("train", str(DIGITS), "--model-dir", str(run), "--nproc", "2", "--no-progress",
                     "--set", "trainer.train_steps=400")
@@ -42,7 +41,7 @@ def test_digits_on_two_ranks_trains_evaluates_checkpoints_and_resumes(tmp_path):
     assert "restored checkpoint" in second.stdout + second.stderr
     evals = read_metrics(run / "eval")
     assert [r["step"] for r in evals] == [200, 400, 600]  # one writer (rank 0); resumed, not redone
-    one = read_metrics(tmp_path / "one" / "eval")[-1]["accuracy"]
+    one = read_metrics(single / "eval")[-1]["accuracy"]
     two = evals[-1]["accuracy"]
     assert abs(one - two) <= 0.01, (one, two)
     assert json.loads((run / "checkpoints" / "FINAL").read_text())["step"] == 600
