@@ -1,4 +1,5 @@
 """A full disk under the model dir, as a user meets it through ``cadence train``: the save fails with
+from configs import write_config as tiny_config
 one line naming the directory, the step and the free space (exit 1, no traceback), nothing partial
 is left, the previous checkpoint is intact, and once space is freed the run resumes exactly.
 
@@ -23,11 +24,11 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
-import yaml
 
 from cadence.checkpoint.space import space_error
 from cadence.storage import Storage
 from cli_run import ENV as CLI_ENV, run_cadence
+from configs import write_config as tiny_config
 
 resource = pytest.importorskip("resource")  # POSIX only
 
@@ -110,11 +111,9 @@ def disk(tmp_path: Path) -> Iterator[Disk]:
 
 
 def write_config(path: Path, steps: int = 40, interval: int = 10, **params: object) -> Path:
-    cfg = {"task": {"class": TASK, "params": {"hidden": HIDDEN, **params}},
-           "trainer": {"train_steps": steps, "steps_per_loop": 5, "checkpoint_interval": interval,
-                       "validation_interval": 20, "max_to_keep": 1, "seed": 3}}
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return tiny_config(path.parent, TASK, name=path.name, params={"hidden": HIDDEN, **params},
+                       trainer={"train_steps": steps, "steps_per_loop": 5, "checkpoint_interval": interval,
+                                "validation_interval": 20, "max_to_keep": 1, "seed": 3})
 
 
 def cadence(*args: str, disk: Disk | None = None) -> subprocess.CompletedProcess:

@@ -17,21 +17,18 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from cli_run import ENV, checkpoint_weights, same_weights
+from configs import write_config as tiny_config
 
 TASK = f"{Path(__file__).parents[1] / 'elastic_tasks.py'}:ElasticTask"
 STEPS = 120
 
 
 def config(tmp_path: Path, steps: int = STEPS, *, hang_timeout: float | None = None, **params) -> Path:
-    cfg = {"task": {"class": TASK, "params": {"n": 512, "attempt_dir": str(tmp_path / "attempts"), **params}},
-           "trainer": {"train_steps": steps, "steps_per_loop": 4, "checkpoint_interval": 8, "validation_interval": 8,
-                       "max_to_keep": None, "seed": 1, "hang_timeout": hang_timeout}}
     (tmp_path / "attempts").mkdir(exist_ok=True)
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return tiny_config(tmp_path, TASK, params={"n": 512, "attempt_dir": str(tmp_path / "attempts"), **params},
+                       trainer={"train_steps": steps, "steps_per_loop": 4, "checkpoint_interval": 8,
+                                "validation_interval": 8, "max_to_keep": None, "seed": 1, "hang_timeout": hang_timeout})
 
 
 class Job:

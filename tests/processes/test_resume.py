@@ -13,23 +13,17 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-import yaml
 
 from cli_run import run_cadence
+from configs import write_config as tiny_config
 
 TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:TinyTask"
 STEPS = 60
 
 
 def write_config(tmp_path: Path, **trainer) -> Path:
-    cfg = {
-        "task": {"class": TASK, "params": {}},
-        "trainer": {"train_steps": STEPS, "steps_per_loop": 5, "checkpoint_interval": 10,
-                    "validation_interval": 20, "max_to_keep": 3, "seed": 3, **trainer},
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return tiny_config(tmp_path, TASK, trainer={"train_steps": STEPS, "steps_per_loop": 5, "checkpoint_interval": 10,
+                                                 "validation_interval": 20, "max_to_keep": 3, "seed": 3, **trainer})
 
 
 cadence = partial(run_cadence, check=True)  # the CLI runner; check=False to look at a failure

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cadence import Controller
@@ -23,6 +22,7 @@ from cadence.checkpoint import CheckpointManager
 from cadence.storage import Storage
 from cadence.summaries.writer import SummaryManager, read_metrics, truncate_metrics
 from fakes import FakeTrainer
+from configs import write_config as tiny_config
 
 TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:TinyTask"
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,13 +197,10 @@ def test_a_run_past_its_train_steps_trains_and_evaluates_nothing(tmp_path, caplo
 
 
 def write_config(directory: Path, **trainer) -> Path:
-    cfg = {"task": {"class": TASK, "params": {"step_sleep": trainer.pop("step_sleep", 0.0)}},
-           "trainer": {"train_steps": 40, "steps_per_loop": 5, "checkpoint_interval": 20, "validation_interval": 20,
-                       "max_to_keep": 3, "seed": 3, **trainer}}
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    params = {"step_sleep": trainer.pop("step_sleep", 0.0)}
+    return tiny_config(directory, TASK, params=params, trainer={
+        "train_steps": 40, "steps_per_loop": 5, "checkpoint_interval": 20, "validation_interval": 20,
+        "max_to_keep": 3, "seed": 3, **trainer})
 
 
 def cadence_train(config: Path, model_dir: Path, *args: str, progress: bool = False) -> subprocess.CompletedProcess:

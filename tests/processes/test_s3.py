@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from cli_run import ENV, ROOT, run_cadence
 from s3_server import S3Server
+from configs import write_config as tiny_config
 
 pytest.importorskip("s3fs")
 
@@ -36,14 +36,11 @@ def cadence(*args: str, server: S3Server, timeout: float = 180) -> subprocess.Co
 
 
 def write_config(tmp_path: Path, **sections) -> Path:
-    cfg = {"task": {"class": TASK, "params": {"n": 256}},
-           "trainer": {"train_steps": 32, "steps_per_loop": 4, "checkpoint_interval": 8, "validation_interval": 8,
-                       "max_to_keep": 2, "seed": 1, "best_checkpoint": {"metric": "accuracy"}}}
-    for key, value in sections.items():
-        cfg[key] = {**cfg.get(key, {}), **value}
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    trainer = {"train_steps": 32, "steps_per_loop": 4, "checkpoint_interval": 8, "validation_interval": 8,
+               "max_to_keep": 2, "seed": 1, "best_checkpoint": {"metric": "accuracy"}, **sections.pop("trainer", {})}
+    task = sections.pop("task", {})
+    return tiny_config(tmp_path, task.get("class", TASK), params=task.get("params", {"n": 256}),
+                       trainer=trainer, **sections)
 
 
 def fs():

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from cadence.checkpoint import CheckpointManager, JSONState
 from cadence.checkpoint.writer_lease import WriterLease, check_free, current_lease, take_over
@@ -20,6 +19,7 @@ from cadence.errors import WriterLeaseHeldError, WriterLeaseLostError
 from cadence.storage import Storage
 from cli_run import ENV, run_torchrun
 from cli_run import run_cadence as cadence
+from configs import write_config as tiny_config
 
 TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:TinyTask"
 
@@ -254,12 +254,9 @@ def test_create_exclusive_creates_once(tmp_path):
 
 
 def write_config(tmp_path: Path, steps: int = 40, step_sleep: float = 0.0) -> Path:
-    cfg = {"task": {"class": TASK, "params": {"step_sleep": step_sleep}},
-           "trainer": {"train_steps": steps, "steps_per_loop": 5, "checkpoint_interval": 10,
-                       "validation_interval": 20, "max_to_keep": 2, "seed": 3}}
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return tiny_config(tmp_path, TASK, params={"step_sleep": step_sleep}, trainer={
+        "train_steps": steps, "steps_per_loop": 5, "checkpoint_interval": 10, "validation_interval": 20,
+        "max_to_keep": 2, "seed": 3})
 
 
 def start_training(config: Path, model_dir: Path) -> subprocess.Popen:
