@@ -5,14 +5,14 @@ range and finishes -- or, with ``max_trials=0``, fails with a clear error."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors.torch import load_file
+
+from cli_run import run_cadence
+from configs import write_config
 
 TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:TinyTask"
 
@@ -20,18 +20,11 @@ TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:TinyTask"
 def train(tmp_path: Path, max_trials: int) -> tuple[subprocess.CompletedProcess, Path]:
     # 200 samples in batches of 8, not shuffled: sample 100 is in batch 12 (0-based), i.e. step 13,
     # in the loop of steps 11-15. The checkpoint before it is at step 10.
-    cfg = {
-        "task": {"class": TASK, "params": {"poison_index": 100}},
-        "trainer": {"train_steps": 20, "steps_per_loop": 5, "checkpoint_interval": 5,
-                    "validation_interval": 10, "max_to_keep": None, "seed": 0,
-                    "recovery": {"max_trials": max_trials}},
-    }
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = write_config(tmp_path, TASK, params={"poison_index": 100}, trainer={
+        "train_steps": 20, "steps_per_loop": 5, "checkpoint_interval": 5, "validation_interval": 10,
+        "max_to_keep": None, "seed": 0, "recovery": {"max_trials": max_trials}})
     model_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "cadence", "train", str(config), "--model-dir", str(model_dir),
-                           "--no-progress"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
+    proc = run_cadence("train", str(config), "--model-dir", str(model_dir), "--no-progress", env={"COLUMNS": "200"})
     return proc, model_dir
 
 

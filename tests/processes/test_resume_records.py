@@ -21,6 +21,7 @@ from cadence import Controller
 from cadence.checkpoint import CheckpointManager
 from cadence.storage import Storage
 from cadence.summaries.writer import SummaryManager, read_metrics, truncate_metrics
+from cli_run import run_cadence
 from fakes import FakeTrainer
 from configs import write_config as tiny_config
 
@@ -204,9 +205,7 @@ def write_config(directory: Path, **trainer) -> Path:
 
 
 def cadence_train(config: Path, model_dir: Path, *args: str, progress: bool = False) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "cadence", "train", str(config), "--model-dir", str(model_dir), *args]
-    return subprocess.run(command + ([] if progress else ["--no-progress"]), capture_output=True, text=True, env=ENV,
-                          timeout=180)
+    return run_cadence("train", str(config), "--model-dir", str(model_dir), *args, *([] if progress else ["--no-progress"]))
 
 
 def test_cadence_train_with_a_lower_train_steps_warns_and_changes_nothing(tmp_path):
