@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     cuda = None
     for item in items:
         try:
-            folder = Path(str(item.fspath)).resolve().relative_to(_HERE).parts[0]
+            folder = Path(item.path).resolve().relative_to(_HERE).parts[0]
         except ValueError:
             continue  # a test from outside tests/ (an explicit path): no tier
         tier = TIERS.get(folder)
