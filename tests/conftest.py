@@ -38,6 +38,8 @@ TIERS = {"unit": "unit", "processes": "processes", "gpu": "gpu"}
 """Folder under tests/ -> the marker its tests get."""
 
 _HERE = Path(__file__).resolve().parent
+GPU_SKIP_REASON = "gpu tier: CUDA is not available on this machine"
+"""The one reason every gpu-tier test is skipped with where ``torch.cuda.is_available()`` is False."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -60,7 +62,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
                 cuda = torch.cuda.is_available()
             if not cuda:
-                item.add_marker(pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)"))
+                item.add_marker(pytest.mark.skip(reason=GPU_SKIP_REASON))
 
 
 # -- process-global state -------------------------------------------------------------------------
