@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-gpu lint bench docs clean
+.PHONY: install demo test test-fast test-gpu lint bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,19 @@ demo: $(STAMP)
 	@echo "Results in runs/digits: checkpoints/, best/, export/best/, train/, eval/ (evaluations.jsonl)."
 	@echo "TensorBoard: $(BIN)/tensorboard --logdir runs/digits"
 
+# The suite in tiers (tests/conftest.py marks each test by its folder): tests/unit/ starts no process,
+# tests/processes/ starts cadence runs, torchrun jobs and servers, tests/gpu/ needs CUDA (skipped without).
+# TEST_WORKERS pytest-xdist workers; --dist loadscope keeps a module (and its module-scoped fixtures) on one.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+
+# Everything: <= 10 minutes on 2 cores.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
+
+# The unit tier only (no process starts): <= 90 s on 2 cores.
+test-fast: $(STAMP)
+	$(PYTEST) -m unit tests/unit
 
 # The CUDA paths (tests/gpu): pinned staging, NCCL with the gloo checkpoint group, bf16 / fp16,
 # inductor, peak memory, MFU. Needs a CUDA build of torch; without CUDA every test is skipped (one reason).
@@ -48,7 +59,7 @@ $(VENV)/.docs-installed: $(STAMP) pyproject.toml
 	$(BIN)/pip install -q -e ".[docs]"
 	touch $@
 
-# Regenerate docs/config.md and docs/cli.md from the code (tests/test_docgen.py fails when stale), then build
+# Regenerate docs/config.md and docs/cli.md from the code (tests/processes/test_docgen.py fails when stale), then build
 # the site into site/ with --strict: a broken link, anchor or API reference fails (CI runs it after lint).
 docs: $(VENV)/.docs-installed
 	$(BIN)/python -m cadence.cli.docgen

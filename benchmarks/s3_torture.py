@@ -15,7 +15,7 @@ left without a manifest (a kill during that save) is counted. Then one last proc
 ``STEPS``; its final weights must be bit-identical to the uninterrupted run's, and
 ``train/metrics.jsonl`` must hold each summarized step once, with the same losses.
 
-:func:`torture` is the measurement (tests/test_s3.py runs a 5-kill version); standalone, the
+:func:`torture` is the measurement (tests/processes/test_s3.py runs a 5-kill version); standalone, the
 script starts the server, runs it and writes ``results/s3_torture.md`` and ``.json``.
 """
 

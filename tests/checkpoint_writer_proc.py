@@ -1,4 +1,4 @@
-"""Helper for tests/test_checkpoint.py: starts a slow save, to be killed with SIGKILL mid-way.
+"""Helper for tests/processes/test_checkpoint.py: starts a slow save, to be killed with SIGKILL mid-way.
 
 Usage: python checkpoint_writer_proc.py DIRECTORY STEP
 Prints "WRITING" (flushed) once the first chunk of a big file is written, then keeps writing

@@ -1,4 +1,4 @@
-"""Tasks of tests/test_torch_compile.py (loaded by path: ``tests/compile_tasks.py:PlainTask``)."""
+"""Tasks of tests/processes/test_torch_compile.py (loaded by path: ``tests/compile_tasks.py:PlainTask``)."""
 
 from __future__ import annotations
 

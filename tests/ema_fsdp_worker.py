@@ -1,4 +1,4 @@
-"""Rank worker of tests/test_torch_ema.py::
+"""Rank worker of tests/processes/test_torch_ema.py::
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/ema_fsdp_worker.py OUT_DIR
 

@@ -1,4 +1,4 @@
-"""Rank worker of tests/test_fsdp.py::
+"""Rank worker of tests/processes/test_fsdp.py::
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/fsdp_worker.py OUT_DIR
 

@@ -1,10 +1,12 @@
 """A real S3 API server on 127.0.0.1 for the object-store tests: moto's server mode, one process.
 
-:class:`S3Server` starts ``python -m moto.server -H 127.0.0.1 -p <free port>`` as a subprocess,
+:class:`S3Server` binds a listening socket on port 0 of 127.0.0.1 and keeps it, starts moto's
+server in a subprocess that serves on that very socket (inherited, so no other process can take
+the port between the choice and the start, as a released "free" port could be under pytest-xdist),
 waits until it answers, and stops it at the end; :meth:`S3Server.env` is the environment that
 points botocore (hence s3fs, hence cadence) at it: ``AWS_ENDPOINT_URL`` and fake credentials.
 :meth:`S3Server.bucket` makes a fresh bucket. ``s3_server`` is the session-scoped pytest fixture
-(import it into a test module); the benchmarks use the class directly.
+(tests/conftest.py provides it); the benchmarks use the class directly.
 """
 
 from __future__ import annotations
@@ -16,9 +18,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from typing import Iterator
-
-import pytest
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "cadence-test",
@@ -28,17 +27,27 @@ CREDENTIALS = {
 _buckets = itertools.count()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_SERVE = """
+import os, sys
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+from moto.server import MotoRequestHandler
+from werkzeug.serving import make_server
+fd, port = int(sys.argv[1]), sys.argv[2]
+os.environ["MOTO_PORT"] = port
+app = DomainDispatcherApplication(create_backend_app)
+make_server("127.0.0.1", int(port), app, threaded=True, request_handler=MotoRequestHandler, fd=fd).serve_forever()
+"""
 
 
 class S3Server:
-    """moto's S3 server on a free port of 127.0.0.1, started by :meth:`start`, stopped by :meth:`stop`."""
+    """moto's S3 server on a port of 127.0.0.1 that this object holds bound from its creation to
+    :meth:`stop`; started by :meth:`start`."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.socket.listen(64)
+        self.port = int(self.socket.getsockname()[1])
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -49,7 +58,8 @@ class S3Server:
                 "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
 
     def start(self, timeout: float = 60.0) -> S3Server:
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+        fd = self.socket.fileno()
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVE, str(fd), str(self.port)], pass_fds=(fd,),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while True:
@@ -73,6 +83,7 @@ class S3Server:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+        self.socket.close()
 
     def bucket(self) -> str:
         """A new, empty bucket's name."""
@@ -89,22 +100,3 @@ class S3Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@pytest.fixture(scope="session")
-def s3_server() -> Iterator[S3Server]:
-    """A running :class:`S3Server`; this process's environment points at it for the session (so
-    in-process s3fs use and the cadence subprocesses, which inherit it, reach the same server)."""
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto.server")
-    saved = {k: os.environ.get(k) for k in S3Server().env()}
-    with S3Server() as server:
-        os.environ.update(server.env())
-        try:
-            yield server
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value

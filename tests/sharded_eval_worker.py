@@ -1,4 +1,4 @@
-"""One rank of the sharded-evaluation tests (tests/test_torch_sharded_eval.py), started with spawn.
+"""One rank of the sharded-evaluation tests (tests/processes/test_torch_sharded_eval.py), started with spawn.
 
 Each rank joins a gloo group (file:// rendezvous: no port to pick), evaluates its strided,
 unpadded shard of a 1001-sample validation set with a real ``TorchCoordinator``, and pickles

@@ -1,4 +1,4 @@
-"""Helpers of tests/test_sharded_checkpoint.py.
+"""Helpers of tests/processes/test_sharded_checkpoint.py.
 
 As a script, one rank of a job that restores a sharded checkpoint the way ``cadence train`` does
 and writes what it loaded::

@@ -1,4 +1,4 @@
-"""Tasks with export signatures, for tests/test_export_signatures.py (loaded by path:
+"""Tasks with export signatures, for tests/processes/test_export_signatures.py (loaded by path:
 ``tests/signature_tasks.py:SignatureTask``)."""
 
 from __future__ import annotations

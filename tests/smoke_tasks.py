@@ -1,4 +1,4 @@
-"""Tasks for tests/test_smoke.py (loaded by path: ``tests/smoke_tasks.py:SmokeTask``), each with
+"""Tasks for tests/processes/test_smoke.py (loaded by path: ``tests/smoke_tasks.py:SmokeTask``), each with
 one realistic bug for ``cadence smoke`` to find."""
 
 from __future__ import annotations

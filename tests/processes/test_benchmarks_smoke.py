@@ -1,0 +1,88 @@
+"""The checkpoint benchmarks' quick modes run end to end: every contender saves, loads back exactly
+what it saved (checked), and the report renders. Timings are not checked."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_checkpoint_benchmark_quick(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import checkpoint_throughput
+
+    spec = importlib.util.spec_from_file_location("cadence_benchmarks_run", BENCHMARKS / "run.py")
+    bench_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_run)
+
+    result = checkpoint_throughput.run(quick=True, root=str(tmp_path), sizes={"tiny": 64})
+    (size,) = result["sizes"]
+    assert {row["key"] for row in size["rows"]} == set(checkpoint_throughput.CONTENDERS)
+    for row in size["rows"]:
+        assert row["save_s_median"] > 0 and row["save_ratio_median"] > 0
+        assert ("load_s_median" in row) == (row["key"] != "floor")
+    assert size["async"]["saves"] == 2 and size["async"]["steady_stall_s"] >= 0
+    assert len(size["targets"]) == len(checkpoint_throughput.TARGETS)
+    assert list(tmp_path.iterdir()) == []  # every directory written was deleted
+    text = bench_run.markdown({"machine": bench_run.machine(), "checkpoint": result})
+    assert "torch.distributed.checkpoint" in text and "Targets, cadence (crc32c)" in text
+
+
+def test_sharded_checkpoint_benchmark_quick(tmp_path, monkeypatch):
+    """The sharded benchmark's quick mode on 1, 2 and 3 torchrun ranks: both contenders save and load
+    back exactly what they saved (checked on every rank), and the table it writes has a row per
+    world size and contender."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import sharded_checkpoint
+
+    out = tmp_path / "results" / "sharded.md"
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "sharded_checkpoint.py"), "--quick", "--root", str(root),
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert list(root.iterdir()) == []  # every checkpoint written was deleted
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["quick"] and [row["world_size"] for row in result["rows"]] == list(sharded_checkpoint.WORLD_SIZES)
+    for row in result["rows"]:
+        assert set(row["contenders"]) == {"dcp", "cadence"}
+        for c in row["contenders"].values():
+            assert c["save_s_median"] > 0 and c["load_s_median"] > 0 and c["bytes_written"] > 0
+        assert row["save_ratio"] > 0 and row["load_ratio"] > 0
+        assert 0 < row["checksum_save_share"] < 1 and 0 < row["verify_load_share"] < 1
+    text = out.read_text()
+    for n in sharded_checkpoint.WORLD_SIZES:
+        assert f"\n| {n} | plain DCP (dcp.save / dcp.load) |" in text
+        assert f"\n| {n} | cadence (CheckpointSession, crc32c) |" in text
+    assert "## Sharded checkpoint save and load under FSDP2" in text
+    spec = importlib.util.spec_from_file_location("cadence_benchmarks_run", BENCHMARKS / "run.py")
+    bench_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_run)
+    assert bench_run.BENCHMARKS["sharded"] is sharded_checkpoint.run  # part of `make bench`
+
+
+def test_goodput_benchmark_quick(tmp_path, monkeypatch):
+    """The goodput benchmark's quick mode: a 2-rank run without faults and one whose ranks are
+    SIGKILLed every few seconds both finish, with bit-identical weights (checked by the benchmark),
+    and the table renders."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import goodput
+
+    result = goodput.run(quick=True, root=str(tmp_path))
+    clean, faulty = result["clean"], result["faulty"]
+    assert result["identical_weights"] and clean["restarts"] == 0 and clean["lost_steps"] == 0
+    assert faulty["kills"] and faulty["restarts"] == len(faulty["kills"])
+    assert clean["steps_kept"] == faulty["steps_kept"] == result["steps"] <= faulty["steps_run"]
+    assert 0 < faulty["goodput"] < clean["goodput"] < 1
+    assert list(tmp_path.iterdir()) == []  # the runs' directories were deleted
+    text = "\n".join(goodput.markdown_lines(result))
+    assert "## Goodput under failures" in text and "| a rank killed every 6 s |" in text
+    spec = importlib.util.spec_from_file_location("cadence_benchmarks_run", BENCHMARKS / "run.py")
+    bench_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_run)
+    assert bench_run.BENCHMARKS["goodput"] is goodput.run  # part of `make bench`

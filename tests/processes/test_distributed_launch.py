@@ -1,0 +1,167 @@
+"""``cadence train --nproc N``: the launcher command, a 2-rank run through torch's launcher
+(rank-prefixed output, one reporting rank), a rank killed with SIGKILL ending the job, and the
+one-line error naming the failed rank (restarts: tests/processes/test_elastic.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cadence.cli import main as cli
+from cli_run import run_torchrun
+
+TASK = f"{Path(__file__).parents[1] / 'dist_worker.py'}:PidTask"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+
+
+def config(tmp_path: Path, pid_dir: Path, steps: int = 24, **params) -> Path:
+    pid_dir.mkdir(exist_ok=True)
+    cfg = {"task": {"class": TASK, "params": {"n": 256, "pid_dir": str(pid_dir), **params}},
+           "trainer": {"train_steps": steps, "steps_per_loop": 4, "checkpoint_interval": 8, "seed": 1,
+                       "in_process_validation": False, "max_to_keep": None}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def command(argv: list[str]) -> list[str]:
+    return cli.torchrun_command(cli._parser().parse_args(argv), python="PY")
+
+
+def test_the_launcher_command():
+    standalone = command(["--log-level", "debug", "train", "c.yaml", "--nproc", "2", "--model-dir", "m",
+                          "--set", "a=1", "--set", "b=2", "--no-progress"])
+    assert standalone == [
+        "PY", "-m", "cadence.cli.torchrun", "--nproc-per-node", "2", "--nnodes", "1", "--standalone",
+        "--max-restarts", "0", "--tee", "3",
+        "-m", "cadence", "--log-level", "debug", "train", "c.yaml", "--model-dir", "m", "--set", "a=1",
+        "--set", "b=2", "--no-progress",
+    ]
+    nodes = command(["train", "c.yaml", "--nproc", "8", "--nnodes", "2", "--node-rank", "1",
+                     "--rdzv-endpoint", "host0:29400", "--rdzv-id", "job7", "--max-restarts", "3"])
+    assert nodes[:nodes.index("-m", 3)] == [
+        "PY", "-m", "cadence.cli.torchrun", "--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "host0:29400", "--rdzv-id", "job7",
+        "--max-restarts", "3", "--tee", "3",
+    ]
+    assert nodes[nodes.index("-m", 3):] == ["-m", "cadence", "--log-level", "INFO", "train", "c.yaml"]
+
+
+def test_the_launcher_flags_exist_in_this_torch():
+    from torch.distributed.run import get_args_parser
+
+    flags = command(["train", "c.yaml", "--nproc", "2", "--nnodes", "2", "--node-rank", "0",
+                     "--rdzv-endpoint", "h:1", "--rdzv-id", "x", "--max-restarts", "2"])
+    args = get_args_parser().parse_args(flags[3:])  # `python -m cadence.cli.torchrun` passes them to torch's main
+    assert (args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_backend) == ("2", "2", 0, "c10d")
+    assert (args.rdzv_endpoint, args.rdzv_id, args.max_restarts, args.tee, args.module) == ("h:1", "x", 2, "3", True)
+    assert args.training_script == "cadence"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes", "2"], "need --nproc"),
+    (["--nproc", "2", "--nnodes", "2"], "need --rdzv-endpoint"),
+    (["--nproc", "0"], "--nproc: must be >= 1"),
+    (["--nproc", "2", "--node-rank", "3"], "--node-rank: must be in [0, 1)"),
+    (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "nohost"], "expected HOST:PORT"),
+    (["--max-restarts", "2"], "need --nproc"),
+    (["--nproc", "2", "--max-restarts", "-1"], "--max-restarts: must be >= 0"),
+])
+def test_bad_launch_arguments_exit_2(argv, message, tmp_path, capsys):
+    assert cli.main(["train", str(config(tmp_path, tmp_path / "pids")), *argv]) == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+
+
+def test_nproc_inside_a_torchrun_worker_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert cli.main(["train", str(config(tmp_path, tmp_path / "pids")), "--nproc", "2"]) == 2
+    assert "already runs under torchrun" in capsys.readouterr().err
+
+
+def test_train_on_two_ranks(tmp_path):
+    model_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cadence", "train", str(config(tmp_path, tmp_path / "pids")), "--model-dir",
+         str(model_dir), "--nproc", "2"],
+        capture_output=True, text=True, env=ENV, timeout=180,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    lines = out.splitlines()
+    assert any(line.startswith("[rank0]:") and "saved checkpoint" in line for line in lines), out
+    assert any(line.startswith("[rank0]:step 24/24") for line in lines), out  # rank 0's progress
+    assert any(line.startswith("[rank0]:done:") for line in lines), out
+    rank1 = [line for line in lines if line.startswith("[rank1]:")]
+    assert not [line for line in rank1 if "INFO" in line or "step " in line or "done:" in line], rank1
+    assert sorted(p.name for p in (tmp_path / "pids").iterdir()) == ["rank0", "rank1"]
+    state = json.loads((model_dir / "checkpoints" / "ckpt-24" / "state.json").read_text())["state"]["trainer"]
+    assert len(state["rng"]) == 2
+    assert json.loads((model_dir / "checkpoints" / "FINAL").read_text())["step"] == 24
+
+
+def test_a_killed_rank_ends_the_job_and_is_named(tmp_path):
+    pids = tmp_path / "pids"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "cadence", "train", str(config(tmp_path, pids, steps=100000, step_sleep=0.02)),
+         "--model-dir", str(tmp_path / "run"), "--nproc", "2", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (pids / "rank1").exists() or not (pids / "rank0").exists():
+            assert time.monotonic() < deadline and job.poll() is None, "the ranks did not start"
+            time.sleep(0.05)
+        time.sleep(1.0)  # training
+        victim = int((pids / "rank1").read_text())
+        other = int((pids / "rank0").read_text())
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        out, _ = job.communicate(timeout=60)
+        elapsed = time.monotonic() - killed
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode != 0, out
+    assert elapsed < 60
+    # torchrun's agent names the rank that failed first, and how
+    root_cause = out[out.index("Root Cause (first observed failure)"):]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), out
+    assert "Signal 9 (SIGKILL)" in root_cause, out
+    assert out.strip().splitlines()[-1].startswith(  # and cadence's own one-line error
+        f"cadence: failed: rank 1 (local rank 1, pid {victim}) was killed by SIGKILL; "), out[-3000:]
+    assert "the job was not restarted (--max-restarts 0;" in out.strip().splitlines()[-1]
+    with pytest.raises(ProcessLookupError):  # the agent stopped the other rank
+        os.kill(other, 0)
+
+
+def test_a_rank_raising_ends_the_job_with_its_error_and_rank(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "cadence", "train", str(config(tmp_path, tmp_path / "pids", fail_rank=1)),
+         "--model-dir", str(tmp_path / "run"), "--nproc", "2", "--no-progress"],
+        capture_output=True, text=True, env=ENV, timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert re.search(r"^\[rank1\]:.*RuntimeError: planted failure on rank 1", out, re.M), out
+    root_cause = out[out.index("Root Cause (first observed failure)"):]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*1 ", root_cause), out  # not a SIGABRT
+    assert re.search(r"^cadence: failed: rank 1 \(local rank 1, pid \d+\) exited with status 1; ", out, re.M), out
+
+
+def test_train_under_an_external_torchrun(tmp_path):
+    model_dir = tmp_path / "run"
+    proc = run_torchrun(2, "-m", "cadence", "train", str(config(tmp_path, tmp_path / "pids", steps=8)),
+                        "--model-dir", str(model_dir), "--no-progress", env={"COLUMNS": "200"}, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    state = json.loads((model_dir / "checkpoints" / "ckpt-8" / "state.json").read_text())["state"]["trainer"]
+    assert len(state["rng"]) == 2 and state["data"]["state"] == {"epoch": 0, "offset": 8 * 2 * 8}

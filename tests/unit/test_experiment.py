@@ -1,0 +1,62 @@
+"""Building a run from a config (cadence.torch.experiments.experiment): actions and exports wired as
+configured, and bad combinations refused before any training."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from cadence.config import config_from_dict
+from cadence.errors import ConfigError
+from cadence.summaries.writer import read_metrics
+from cadence.torch import load_exported, run_training
+
+TASKS = Path(__file__).parents[1] / "tasks.py"
+
+
+def config(tmp_path: Path, task: str = "TinyTask", **sections):
+    trainer = {"train_steps": 30, "steps_per_loop": 5, "validation_interval": 10, "seed": 0,
+               **sections.pop("trainer", {})}
+    data = {"model_dir": str(tmp_path / "run"), "task": {"class": f"{TASKS}:{task}"}, "trainer": trainer, **sections}
+    return config_from_dict(data)
+
+
+def test_early_stopping_from_the_config_stops_the_run(tmp_path):
+    # min_delta larger than any change: no evaluation improves on the first one
+    cfg = config(tmp_path, trainer={"early_stopping": {"metric": "loss", "patience": 1, "min_delta": 100.0,
+                                                       "higher_is_better": False}})
+    run_training(cfg, progress=False)
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert json.loads((ckpts / "FINAL").read_text())["step"] == 20
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "eval")] == [10, 20]
+
+
+def test_export_on_final_and_every_eval(tmp_path):
+    final = config(tmp_path, export={"formats": ["safetensors", "torchscript"], "on": "final"})
+    run_training(final, progress=False)
+    out = tmp_path / "run" / "export" / "final" / "30"
+    scripted = load_exported(str(out), "torchscript")
+    x = torch.randn(3, 8)
+    assert scripted(x).shape == (3, 2)
+
+    every = config(tmp_path / "b", export={"formats": ["safetensors"], "on": "every_eval", "max_to_keep": 1})
+    run_training(every, progress=False)
+    assert sorted(p.name for p in (tmp_path / "b" / "run" / "export" / "every_eval").iterdir()) == ["30"]
+
+
+def test_formats_needing_example_inputs_are_refused_before_training(tmp_path):
+    cfg = config(tmp_path, task="NoExampleTask", export={"formats": ["onnx"], "on": "final"})
+    with pytest.raises(ConfigError, match=r"\['onnx'\] need NoExampleTask.example_inputs\(\)"):
+        run_training(cfg, progress=False)
+    assert not list((tmp_path / "run").glob("checkpoints/ckpt-*"))
+    assert not (tmp_path / "run" / "train").exists()  # not a single step trained
+
+
+def test_run_training_leaves_no_signal_handlers_behind(tmp_path):
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    run_training(config(tmp_path), progress=False)
+    assert {s: signal.getsignal(s) for s in before} == before
