@@ -164,7 +164,8 @@ def test_the_manifests_checksums_catch_what_the_stores_cannot(url: str) -> None:
 def test_a_lease_from_another_host_gets_the_clock_skew_tolerance() -> None:
     import socket
 
-    from cadence.checkpoint.leases import CLOCK_SKEW_TOLERANCE, Lease, Leases
+    from cadence.checkpoint.lease_file import CLOCK_SKEW_TOLERANCE, Lease
+    from cadence.checkpoint.leases import Leases
     from cadence.checkpoint.writer_lease import WriterLeaseRecord
 
     here, there = socket.gethostname(), "elsewhere.example"

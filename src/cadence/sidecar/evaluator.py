@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal
 from cadence import layout
 from cadence.actions.metric_path import is_better
 from cadence.checkpoint import CheckpointManager
-from cadence.checkpoint.leases import LeaseKeeper, Leases
+from cadence.checkpoint.lease_keeper import LeaseKeeper
+from cadence.checkpoint.leases import Leases
 from cadence.checkpoint.watcher import CheckpointWatcher, Mode
 from cadence.config.schema import SidecarConfig
 from cadence.errors import CheckpointError
