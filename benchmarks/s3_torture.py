@@ -85,7 +85,7 @@ def final_weights(url: str, steps: int) -> bytes:
 
 
 def losses(url: str) -> list[tuple[int, float]]:
-    from cadence.summaries.writer import read_metrics
+    from cadence.summaries.metrics_file import read_metrics
 
     return [(r["step"], r["loss"]) for r in read_metrics(f"{url}/train")]
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from torch import nn
 
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cli_run import checkpoint_weights
 from test_distributed_training import cadence
 

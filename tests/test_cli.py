@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits" / "config.yaml"

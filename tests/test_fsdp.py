@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cli_run import checkpoint_weights, same_weights
 from test_distributed_training import ENV, cadence, tiny_config
 

@@ -21,7 +21,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from cadence import Controller
 from cadence.checkpoint import CheckpointManager
 from cadence.storage import Storage
-from cadence.summaries.writer import SummaryManager, read_metrics, truncate_metrics
+from cadence.summaries.manager import SummaryManager
+from cadence.summaries.metrics_file import read_metrics, truncate_metrics
 from fakes import FakeTrainer
 
 TASK = f"{Path(__file__).parent / 'tasks.py'}:TinyTask"

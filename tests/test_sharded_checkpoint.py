@@ -22,7 +22,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cli_run import ENV as RUN_ENV
 from cli_run import checkpoint_weights, run_cadence, same_weights
 from test_distributed_training import ENV, cadence, tiny_config

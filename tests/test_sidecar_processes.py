@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = f"{Path(__file__).parent / 'tasks.py'}:TinyTask"

@@ -34,7 +34,7 @@ from cadence import __version__, layout
 from cadence.config.schema import EXPORT_FORMATS, ExperimentConfig
 from cadence.errors import CadenceError, ConfigError
 from cadence.summaries.progress import format_value
-from cadence.summaries.writer import json_value
+from cadence.summaries.scalars import json_value
 from cadence.cli.torchrun import (  # noqa: F401  (torchrun_command: part of the CLI's API)
     end_distributed,
     env_rank,

@@ -34,7 +34,8 @@ from cadence.config.schema import SidecarConfig
 from cadence.errors import CheckpointError
 from cadence.runtime.signals import install_handlers
 from cadence.storage import Storage
-from cadence.summaries.writer import json_value, read_metrics
+from cadence.summaries.metrics_file import read_metrics
+from cadence.summaries.scalars import json_value
 
 if TYPE_CHECKING:  # pragma: no cover
     from cadence.loop.controller import Controller
