@@ -123,7 +123,8 @@ class Lease:
         """The steps among ``steps`` this lease protects: ``reading``, and those ``> after`` (only
         the newest ``max_pending`` of them when it is set).
 
-        Expiry is not considered here (see :meth:`expired` and :meth:`cadence.checkpoint.leases.Leases.active`).
+        Expiry is not considered here (see :meth:`expired` and
+        :meth:`cadence.checkpoint.leases.Leases.active`).
         """
         steps = set(steps)
         protected = {self.reading} & steps if self.reading is not None else set()

@@ -39,10 +39,10 @@ Writes are atomic (:meth:`cadence.storage.Storage.write_atomic`), so a reader ki
 leaves its previous lease or the new one, never a torn file. Files that cannot be parsed anyway
 (other tools, other stores) are skipped with a warning: a broken reader never stops the trainer.
 
-:class:`Leases` reads and writes the files (their format:
-:mod:`cadence.checkpoint.lease_file`); :class:`~cadence.checkpoint.lease_keeper.LeaseKeeper`
-keeps one holder's lease fresh from a background thread. :class:`~cadence.checkpoint.CheckpointManager` honours the leases in
-its directory automatically.
+:class:`Leases` reads and writes the files (their format: :mod:`cadence.checkpoint.lease_file`);
+:class:`~cadence.checkpoint.lease_keeper.LeaseKeeper` keeps one holder's lease fresh from a
+background thread. :class:`~cadence.checkpoint.CheckpointManager` honours the leases in its
+directory automatically.
 """
 
 from __future__ import annotations
