@@ -169,6 +169,17 @@ def run(repeats: int = 7) -> dict:
             "target": "cadence (summaries/checkpoints off) <= 1.05x the raw loop"}
 
 
+
+def markdown_lines(r: dict) -> list[str]:
+    """The table of :func:`run`'s result ``r``."""
+    lines = [f"## Loop overhead ({r['steps']} steps, batch {r['batch']}, {r['repeats']} interleaved repeats)\n",
+             "| contender | µs/step (min) | µs/step (median) | × raw (min) | × raw (median) |", "|---|---|---|---|---|"]
+    lines += [f"| {row['contender']} | {row['us_per_step_min']:.1f} | {row['us_per_step_median']:.1f} | "
+              f"{row['ratio_min']:.3f} | {row['ratio_median']:.3f} |" for row in r["rows"]]
+    lines.append(f"\nTarget: {r['target']}.\n")
+    return lines
+
+
 if __name__ == "__main__":
     import json
 

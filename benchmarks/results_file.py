@@ -1,15 +1,44 @@
-"""Writing a benchmark's results when it runs on its own (``--out PATH``): the markdown table at
-``PATH`` and the measurements as JSON next to it (``PATH`` with ``.json``)."""
+"""The one writer of benchmark results, and what every results page starts with: the machine.
+
+A benchmark run on its own (``--out PATH``) writes the markdown table at ``PATH`` and the
+measurements as JSON next to it (``PATH`` with ``.json``); ``run.py`` (``make bench``) writes
+``results/latest.*`` the same way. Imports no other benchmark module.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 
-def write_results(out: str | None, text: str, result: dict[str, Any]) -> None:
+def machine() -> dict[str, Any]:
+    """The CPU, core count, Python and torch versions, platform and date of this run."""
+    import torch
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def header(m: dict[str, Any], reproduce: str = "make bench") -> list[str]:
+    """The first lines of a page of several benchmarks' results: its title, the machine ``m``
+    (see :func:`machine`) and the command that reproduces it."""
+    return ["# cadence benchmarks\n", (f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, "
+                                       f"{m['date']}. Reproduce: `{reproduce}`.\n")]
+
+
+def write_results(out: str | Path | None, text: str, result: dict[str, Any]) -> None:
     """Write ``text`` (ending in one newline) to ``out`` and ``result`` to ``out`` with ``.json``;
     nothing when ``out`` is None."""
     if not out:
@@ -24,8 +53,6 @@ def run_on_this_machine(title: str, script: str, run: Callable[[], dict[str, Any
                         markdown_lines: Callable[[dict[str, Any]], list[str]]) -> tuple[str, dict[str, Any]]:
     """``run()``, with the machine and its load average (1 min) before and after added to the
     result as ``machine``; the page: ``# title``, the machine line and how to reproduce it, the table."""
-    from run import machine
-
     load = os.getloadavg()[0]
     result = run()
     result["machine"] = {**machine(), "load_average_1min": [load, os.getloadavg()[0]]}

@@ -62,5 +62,17 @@ def run(repeats: int = 3) -> dict:
             "target": "cadence's resume time independent of the position (O(1))"}
 
 
+
+def markdown_lines(r: dict) -> list[str]:
+    """The table of :func:`run`'s result ``r``."""
+    lines = [f"## Resume cost ({r['samples']:,} samples, batch {r['batch']}, fresh process each)\n",
+             "| position | cadence: to first step s | cadence: seek s | replay: to first step s | replay: seek s |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {row['position']:,} | {row['cadence_to_first_step_s']:.3f} | {row['cadence_seek_s']:.3f} | "
+              f"{row['replay_to_first_step_s']:.3f} | {row['replay_seek_s']:.3f} |" for row in r["rows"]]
+    lines.append(f"\nTarget: {r['target']}.\n")
+    return lines
+
+
 if __name__ == "__main__":
     print(json.dumps(run(), indent=1))

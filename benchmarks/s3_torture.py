@@ -21,7 +21,6 @@ script starts the server, runs it and writes ``results/s3_torture.md`` and ``.js
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -85,7 +84,7 @@ def final_weights(url: str, steps: int) -> bytes:
 
 
 def losses(url: str) -> list[tuple[int, float]]:
-    from cadence.summaries.writer import read_metrics
+    from cadence.summaries.metrics_file import read_metrics
 
     return [(r["step"], r["loss"]) for r in read_metrics(f"{url}/train")]
 
@@ -239,17 +238,15 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     from importlib.metadata import version
 
-    from run import machine
+    from results_file import machine, write_results
     from s3_server import S3Server
 
     with S3Server() as server:
         os.environ.update(server.env())
         result = torture(server.bucket, server.env(), kills=args.kills, steps=args.steps, seed=args.seed)
     result.update(machine=machine(), moto=version("moto"), s3fs=version("s3fs"))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     text = markdown(result)
-    args.out.write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out, text, result)
     print(text)
 
 

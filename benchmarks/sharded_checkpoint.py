@@ -134,13 +134,6 @@ def run(quick: bool = False, root: str | None = None, size_gib: float | None = N
             "omp_num_threads": 1, "rows": rows}
 
 
-def write_results(result: dict, markdown_text: str, out: Path) -> None:
-    """``out`` (markdown) and the JSON beside it (same stem)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown_text)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-
-
 def main() -> None:
     import argparse
 
@@ -156,16 +149,16 @@ def main() -> None:
                              "none with --quick")
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
-    import run as bench_run  # the renderer of every benchmark's results
+    from checkpoint_markdown import sharded_lines
+    from results_file import header, machine, write_results
 
     result = run(quick=args.quick, root=args.root, size_gib=args.size_gib, repeats=args.repeats,
                  world_sizes=tuple(int(n) for n in args.world_sizes.split(",")), quiet=False)
-    text = bench_run.markdown({"machine": bench_run.machine(), "sharded": result},
-                              reproduce="OMP_NUM_THREADS=1 python benchmarks/sharded_checkpoint.py")
+    text = "\n".join(header(machine(), reproduce="OMP_NUM_THREADS=1 python benchmarks/sharded_checkpoint.py")
+                     + sharded_lines(result))
     print(text)
     out = args.out if args.out is not None else (None if args.quick else RESULTS / "sharded_checkpoint.md")
-    if out is not None:
-        write_results(result, text, out)
+    write_results(out, text, result)
 
 
 if __name__ == "__main__":

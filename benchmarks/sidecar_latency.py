@@ -71,5 +71,14 @@ def run(n: int = N, poll_interval: float = 0.5) -> dict:
             "p95_s": p95, "max_s": latencies[-1], "target": "median <= 1 s"}
 
 
+
+def markdown_lines(r: dict) -> list[str]:
+    """The table of :func:`run`'s result ``r``."""
+    return [(f"## Sidecar latency (commit → evaluation starts, {r['checkpoints']} checkpoints, "
+             f"poll {r['poll_interval_s']} s)\n"),
+            "| median s | p95 s | max s |", "|---|---|---|",
+            f"| {r['median_s']:.3f} | {r['p95_s']:.3f} | {r['max_s']:.3f} |", f"\nTarget: {r['target']}.\n"]
+
+
 if __name__ == "__main__":
     print(json.dumps(run(), indent=1))

@@ -89,7 +89,7 @@ def component_costs(batches: list, n: int) -> dict:
     per-batch call); µs per loop of the controller's work (``isinstance(trainer, CountsWork)``,
     ``loop_work()``, ``throughput_logs``) and of writing one more scalar into the summaries (with
     their flush); ms of one FLOPs count."""
-    from cadence.summaries.writer import SummaryManager
+    from cadence.summaries.manager import SummaryManager
     from cadence.summaries.throughput import CountsWork, throughput_logs
     from cadence.torch import Context, build_runners
     from cadence.torch.components.throughput import ThroughputMeter, count_flops_per_sample

@@ -21,7 +21,7 @@ from checks import (
     write_config,
 )
 from cli_run import checkpoint_weights
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cadence.torch.components.device_peaks import peak_flops
 from cadence.torch.components.precision import resolve_precision
 from cadence.torch.components.throughput import float32_matmuls_use_tf32

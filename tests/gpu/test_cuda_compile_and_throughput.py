@@ -11,7 +11,7 @@ import torch
 from checks import CHARLM, TINY, check_throughput_records, final_checkpoint, train, write_config
 from cli_run import checkpoint_weights
 from tasks import TinyTask
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cadence.torch.components.device_peaks import chip_of, peak_flops
 
 

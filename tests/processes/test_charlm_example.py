@@ -15,7 +15,7 @@ import pytest
 import yaml
 from torch import nn
 
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cli_run import checkpoint_weights, run_cadence
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cli_run import run_cadence as cadence
 
 ROOT = Path(__file__).resolve().parents[2]

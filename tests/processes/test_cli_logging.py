@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from cadence.cli.main import _quiet_third_party
+from cadence.cli.logs import quiet_third_party
 from cli_run import run_cadence
 
 
@@ -19,10 +19,10 @@ def record(name: str, level: int, pathname: str) -> logging.LogRecord:
 
 def test_only_installed_libraries_records_below_warning_are_dropped(tmp_path):
     library = str(Path(sysconfig.get_paths()["purelib"]) / "onnxscript" / "optimizer.py")
-    assert not _quiet_third_party(record("onnxscript.optimizer", logging.INFO, library))
-    assert _quiet_third_party(record("onnxscript.optimizer", logging.WARNING, library))
-    assert _quiet_third_party(record("cadence.torch.export.api", logging.INFO, library))  # cadence, installed or not
-    assert _quiet_third_party(record("mytask", logging.INFO, str(tmp_path / "task.py")))  # the user's code
+    assert not quiet_third_party(record("onnxscript.optimizer", logging.INFO, library))
+    assert quiet_third_party(record("onnxscript.optimizer", logging.WARNING, library))
+    assert quiet_third_party(record("cadence.torch.export.api", logging.INFO, library))  # cadence, installed or not
+    assert quiet_third_party(record("mytask", logging.INFO, str(tmp_path / "task.py")))  # the user's code
 
 
 def test_an_onnx_export_prints_cadence_lines_only_unless_debug(tmp_path):

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cadence.cli import main as cli
+from cadence.cli.main import main
+from cadence.cli.parser import build_parser
+from cadence.cli.torchrun import torchrun_command
 from cli_run import run_torchrun
 
 TASK = f"{Path(__file__).parents[1] / 'dist_worker.py'}:PidTask"
@@ -34,7 +36,7 @@ def config(tmp_path: Path, pid_dir: Path, steps: int = 24, **params) -> Path:
 
 
 def command(argv: list[str]) -> list[str]:
-    return cli.torchrun_command(cli._parser().parse_args(argv), python="PY")
+    return torchrun_command(build_parser().parse_args(argv), python="PY")
 
 
 def test_the_launcher_command():
@@ -77,13 +79,13 @@ def test_the_launcher_flags_exist_in_this_torch():
     (["--nproc", "2", "--max-restarts", "-1"], "--max-restarts: must be >= 0"),
 ])
 def test_bad_launch_arguments_exit_2(argv, message, tmp_path, capsys):
-    assert cli.main(["train", str(config(tmp_path, tmp_path / "pids")), *argv]) == 2
+    assert main(["train", str(config(tmp_path, tmp_path / "pids")), *argv]) == 2
     assert message in " ".join(capsys.readouterr().err.split())
 
 
 def test_nproc_inside_a_torchrun_worker_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
-    assert cli.main(["train", str(config(tmp_path, tmp_path / "pids")), "--nproc", "2"]) == 2
+    assert main(["train", str(config(tmp_path, tmp_path / "pids")), "--nproc", "2"]) == 2
     assert "already runs under torchrun" in capsys.readouterr().err
 
 

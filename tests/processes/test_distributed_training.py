@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cli_run import ENV as RUN_ENV
 from cli_run import run_cadence
 from configs import write_config

@@ -14,7 +14,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from cadence.cli import docgen
-from cadence.cli.main import _parser
+from cadence.cli.parser import build_parser
 from cadence.config import ExperimentConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,9 +174,9 @@ def test_a_changed_model_changes_the_reference():
 # -- CLI reference ------------------------------------------------------------------------------------
 
 
-def test_cli_reference_has_every_subcommand_of_the_parser():
+def test_cli_reference_has_every_subcommand_of_thebuild_parser():
     text = (DOCS / "cli.md").read_text(encoding="utf-8")
-    names = [name for name, _, _ in docgen._subcommands(_parser())]
+    names = [name for name, _, _ in docgen._subcommands(build_parser())]
     assert {"train", "evaluate", "launch", "export", "ls"} <= set(names)
     for name in names:
         assert f"\n## cadence {name}\n" in text
@@ -184,7 +184,7 @@ def test_cli_reference_has_every_subcommand_of_the_parser():
 
 
 def test_cli_reference_picks_up_a_new_subcommand():
-    parser = _parser()
+    parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     new = sub.add_parser("frobnicate", help="frobnicate a model dir")
     new.add_argument("--level", type=int, default=1, help="how hard (default 1)")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cli_run import checkpoint_weights, run_cadence, run_torchrun, same_weights
 from configs import write_config
 

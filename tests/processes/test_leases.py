@@ -1,4 +1,4 @@
-"""Tests of cadence.checkpoint.leases: range leases, the keeper thread, and retention honouring them."""
+"""Tests of cadence.checkpoint.leases, lease_file and lease_keeper: range leases, the keeper thread, retention honouring them."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from cadence.checkpoint import CheckpointManager
-from cadence.checkpoint.leases import Lease, LeaseKeeper, Leases
+from cadence.checkpoint.lease_file import Lease
+from cadence.checkpoint.lease_keeper import LeaseKeeper
+from cadence.checkpoint.leases import Leases
 from cadence.storage import Storage
 
 HERE = Path(__file__).resolve().parents[1]
@@ -434,7 +436,8 @@ def test_keeper_protects_during_retention(ckdir: str) -> None:
 READER = textwrap.dedent(
     """
     import sys, time
-    from cadence.checkpoint.leases import LeaseKeeper, Leases
+    from cadence.checkpoint.lease_keeper import LeaseKeeper
+    from cadence.checkpoint.leases import Leases
     keeper = LeaseKeeper(Leases(sys.argv[1]), "sidecar", ttl=2.5, renew_every=0.1, after=10).start()
     print("LEASED", flush=True)
     time.sleep(60)

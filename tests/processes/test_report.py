@@ -19,7 +19,8 @@ from cadence.config import config_from_dict
 from cadence.errors import CadenceError
 from cadence.reports.run_report import build_report
 from cadence.sidecar.evaluator import EvaluationLog
-from cadence.summaries.writer import SummaryWriter, read_metrics
+from cadence.summaries.metrics_file import read_metrics
+from cadence.summaries.writer import SummaryWriter
 from cli_run import run_cadence as cadence
 
 PIL_Image = pytest.importorskip("PIL.Image", reason="Pillow (a matplotlib dependency) is needed to check the PNG")

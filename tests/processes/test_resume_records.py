@@ -20,7 +20,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from cadence import Controller
 from cadence.checkpoint import CheckpointManager
 from cadence.storage import Storage
-from cadence.summaries.writer import SummaryManager, read_metrics, truncate_metrics
+from cadence.summaries.manager import SummaryManager
+from cadence.summaries.metrics_file import read_metrics, truncate_metrics
 from cli_run import run_cadence
 from fakes import FakeTrainer
 from configs import write_config as tiny_config

@@ -161,7 +161,8 @@ def test_the_manifests_checksums_catch_what_the_stores_cannot(url: str) -> None:
 def test_a_lease_from_another_host_gets_the_clock_skew_tolerance() -> None:
     import socket
 
-    from cadence.checkpoint.leases import CLOCK_SKEW_TOLERANCE, Lease, Leases
+    from cadence.checkpoint.lease_file import CLOCK_SKEW_TOLERANCE, Lease
+    from cadence.checkpoint.leases import Leases
     from cadence.checkpoint.writer_lease import WriterLeaseRecord
 
     here, there = socket.gethostname(), "elsewhere.example"
@@ -193,7 +194,7 @@ def test_train_resume_best_export_ls_evaluate_report_on_s3(tmp_path: Path, url: 
     assert "restored checkpoint " + url + "/checkpoints/ckpt-16" in second.stderr
 
     from cadence.checkpoint import CheckpointManager
-    from cadence.summaries.writer import read_metrics
+    from cadence.summaries.metrics_file import read_metrics
 
     manager = CheckpointManager(f"{url}/checkpoints", writer=False)
     assert manager.steps() == [24, 32] and manager.final_step() == 32  # retention: max_to_keep 2
@@ -267,7 +268,7 @@ def test_sidecar_process_and_a_second_trainer_refused_by_the_writer_lease(tmp_pa
             launch.kill()
             launch.wait()
     assert launch.returncode == 0, out
-    from cadence.summaries.writer import read_metrics
+    from cadence.summaries.metrics_file import read_metrics
 
     records = [json.loads(line) for line in fs().cat_file(f"{url}/eval/evaluations.jsonl".removeprefix("s3://"))
                .decode().splitlines()]

@@ -24,7 +24,7 @@ from cadence.errors import (CheckpointError, ConfigError, SanityCheckError, Trai
                             ValidationOutputError)
 from cadence.lifecycle import ChecksOutputs
 from cadence.loop.sanity import sanity_check
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cli_run import run_cadence as cadence
 from fakes import MODEL_FILE, FakeTrainer
 

@@ -23,7 +23,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cli_run import ENV as RUN_ENV
 from cli_run import checkpoint_weights, run_cadence, run_torchrun, same_weights
 from configs import write_config

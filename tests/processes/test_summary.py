@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from cadence.summaries import writer as summary
-from cadence.summaries.writer import SummaryWriter, flatten_scalars, read_metrics, to_scalar
+from cadence.summaries import manager as summary
+from cadence.summaries.metrics_file import read_metrics
+from cadence.summaries.scalars import flatten_scalars, to_scalar
+from cadence.summaries.writer import SummaryWriter
 
 
 def scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -221,7 +223,7 @@ def test_to_scalar() -> None:
 def test_imports_stay_light() -> None:
     """Importing these modules pulls in neither torch nor tensorboard (in a fresh process)."""
     code = (
-        "import sys, cadence.summaries.writer, cadence.summaries.progress, cadence.config\n"
+        "import sys, cadence.summaries.writer, cadence.summaries.manager, cadence.summaries.progress, cadence.config\n"
         "sys.exit('torch' in sys.modules or 'tensorboard' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -27,7 +27,7 @@ from cadence.summaries import progress
 from cadence.config import config_from_dict
 from cadence.errors import ConfigError
 from cadence.summaries.progress import ProgressReporter
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cadence.summaries.throughput import LoopWork, format_throughput, throughput_logs
 from cadence.torch import Context, Task, build_runners, run_training
 from cadence.torch.components.device_peaks import PEAK_TFLOPS, chip_of, peak_flops

@@ -22,7 +22,7 @@ from torch import nn
 from cadence.config import load_config
 from cadence.config.schema import CompileConfig, TrainerConfig
 from cadence.errors import CheckpointError, ConfigError
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cadence.torch import Context, build_runners, export_model, load_exported, run_training
 from cadence.torch.components.compile import CompileError, compile_model, compile_module, eager_forward, is_compiled
 from cadence.torch.checkpoint_io.sharded import _reader, read_model_state

@@ -30,7 +30,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from cadence.checkpoint.files import MemoryWriter
 from cadence.config import config_from_dict
 from cadence.errors import ConfigError, SanityCheckError
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cadence.torch import Context, TorchEvaluator, build_runners, run_evaluation, run_sidecar, run_training, seed_everything
 from cadence.torch.experiments.experiment import run_export
 from cadence.torch.components.ema import EMASettings, ModelEMA

@@ -10,7 +10,7 @@ import pytest
 
 from cadence import CheckpointError, Controller, StopTraining
 from cadence.checkpoint import CheckpointManager
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from fakes import MODEL_FILE, FakeTrainer
 
 

@@ -12,7 +12,7 @@ import torch
 
 from cadence.config import config_from_dict
 from cadence.errors import ConfigError
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cadence.torch import load_exported, run_training
 
 TASKS = Path(__file__).parents[1] / "tasks.py"

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from cadence.config import config_from_dict
 from cadence.errors import ConfigError
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from cadence.torch import build_run, run_training
 from cadence.torch.components.lr_schedule import build_lr_schedule, lr_factor
 

@@ -16,7 +16,7 @@ from cadence.checkpoint import CheckpointManager
 from cadence.checkpoint.leases import Leases
 from cadence.checkpoint.watcher import CheckpointWatcher
 from cadence.sidecar.evaluator import EVALUATIONS_FILE, SidecarEvaluator
-from cadence.summaries.writer import read_metrics
+from cadence.summaries.metrics_file import read_metrics
 from fakes import MODEL_FILE, FakeTrainer
 
 ACCURACY = {2: 0.3, 4: 0.6, 6: 0.9, 8: 0.7, 10: 0.9, 12: 0.8}

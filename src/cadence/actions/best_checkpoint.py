@@ -16,7 +16,7 @@ from cadence.checkpoint.protocol import WritesShards
 from cadence.checkpoint.space import raise_if_full
 from cadence.errors import CheckpointError
 from cadence.lifecycle import RunContext
-from cadence.summaries.writer import json_value
+from cadence.summaries.scalars import json_value
 
 logger = logging.getLogger("cadence.actions")
 
@@ -27,7 +27,7 @@ ExportFn = Callable[[int, Mapping[str, Any]], Any]
 
 
 def _jsonable(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON-representable scalar metrics (see :func:`cadence.summaries.writer.json_value`)."""
+    """The JSON-representable scalar metrics (see :func:`cadence.summaries.scalars.json_value`)."""
     values = {key: json_value(value) for key, value in metrics.items()}
     return {k: v for k, v in values.items() if isinstance(v, (bool, int, float, str)) or v is None}
 

@@ -5,8 +5,11 @@ optimizers. See :class:`CheckpointManager` for the contract and docs/design.md f
 """
 
 from cadence.checkpoint.copy import JSONState, copy_objects
-from cadence.checkpoint.leases import Lease, LeaseKeeper, Leases
-from cadence.checkpoint.manager import FINAL_NAME, CheckpointManager
+from cadence.checkpoint.lease_file import Lease
+from cadence.checkpoint.lease_keeper import LeaseKeeper
+from cadence.checkpoint.leases import Leases
+from cadence.checkpoint.final import FINAL_NAME
+from cadence.checkpoint.manager import CheckpointManager
 from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.checkpoint.files import STATE_NAME
 from cadence.checkpoint.protocol import (

@@ -99,3 +99,38 @@ class Worker:
         yield_cpu()
         while True:
             tasks.get()._run()
+
+
+class BackgroundSave:
+    """An asynchronous checkpoint save: at most one in flight, on a thread that is not a daemon
+    (interpreter exit waits for its commit) and runs at a lower priority (:func:`yield_cpu`). Its
+    failure is kept until taken (:meth:`take_error`)."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, name: str, save: Callable[[], object]) -> None:
+        """Run ``save()`` on a new thread called ``name``; the caller has :meth:`join`-ed the last one."""
+
+        def run() -> None:
+            yield_cpu()  # training goes first when the two compete for a core
+            try:
+                save()
+            except BaseException as e:  # noqa: BLE001 - surfaced by take_error()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=name, daemon=False)
+        self._thread.start()
+
+    def join(self) -> None:
+        """Wait for the save in flight, if any (its failure stays for :meth:`take_error`)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+            self._thread = None
+
+    def take_error(self) -> BaseException | None:
+        """The failure of a finished save, once (None when there is none); does not block."""
+        error, self._error = self._error, None
+        return error

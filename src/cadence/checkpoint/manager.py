@@ -1,75 +1,40 @@
-"""``CheckpointManager``: atomic commits, retention, verified restore with fall-back, ``FINAL``.
+"""``CheckpointManager``: the face of a checkpoints directory -- atomic commits, retention,
+verified restore with fall-back, ``FINAL``.
 
-Layout of the managed directory (the model dir's ``checkpoints/``)::
-
-    ckpt-<step>/            one committed checkpoint: its files, state.json, MANIFEST.json (last)
-    ckpt-<step>.tmp-<hex>/  a checkpoint being written (local disks); invisible, cleaned at start-up
-    ckpt-<step>/.claim      (other stores) who writes ckpt-<step>/: created exclusively before its files
-    FINAL                   {"step": N, "time": ..., "reason": ...}: training completed at step N
-                            (reason: why it stopped early, when an action stopped it)
-    .leases/                readers' leases (not a checkpoint; see :mod:`cadence.checkpoint.leases`)
+The jobs live in the modules of this package: the directory's names (:mod:`~cadence.checkpoint.listing`),
+the commit protocol's steps (:mod:`~cadence.checkpoint.commit`), retention
+(:mod:`~cadence.checkpoint.retention`), verified reading (:mod:`~cadence.checkpoint.restore`),
+``FINAL`` (:mod:`~cadence.checkpoint.final`), clean-up and quarantine
+(:mod:`~cadence.checkpoint.cleanup`), the asynchronous save (:mod:`~cadence.checkpoint.background`).
+This class puts them in order and keeps the single-writer rule: every change to the directory is
+made by a writer, checked against its ``fence`` first.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import posixpath
-import re
-import secrets
-import socket
-import threading
-import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from cadence.checkpoint import checksum as checksum_lib
+from cadence.checkpoint import cleanup, final, listing, restore, retention
 from cadence.checkpoint import manifest as manifest_lib
-from cadence.checkpoint import retention
-from cadence.checkpoint.background import yield_cpu
+from cadence.checkpoint.background import BackgroundSave
+from cadence.checkpoint.commit import Committer
+from cadence.checkpoint.files import STATE_NAME, VerifiedReader
 from cadence.checkpoint.leases import Leases
-from cadence.checkpoint.files import STATE_NAME, DirectoryWriter, VerifiedReader
+from cadence.checkpoint.listing import check_step
 from cadence.checkpoint.manifest import MANIFEST_NAME
-from cadence.checkpoint.objects import load_object, save_object, snapshot_objects
-from cadence.checkpoint.protocol import Restorable, Savable, Stateful
+from cadence.checkpoint.objects import snapshot_objects
+from cadence.checkpoint.protocol import Savable, Stateful
 from cadence.checkpoint.space import raise_if_full
+from cadence.errors import CheckpointError, CheckpointSpaceError, CorruptCheckpointError
 from cadence.runtime.coordination import Coordinator
 from cadence.storage import Storage
-from cadence.errors import CheckpointError, CheckpointSpaceError, CorruptCheckpointError
 
 if TYPE_CHECKING:
     from cadence.checkpoint.writer_lease import WriterLease
 
 logger = logging.getLogger("cadence.checkpoint")
-
-FINAL_NAME = "FINAL"
-_COMMITTED = re.compile(r"ckpt-(0|[1-9][0-9]*)")
-_TEMP = re.compile(r"ckpt-(0|[1-9][0-9]*)\.tmp-[0-9a-f]+")
-CORRUPT_INFIX = ".corrupt-"
-"""Between ``ckpt-<step>`` and the time in the name of a checkpoint moved aside as corrupt."""
-_CORRUPT = re.compile(r"ckpt-(0|[1-9][0-9]*)" + re.escape(CORRUPT_INFIX) + r"[0-9TZ]+-[0-9a-f]+")
-_FINAL_TEMP = re.compile(re.escape(FINAL_NAME) + r"\.tmp-[0-9a-f]+")
-CLAIM_NAME = ".claim"
-"""Stores without atomic rename: ``ckpt-<step>/.claim``, created exclusively by the writer about to
-write the step's files there (who, where, its writer-lease token). Not in the manifest; a second
-writer finding another's claim writes nothing (see :meth:`CheckpointManager._save_now`)."""
-STALE_LEASE_GRACE = 3600.0
-"""Seconds a lease must have been expired before the writer's start-up clean-up removes its file."""
-
-
-def _cadence_version() -> str:
-    try:
-        import cadence
-
-        return str(getattr(cadence, "__version__", "0"))
-    except ImportError:  # pragma: no cover - we are inside cadence
-        return "0"
-
-
-def _check_step(step: object) -> int:
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"a checkpoint step is an int >= 0, got {step!r}")
-    return step
 
 
 class CheckpointManager:
@@ -86,10 +51,11 @@ class CheckpointManager:
         (on top of the readers' leases, which are always honoured; see below).
       writer: True for the one process that saves (the chief): it creates ``directory`` and cleans
         up after crashed saves -- temp dirs ``ckpt-N.tmp-*`` and ``ckpt-N/`` dirs without a
-        manifest -- and removes lease files expired for more than :data:`STALE_LEASE_GRACE`
-        seconds (dead readers'; unexpired ones are never touched). False for readers (sidecar
-        evaluators, tools): nothing on disk is changed, and :meth:`save`, :meth:`mark_final` and
-        :meth:`clear_final` raise :class:`CheckpointError`.
+        manifest -- and removes lease files expired for more than
+        :data:`~cadence.checkpoint.cleanup.STALE_LEASE_GRACE` seconds (dead readers'; unexpired
+        ones are never touched). False for readers (sidecar evaluators, tools): nothing on disk is
+        changed, and :meth:`save`, :meth:`mark_final` and :meth:`clear_final` raise
+        :class:`CheckpointError`.
         There must be at most one writer per directory at a time: see ``fence``.
       fence: the model dir's writer lease this writer holds
         (:class:`~cadence.checkpoint.writer_lease.WriterLease`): checked right before each commit
@@ -146,17 +112,17 @@ class CheckpointManager:
         self.fence = fence
         checksum_lib.new(checksum)  # ValueError naming the known algorithms
         self.checksum = checksum
-        self._pending: threading.Thread | None = None
-        self._pending_error: BaseException | None = None
+        self._background = BackgroundSave()
         self._just_committed: list[tuple[int, str]] = []  # appended by the saving thread, taken by take_committed()
         self._committed_here: set[int] = set()  # steps this manager committed: known good
         self._begun: dict[int, str] = {}  # step -> its work dir, from begin() until save()
-        self._writer_id = secrets.token_hex(8)  # names this manager's claims (CLAIM_NAME)
         self.storage = Storage(directory, storage_options)
         self.leases = Leases(directory, storage_options=storage_options)
+        self._committer = Committer(self.storage)
         if writer:
             self.storage.makedirs(self.storage.root)
-            self._clean_up()
+            self._require_writer("clean up after interrupted saves")
+            cleanup.clean_up(self.storage, self.leases)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r}, writer={self.writer})"
@@ -169,12 +135,7 @@ class CheckpointManager:
         Cheap (no hashing): a listed checkpoint may still turn out corrupt when read. Empty when
         ``directory`` does not exist yet.
         """
-        found = []
-        for name in self.storage.listdir(self.storage.root):
-            match = _COMMITTED.fullmatch(name)
-            if match and self._has_manifest(name):
-                found.append(int(match.group(1)))
-        return sorted(found)
+        return listing.committed_steps(self.storage)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none."""
@@ -191,7 +152,7 @@ class CheckpointManager:
         Raises :class:`CheckpointError` when ``step`` is not committed and
         :class:`CorruptCheckpointError` when its manifest is invalid.
         """
-        self._require_committed(step)
+        listing.require_committed(self.storage, step)
         return manifest_lib.read(self.storage, self._dir(step), step)
 
     def read_state(self, step: int) -> dict[str, Any]:
@@ -202,7 +163,7 @@ class CheckpointManager:
         """
         manifest = self.manifest(step)
         data = manifest_lib.read_verified(self.storage, self._dir(step), manifest, STATE_NAME)
-        return self._parse_state(data, step)
+        return restore.parse_state(self.storage, data, step)
 
     def info(self, step: int) -> dict[str, Any]:
         """``{"step", "time", "size", "files", "path"}`` of checkpoint ``step`` from its manifest alone
@@ -227,21 +188,12 @@ class CheckpointManager:
         if not self.async_save:
             return self._save_now(step, objects)
         self.wait()  # one save in flight at most; raises a previous failure
-        step = _check_step(step)
+        step = check_step(step)
         self._require_writer("save")
         if self._already_saved(step):
             return self.path(step)
         snapshot = snapshot_objects(step, objects)
-
-        def commit() -> None:
-            yield_cpu()  # training goes first when the two compete for a core
-            try:
-                self._save_now(step, snapshot)
-            except BaseException as e:  # noqa: BLE001 - surfaced by the next save/wait
-                self._pending_error = e
-
-        self._pending = threading.Thread(target=commit, name=f"cadence-save-{step}", daemon=False)
-        self._pending.start()
+        self._background.start(f"cadence-save-{step}", lambda: self._save_now(step, snapshot))
         return self.path(step)
 
     def begin(self, step: int) -> str | None:
@@ -249,13 +201,13 @@ class CheckpointManager:
         its files into (``ckpt-N.tmp-<hex>/`` on local disks, ``ckpt-N/`` on object stores) and
         return its location (a path or URL); the next :meth:`save` of ``step`` commits it. None
         when ``step`` is already committed (nothing to write). Writers only."""
-        step = _check_step(step)
+        step = check_step(step)
         self._require_writer("save")
         if self._already_saved(step):
             return None
         self.abandon(step)  # an earlier begin() never saved
         try:
-            self._begun[step] = self._new_work_dir(step)
+            self._begun[step] = self._committer.new_work_dir(step, self.fence)
         except BaseException as e:
             raise_if_full(e, self.storage, f"save checkpoint step {step}")
             raise
@@ -266,19 +218,16 @@ class CheckpointManager:
         nothing happens when there is none."""
         work = self._begun.pop(step, None)
         if work is not None:
-            self._discard_failed(work, self._dir(step))
+            self._committer.discard_failed(work, self._dir(step))
 
     def wait(self) -> None:
         """Block until an asynchronous save in flight is committed; raise its failure if it failed."""
-        pending = self._pending
-        if pending is not None:
-            pending.join()
-            self._pending = None
+        self._background.join()
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
         """Raise :class:`CheckpointError` if a finished asynchronous save failed (does not block)."""
-        error, self._pending_error = self._pending_error, None
+        error = self._background.take_error()
         if error is not None:
             kind = CheckpointSpaceError if isinstance(error, CheckpointSpaceError) else CheckpointError
             raise kind(f"asynchronous checkpoint save failed: {error}") from error
@@ -306,22 +255,10 @@ class CheckpointManager:
         anything is written. Bad, duplicate or reserved file names (``state.json``,
         ``MANIFEST.json``) raise ``ValueError``; a state that is not JSON raises ``TypeError``.
 
-        The commit follows the design's protocol: on local disks files go into
-        ``ckpt-N.tmp-<hex>/`` and are fsynced, the directory is renamed to ``ckpt-N/`` (parent
-        fsynced) and ``MANIFEST.json`` is written last (temp file + rename). On stores without
-        atomic rename files go straight into ``ckpt-N/`` and the manifest, still last, is a
-        conditional create (:meth:`~cadence.storage.Storage.create_exclusive`; S3
-        ``If-None-Match: *``): a step is committed at most once, and a writer that finds a
-        manifest already there (another writer committed the step meanwhile) raises
-        :class:`CheckpointError` without replacing it. Until the manifest exists the checkpoint
-        is invisible to :meth:`steps` and :meth:`restore`.
-
-        There, before writing, the writer creates ``ckpt-N/.claim`` (:data:`CLAIM_NAME`)
-        exclusively: a second writer finding another's claim raises :class:`CheckpointError` having
-        written nothing, so the first writer's files are never overwritten. A claim of this manager
-        (an earlier failed attempt) or of a writer holding an older writer-lease token than
-        ``fence`` (fenced off) is replaced, with what that attempt left; the writer's start-up
-        clean-up removes uncommitted ``ckpt-N/`` dirs, claims included.
+        The commit follows the protocol of :mod:`cadence.checkpoint.commit` (files, then the
+        manifest last; a claim first on stores without atomic rename, so a step is committed at
+        most once): until the manifest exists the checkpoint is invisible to :meth:`steps` and
+        :meth:`restore`. The ``fence`` is checked right before the manifest is written.
 
         A step started with :meth:`begin` is committed from the directory it created, where the
         ranks of a sharded save wrote their files (added to the manifest by the objects, see
@@ -333,35 +270,35 @@ class CheckpointManager:
         appears. A committed checkpoint (one with a manifest: another writer's) is never removed
         on that path.
         """
-        step = _check_step(step)
+        step = check_step(step)
         self._require_writer("save")
-        final = self._dir(step)
+        committer, final_dir = self._committer, self._dir(step)
         begun = self._begun.pop(step, None)
         if self._already_saved(step):
             logger.debug("checkpoint %s is already committed; not saving again", self.path(step))
             if begun is not None:
-                self._discard_failed(begun, final)
+                committer.discard_failed(begun, final_dir)
             return self.path(step)
         for name, obj in objects.items():
             if not isinstance(obj, (Savable, Stateful)):
                 if begun is not None:
-                    self._discard_failed(begun, final)  # as after any failed save: nothing left behind
+                    committer.discard_failed(begun, final_dir)  # as after any failed save: nothing left behind
                 raise TypeError(f"cannot checkpoint {name!r}: {type(obj).__name__} has neither save_checkpoint nor state_dict")
-        work = begun if begun is not None else final
+        work = begun if begun is not None else final_dir
         owned = begun is not None  # work is this save's to remove on failure (not another writer's)
         try:
             if begun is None:
-                work = self._new_work_dir(step)
+                work = committer.new_work_dir(step, self.fence)
                 owned = True
-            files, ranks = self._write_files(work, step, objects)
-            if work != final:
-                self.storage.rename(work, final)
+            files, ranks = committer.write_files(work, step, objects, self.checksum)
+            if work != final_dir:
+                self.storage.rename(work, final_dir)
             document = manifest_lib.build(step, files, algorithm=self.checksum, ranks=ranks)
             self._require_writer(f"commit checkpoint {self.path(step)}")  # the fence, right before the commit
-            self._commit_manifest(step, manifest_lib.encode(document))
+            committer.commit_manifest(step, manifest_lib.encode(document))
         except BaseException as e:
             if owned:
-                self._discard_failed(work, final)
+                committer.discard_failed(work, final_dir)
             raise_if_full(e, self.storage, f"save checkpoint step {step}")
             raise
         logger.info("saved checkpoint %s", self.path(step))
@@ -370,131 +307,14 @@ class CheckpointManager:
         self._apply_retention(step)
         return self.path(step)
 
-    def _commit_manifest(self, step: int, data: bytes) -> None:
-        """Write ``ckpt-<step>/MANIFEST.json``, the commit. Local disks: temp file + rename (the
-        directory was just renamed into place, which fails when another writer's is there).
-        Other stores: a conditional create, so a manifest is never replaced."""
-        path = self.storage.join(f"ckpt-{step}", MANIFEST_NAME)
-        if self.storage.atomic_rename:
-            self.storage.write_atomic(path, data)
-        elif not self.storage.create_exclusive(path, data):
-            raise CheckpointError(f"checkpoint {self.path(step)} was committed by another writer while this one "
-                                  "wrote it; its manifest is left as it is (two writers on one model dir?)")
-
-    def _new_work_dir(self, step: int) -> str:
-        """The directory to write checkpoint ``step`` into: a new, empty temp dir (local disks,
-        after removing an uncommitted ``ckpt-N/`` an earlier attempt left), or ``ckpt-N/`` itself,
-        claimed for this writer (:meth:`_claim`; a file an earlier attempt left there and this one
-        does not write is not in the manifest, so never read); :class:`CheckpointError` when
-        another writer committed it meanwhile or is writing it."""
-        final = self._dir(step)
-        if self.storage.atomic_rename:
-            work = self.storage.join(f"ckpt-{step}.tmp-{secrets.token_hex(6)}")
-            self.storage.rmtree(final)  # an uncommitted leftover of an earlier attempt
-            self.storage.makedirs(work)
-            return work
-        if self._has_manifest(f"ckpt-{step}"):
-            raise CheckpointError(f"checkpoint {self.path(step)} was committed by another writer meanwhile; "
-                                  "not writing it again (two writers on one model dir?)")
-        self._claim(step)
-        return final
-
-    def _claim(self, step: int) -> None:
-        """Create ``ckpt-<step>/.claim`` exclusively; replace a stale one (this manager's, or of a
-        writer with an older writer-lease token: fenced off) with its attempt's leftovers; raise
-        :class:`CheckpointError` when another writer's is there."""
-        final = self._dir(step)
-        path = self.storage.join(f"ckpt-{step}", CLAIM_NAME)
-        record = {"writer": self._writer_id, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-                  "token": self.fence.token if self.fence is not None else None}
-        data = (json.dumps(record) + "\n").encode()
-        self.storage.makedirs(final)
-        for _ in range(2):
-            if self.storage.create_exclusive(path, data):
-                return
-            try:
-                holder = json.loads(self.storage.read_bytes(path))
-            except FileNotFoundError:
-                continue  # its writer gave up meanwhile
-            except (OSError, ValueError):
-                holder = None
-            if not isinstance(holder, dict) or not self._stale_claim(holder):
-                who = (f"pid {holder.get('pid')} on host {holder.get('host')}" if isinstance(holder, dict)
-                       else "an unknown writer")
-                raise CheckpointError(f"checkpoint {self.path(step)} is being written by {who} (its claim "
-                                      f"{self.storage.url(path)}); not writing it twice (two writers on one model dir?)")
-            self.storage.rmtree(final)  # this manager's failed attempt, or a fenced-off writer's
-        raise CheckpointError(f"could not claim checkpoint {self.path(step)}: another writer keeps claiming it")
-
-    def _stale_claim(self, holder: dict[str, Any]) -> bool:
-        if holder.get("writer") == self._writer_id:
-            return True
-        token = holder.get("token")
-        return (self.fence is not None and isinstance(token, int) and not isinstance(token, bool)
-                and token < self.fence.token)
-
-    def _discard_failed(self, work: str, final: str) -> None:
-        """Remove what a failed save wrote: its work dir, and ``final`` unless it is committed (a
-        manifest there is another writer's commit; when that cannot be told, it is left to the
-        next start's clean-up)."""
-        if work != final:
-            self._discard(work)
-        try:
-            committed = self.storage.exists(posixpath.join(final, MANIFEST_NAME))
-        except Exception:  # noqa: BLE001 - unknown: keep it
-            committed = True
-        if not committed:
-            self._discard(final)
-
-    def _write_files(self, directory: str, step: int,
-                     objects: Mapping[str, object]) -> tuple[dict[str, tuple[int, str]], dict[str, int]]:
-        writer = DirectoryWriter(self.storage, directory, step, self.checksum)
-        state: dict[str, Any] = {}
-        for name, obj in objects.items():
-            state[name] = save_object(name, obj, writer)
-        document = {"step": step, "time": time.time(), "cadence_version": _cadence_version(), "state": state}
-        writer.write_state(self._encode_state(document))
-        return writer.files(), writer.ranks()
-
-    @staticmethod
-    def _encode_state(document: dict[str, Any]) -> bytes:
-        """``state.json``: one line per top-level key and per object's state, each encoded by
-        json's C encoder (an indented document goes through its pure-Python one: 10x slower on the
-        RNG states' long lists, most of a small checkpoint's save time)."""
-        try:
-            return _json_lines(document, nested=("state",))
-        except (TypeError, ValueError):
-            for name, value in document["state"].items():
-                try:
-                    json.dumps(value)
-                except (TypeError, ValueError) as e:
-                    raise TypeError(f"the checkpoint state of {name!r} is not JSON-serialisable: {e}") from e
-            raise
-
-    def _discard(self, *directories: str) -> None:
-        for directory in dict.fromkeys(directories):
-            try:
-                self.storage.rmtree(directory)
-            except Exception:  # noqa: BLE001 - the save's own error matters more
-                logger.warning("could not remove %s after a failed save", self.storage.url(directory), exc_info=True)
-
     # -- retention -----------------------------------------------------------------------------
 
     def _apply_retention(self, just_saved: int) -> None:
         if self.max_to_keep is None:
             return  # keeps everything: no need to read the leases
         steps = self.steps()
-        try:
-            protected = self.leases.protected_steps(steps)
-        except Exception:  # noqa: BLE001 - unknown leases: delete nothing this time
-            logger.warning("could not read the readers' leases in %s; skipping retention this time",
-                           self.storage.url(self.leases.root), exc_info=True)
-            return
-        try:
-            if self.protected_steps is not None:
-                protected |= set(self.protected_steps())
-        except Exception:  # noqa: BLE001 - unknown leases: delete nothing this time
-            logger.warning("protected_steps failed; skipping retention this time", exc_info=True)
+        protected = retention.protected_steps(steps, self.leases, self.protected_steps)
+        if protected is None:  # unknown: delete nothing this time
             return
         doomed = retention.steps_to_delete(
             steps,
@@ -516,9 +336,9 @@ class CheckpointManager:
         once), then its directory. Raises :class:`CheckpointError` when it is not committed or
         this manager is a reader."""
         self.wait()
-        step = _check_step(step)
+        step = check_step(step)
         self._require_writer("delete")
-        self._require_committed(step)
+        listing.require_committed(self.storage, step)
         self._delete(step)
 
     def _delete(self, step: int) -> None:
@@ -549,8 +369,9 @@ class CheckpointManager:
         neither raise ``TypeError`` before anything is read.
 
         ``step=None``: a corrupt, truncated or unreadable checkpoint is logged as a warning
-        (naming its path and the reason) and skipped for the one before it; when every committed
-        checkpoint is bad, :class:`CheckpointError` is raised rather than starting from scratch.
+        (naming its path and the reason) and skipped for the one before it (a writer moves it
+        aside: :meth:`quarantine`); when every committed checkpoint is bad,
+        :class:`CheckpointError` is raised rather than starting from scratch.
         Explicit ``step``: :class:`CheckpointError` (listing the available steps) when it is not
         committed, :class:`CorruptCheckpointError` when it is bad.
 
@@ -558,19 +379,17 @@ class CheckpointManager:
         unchanged, with no fall-back.
         """
         self.wait()
-        for name, obj in objects.items():
-            if not isinstance(obj, (Restorable, Stateful)):
-                raise TypeError(f"cannot restore {name!r}: {type(obj).__name__} has neither load_checkpoint nor load_state_dict")
+        restore.check_restorable(objects)
         if step is None:
-            loaded = self._load_latest(coordinator)
+            loaded = restore.load_latest(self.storage, coordinator, self.quarantine if self.writer else None)
             if loaded is None:
                 return None
         else:
-            step = _check_step(step)
-            self._require_committed(step)
-            loaded = self._load(step, coordinator)
+            step = check_step(step)
+            listing.require_committed(self.storage, step)
+            loaded = restore.load(self.storage, step, coordinator)
         reader, state = loaded
-        self._apply(objects, reader, state)
+        restore.apply(objects, reader, state)
         logger.info("restored checkpoint %s", reader.path)
         return reader.step
 
@@ -580,77 +399,9 @@ class CheckpointManager:
         Changes nothing. Raises :class:`CheckpointError` when ``step`` is not committed and
         :class:`CorruptCheckpointError` when its files do not match the manifest.
         """
-        step = _check_step(step)
-        self._require_committed(step)
-        return self._load(step)
-
-    def _load_latest(self, coordinator: Coordinator | None = None) -> tuple[VerifiedReader, dict[str, Any]] | None:
-        steps = self.steps()
-        if coordinator is not None and coordinator.world_size > 1:
-            steps = coordinator.broadcast(steps)  # every rank tries the same checkpoints
-        corrupt: list[tuple[int, str]] = []  # newer than the one restored: moved aside by a writer
-        for step in reversed(steps):
-            try:
-                loaded = self._load(step, coordinator)
-            except CorruptCheckpointError as e:
-                logger.warning("skipping checkpoint %s: %s", e.path, e.reason)
-                corrupt.append((step, e.reason))
-                continue
-            if self.writer:  # saved anew when training reaches them again, not skipped for ever
-                for bad, reason in corrupt:
-                    self.quarantine(bad, reason)
-            return loaded
-        if steps:
-            raise CheckpointError(
-                f"every committed checkpoint in {self.storage.url(self.storage.root)} is corrupt "
-                f"(steps {steps}; see the warnings); refusing to start from scratch over them"
-            )
-        return None
-
-    def _load(self, step: int, coordinator: Coordinator | None = None) -> tuple[VerifiedReader, dict[str, Any]]:
-        """Read and verify every file of checkpoint ``step`` (with a ``coordinator`` of several
-        ranks: this rank's share of the ranks' files, then the ranks agree); raise
-        CorruptCheckpointError if bad."""
-        directory = self._dir(step)
-        collective = coordinator is not None and coordinator.world_size > 1
-        problem: CorruptCheckpointError | None = None
-        try:
-            manifest = manifest_lib.read(self.storage, directory, step)
-            if STATE_NAME not in manifest["files"]:
-                raise CorruptCheckpointError(self.path(step), f"{STATE_NAME} is not listed in {MANIFEST_NAME}")
-            share = (coordinator.rank, coordinator.world_size) if collective and coordinator is not None else None
-            files = manifest_lib.verify_all(self.storage, directory, manifest, share)
-            state = self._parse_state(files[STATE_NAME], step)
-        except CorruptCheckpointError as e:
-            if not collective:
-                raise
-            problem = e
-        if collective and coordinator is not None:
-            found = [p for p in coordinator.all_gather(None if problem is None else (problem.path, problem.reason)) if p]
-            if found:
-                raise CorruptCheckpointError(*found[0])
-        def fetch(name: str) -> memoryview:  # a file whose verification was another rank's share
-            return manifest_lib.read_verified(self.storage, directory, manifest, name)
-
-        reader = VerifiedReader(step, self.path(step), files, listed=list(manifest["files"]), fetch=fetch,
-                                storage_options=self.storage.options)
-        return reader, state
-
-    @staticmethod
-    def _apply(objects: Mapping[str, object], reader: VerifiedReader, state: dict[str, Any]) -> None:
-        for name, obj in objects.items():
-            load_object(name, obj, reader, state["state"])
-
-    def _parse_state(self, data: memoryview, step: int) -> dict[str, Any]:
-        try:
-            document = json.loads(data.tobytes())
-        except (UnicodeDecodeError, ValueError) as e:
-            raise CorruptCheckpointError(self.path(step), f"{STATE_NAME} is not valid JSON ({e})") from None
-        if not isinstance(document, dict) or not isinstance(document.get("state"), dict):
-            raise CorruptCheckpointError(self.path(step), f"{STATE_NAME} has no 'state' object")
-        if document.get("step") != step:
-            raise CorruptCheckpointError(self.path(step), f"{STATE_NAME} is for step {document.get('step')!r}")
-        return document
+        step = check_step(step)
+        listing.require_committed(self.storage, step)
+        return restore.load(self.storage, step)
 
     # -- FINAL ---------------------------------------------------------------------------------
 
@@ -663,77 +414,55 @@ class CheckpointManager:
         Raises :class:`CheckpointError` when ``step`` is not committed or this is a reader.
         """
         self.wait()  # FINAL names a committed checkpoint
-        step = _check_step(step)
+        step = check_step(step)
         self._require_writer("mark_final")
-        self._require_committed(step)
-        if self.final_step() == step:
-            return
-        data = json.dumps({"step": step, "time": time.time(), **({"reason": reason} if reason else {})}).encode()
-        try:
-            self.storage.write_atomic(self.storage.join(FINAL_NAME), data)
-        except OSError as e:
-            raise_if_full(e, self.storage, f"write {FINAL_NAME} for step {step}")
-            raise
+        listing.require_committed(self.storage, step)
+        if self.final_step() != step:
+            final.write_final(self.storage, step, reason)
 
     def final_step(self) -> int | None:
         """The step named by ``FINAL``, or None when there is none (an unreadable one is warned about)."""
-        path = self.storage.join(FINAL_NAME)
-        try:
-            document = json.loads(self.storage.read_bytes(path))
-            step = document["step"]
-            return _check_step(step)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            logger.warning("ignoring unreadable %s: %s", self.storage.url(path), e)
-            return None
+        return final.read_final_step(self.storage)
 
     def clear_final(self) -> None:
         """Remove ``FINAL`` (training continues past it); nothing happens when there is none."""
         self._require_writer("clear_final")
-        path = self.storage.join(FINAL_NAME)
-        if self.storage.exists(path):
-            self.storage.remove(path)
+        final.remove_final(self.storage)
 
-    # -- internals -----------------------------------------------------------------------------
-
-    def _dir(self, step: int) -> str:
-        return self.storage.join(f"ckpt-{step}")
-
-    def _already_saved(self, step: int) -> bool:
-        """Whether ``ckpt-<step>`` is committed and good: committed by this manager, or verified
-        now (a corrupt one is moved aside, and False returned)."""
-        if not self._has_manifest(f"ckpt-{step}"):
-            return False
-        if step in self._committed_here:
-            return True
-        try:
-            self._load(step)
-        except CorruptCheckpointError as e:
-            self.quarantine(step, e.reason)
-            return False
-        self._committed_here.add(step)
-        return True
+    # -- quarantine ----------------------------------------------------------------------------
 
     def quarantine(self, step: int, reason: str) -> str:
         """Move checkpoint ``step``, which does not verify, aside to ``ckpt-<step>.corrupt-<UTC
         time>-<hex>/`` -- kept for inspection, never deleted, no longer listed -- so that the step
         can be saved anew. Returns where it went (a path or URL). Writers only."""
         self._require_writer("move aside")
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        target = self.storage.join(f"ckpt-{step}{CORRUPT_INFIX}{stamp}-{secrets.token_hex(2)}")
-        self.storage.rename(self._dir(step), target)
+        target = cleanup.quarantine(self.storage, step, reason)
         self._committed_here.discard(step)
-        logger.warning("checkpoint %s does not verify (%s): moved aside to %s; the step is saved anew when reached",
-                       self.path(step), reason, self.storage.url(target))
-        return self.storage.url(target)
+        return target
 
     def quarantined(self) -> list[str]:
         """The checkpoints moved aside because they did not verify (:meth:`quarantine`), by name."""
-        return sorted(n for n in self.storage.listdir(self.storage.root) if _CORRUPT.fullmatch(n))
+        return listing.quarantined(self.storage)
 
-    def _has_manifest(self, dirname: str) -> bool:
-        return self.storage.exists(self.storage.join(dirname, MANIFEST_NAME))
+    # -- internals -----------------------------------------------------------------------------
+
+    def _dir(self, step: int) -> str:
+        return listing.step_dir(self.storage, step)
+
+    def _already_saved(self, step: int) -> bool:
+        """Whether ``ckpt-<step>`` is committed and good: committed by this manager, or verified
+        now (a corrupt one is moved aside, and False returned)."""
+        if not listing.has_manifest(self.storage, f"ckpt-{step}"):
+            return False
+        if step in self._committed_here:
+            return True
+        try:
+            restore.load(self.storage, step)
+        except CorruptCheckpointError as e:
+            self.quarantine(step, e.reason)
+            return False
+        self._committed_here.add(step)
+        return True
 
     def _require_writer(self, what: str) -> None:
         """Raise unless this manager may change the directory now: a writer, holding ``fence``."""
@@ -741,45 +470,3 @@ class CheckpointManager:
             raise CheckpointError(f"{what}: this manager of {self.directory} is a reader (writer=False)")
         if self.fence is not None:
             self.fence.check(what)
-
-    def _require_committed(self, step: int) -> None:
-        if not self._has_manifest(f"ckpt-{step}"):
-            raise CheckpointError(
-                f"no committed checkpoint for step {step} in {self.storage.url(self.storage.root)}; "
-                f"available steps: {self.steps()}"
-            )
-
-    def _clean_up(self) -> None:
-        """Remove what crashed saves left: temp dirs, ``ckpt-N/`` without manifest, FINAL temps;
-        and the lease files of readers dead for more than :data:`STALE_LEASE_GRACE` seconds."""
-        self._require_writer("clean up after interrupted saves")
-        try:
-            self.leases.remove_expired(grace=STALE_LEASE_GRACE)
-        except Exception:  # noqa: BLE001 - stale leases protect nothing anyway
-            logger.warning("could not clean up stale leases in %s", self.storage.url(self.leases.root), exc_info=True)
-        for name in self.storage.listdir(self.storage.root):
-            path = self.storage.join(name)
-            try:
-                if _TEMP.fullmatch(name) or (_COMMITTED.fullmatch(name) and not self._has_manifest(name)):
-                    self.storage.rmtree(path)
-                elif _FINAL_TEMP.fullmatch(name):
-                    self.storage.remove(path)
-                else:
-                    continue
-            except Exception:  # noqa: BLE001 - a leftover must not stop training
-                logger.warning("could not remove leftover %s", self.storage.url(path), exc_info=True)
-                continue
-            logger.info("removed leftover of an interrupted save: %s", self.storage.url(path))
-
-
-def _json_lines(document: Mapping[str, Any], nested: tuple[str, ...] = ()) -> bytes:
-    """``document`` as JSON with one ``key: value`` line per key (the keys in ``nested``: one line
-    per key of their value), every value encoded compactly by json's C encoder."""
-    lines = []
-    for key, value in document.items():
-        if key in nested and isinstance(value, Mapping) and value:
-            inner = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in value.items())
-            lines.append(f" {json.dumps(key)}: {{\n{inner}\n }}")
-        else:
-            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
-    return ("{\n" + ",\n".join(lines) + "\n}\n").encode()

@@ -1,8 +1,14 @@
-"""Which committed checkpoints retention deletes (a pure function of the steps present)."""
+"""Which committed checkpoints retention deletes: a pure function of the steps present
+(:func:`steps_to_delete`) and of what is protected besides (:func:`protected_steps`)."""
 
 from __future__ import annotations
 
-from typing import Iterable
+import logging
+from typing import Callable, Iterable
+
+from cadence.checkpoint.leases import Leases
+
+logger = logging.getLogger("cadence.checkpoint")
 
 DEFAULT_MAX_TO_KEEP = 5
 """How many of the newest checkpoints retention keeps unless told (``trainer.max_to_keep``'s
@@ -49,3 +55,23 @@ def steps_to_delete(
     keep |= set(protected)
     keep.add(just_saved)
     return [step for step in ordered if step not in keep]
+
+
+def protected_steps(steps: Iterable[int], leases: Leases,
+                    extra: Callable[[], Iterable[int]] | None = None) -> set[int] | None:
+    """The steps among ``steps`` retention must keep besides the newest: those protected by an
+    unexpired reader's lease (:meth:`~cadence.checkpoint.leases.Leases.protected_steps`), and those
+    ``extra()`` returns. None (a warning logged) when either cannot be read: delete nothing then."""
+    try:
+        protected = leases.protected_steps(steps)
+    except Exception:  # noqa: BLE001 - unknown leases: delete nothing this time
+        logger.warning("could not read the readers' leases in %s; skipping retention this time",
+                       leases.storage.url(leases.root), exc_info=True)
+        return None
+    try:
+        if extra is not None:
+            protected |= set(extra())
+    except Exception:  # noqa: BLE001 - unknown leases: delete nothing this time
+        logger.warning("protected_steps failed; skipping retention this time", exc_info=True)
+        return None
+    return protected

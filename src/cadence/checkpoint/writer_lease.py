@@ -39,7 +39,7 @@ The file with the highest token is the **current** lease. The contract:
 
 Clocks. ``expires`` is the holder's wall clock, read by another process. On the holder's own
 host that is one clock. A lease written on another host counts as held until ``expires`` +
-:data:`~cadence.checkpoint.leases.CLOCK_SKEW_TOLERANCE` (10 s) by the reader's clock, while the
+:data:`~cadence.checkpoint.lease_file.CLOCK_SKEW_TOLERANCE` (10 s) by the reader's clock, while the
 holder fences itself by its own monotonic clock ``ttl`` after its last renewal: a newcomer whose
 clock runs up to that tolerance ahead of the holder's still takes over only after the holder has
 stopped committing. A larger skew lets a newcomer take over up to (skew - tolerance) seconds
@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from cadence import layout
-from cadence.checkpoint.leases import clock_skew
+from cadence.checkpoint.lease_file import clock_skew
 from cadence.errors import WriterLeaseHeldError, WriterLeaseLostError
 from cadence.storage import Storage
 
@@ -155,7 +155,7 @@ class WriterLeaseRecord:
 
     def held(self, now: float) -> bool:
         """Not released and not expired at unix time ``now`` (this host's clock): ``expires``, plus
-        :data:`~cadence.checkpoint.leases.CLOCK_SKEW_TOLERANCE` when written on another host."""
+        :data:`~cadence.checkpoint.lease_file.CLOCK_SKEW_TOLERANCE` when written on another host."""
         return not self.released and now < self.expires + clock_skew(self.host)
 
     def replaceable(self) -> bool:

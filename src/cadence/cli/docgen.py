@@ -5,7 +5,7 @@
 
 The config reference is built from the pydantic models alone (``ExperimentConfig`` and every
 model reachable from it: nested sections, ``X | None`` sections, lists of models), the CLI
-reference from ``cadence.cli.main._parser()`` formatted at a fixed width, so both outputs change
+reference from ``cadence.cli.parser.build_parser()`` formatted at a fixed width, so both outputs change
 exactly when the code does and never depend on the terminal. No torch is imported.
 """
 
@@ -274,11 +274,11 @@ def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argpar
 def cli_reference(parser: argparse.ArgumentParser | None = None) -> str:
     """The CLI reference in Markdown: the ``cadence --help`` text, then each subcommand's help
     line and its ``--help`` text, formatted at :data:`CLI_WIDTH` columns (``parser``, default
-    ``cadence.cli.main._parser()``, is set to that width)."""
+    ``cadence.cli.parser.build_parser()``, is set to that width)."""
     if parser is None:
-        from cadence.cli.main import _parser
+        from cadence.cli.parser import build_parser
 
-        parser = _parser()
+        parser = build_parser()
     prog = parser.prog
     subs = _subcommands(parser)
     for p in (parser, *(sub for _, _, sub in subs)):

@@ -24,7 +24,7 @@ from cadence.loop.runner import Evaluator, GathersCheckpoint, Initializable, Tra
 from cadence.loop.sanity import sanity_check
 from cadence.loop.schedule import (EvalState, EvalThrottle, check_advance, check_interval, check_loop_settings, crossed,
                               segment_target)
-from cadence.summaries.writer import SummaryManager
+from cadence.summaries.manager import SummaryManager
 from cadence.summaries.throughput import CountsWork, throughput_logs
 from cadence.runtime.watchdog import Heartbeat
 
@@ -80,7 +80,7 @@ class Controller:
     actions' state); when there is none, the trainer's (or a lone evaluator's) ``initialize()``
     runs if it is :class:`~cadence.loop.runner.Initializable`. With a trainer, the summaries a killed run
     wrote past the restored step are dropped then (``metrics.jsonl`` records, and TensorBoard's
-    through a restart marker: :meth:`SummaryManager.resume_at <cadence.summaries.writer.SummaryManager.resume_at>`);
+    through a restart marker: :meth:`SummaryManager.resume_at <cadence.summaries.manager.SummaryManager.resume_at>`);
     the eval ones only when this controller evaluates (a sidecar's stay).
 
     Raises:

@@ -49,7 +49,7 @@ def list_checkpoints(model_dir: str, *, verify: bool = False) -> dict[str, Any]:
     from cadence.checkpoint import CheckpointManager
     from cadence.errors import CorruptCheckpointError
     from cadence.storage import Storage
-    from cadence.summaries.writer import read_metrics
+    from cadence.summaries.metrics_file import read_metrics
 
     model_dir = layout.check_model_dir(model_dir, must_exist=True)
     checkpoints_dir = layout.checkpoints_dir(model_dir)

@@ -39,7 +39,7 @@ from cadence.reports.page import format_time as _when
 from cadence.reports.page import html_table as _table
 from cadence.reports.page import write_page_file as _write
 from cadence.storage import Storage
-from cadence.summaries.writer import METRICS_FILE, read_metrics
+from cadence.summaries.metrics_file import METRICS_FILE, read_metrics
 from cadence.summaries.throughput import (MFU, MODEL_TFLOPS_PER_SECOND, PEAK_ALLOCATED_GIB, PEAK_RESERVED_GIB,
                                 SAMPLES_PER_SECOND, TOKENS_PER_SECOND)
 

@@ -27,13 +27,15 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal
 from cadence import layout
 from cadence.actions.metric_path import is_better
 from cadence.checkpoint import CheckpointManager
-from cadence.checkpoint.leases import LeaseKeeper, Leases
+from cadence.checkpoint.lease_keeper import LeaseKeeper
+from cadence.checkpoint.leases import Leases
 from cadence.checkpoint.watcher import CheckpointWatcher, Mode
 from cadence.config.schema import SidecarConfig
 from cadence.errors import CheckpointError
 from cadence.runtime.signals import install_handlers
 from cadence.storage import Storage
-from cadence.summaries.writer import json_value, read_metrics
+from cadence.summaries.metrics_file import read_metrics
+from cadence.summaries.scalars import json_value
 
 if TYPE_CHECKING:  # pragma: no cover
     from cadence.loop.controller import Controller

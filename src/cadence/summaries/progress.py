@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 from collections.abc import Mapping
 
-from cadence.summaries.writer import flatten_scalars
+from cadence.summaries.scalars import flatten_scalars
 from cadence.summaries.throughput import MEMORY_KEYS, RATE_KEYS, format_throughput
 
 if TYPE_CHECKING:

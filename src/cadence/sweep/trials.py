@@ -50,7 +50,7 @@ def _number(value: Any) -> float | None:
 def eval_curve(trial_dir: Path, metric: str, eval_name: str | None = None) -> list[tuple[int, float]]:
     """``(step, value)`` of ``metric`` in each evaluation of the trial, in step order (the last
     record of a step wins); non-numbers skipped, NaN and inf kept."""
-    from cadence.summaries.writer import read_metrics
+    from cadence.summaries.metrics_file import read_metrics
 
     by_step: dict[int, float] = {}
     for record in read_metrics(layout.eval_dir(str(trial_dir), eval_name)):

@@ -15,7 +15,7 @@ from cadence.actions.best_checkpoint import read_best_record
 from cadence.callbacks import Callback
 from cadence.lifecycle import RunContext
 from cadence.storage import Storage
-from cadence.summaries.writer import flatten_scalars
+from cadence.summaries.scalars import flatten_scalars
 from cadence.trackers.base import Tracker
 
 logger = logging.getLogger("cadence.trackers")

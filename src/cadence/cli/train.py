@@ -1,0 +1,223 @@
+"""The subcommands that run training or evaluation: ``cadence train``, ``evaluate`` (one
+checkpoint, or ``--continuous``: the sidecar), ``launch --sidecar`` and ``sweep``.
+
+Each takes the parsed arguments and the stderr console, and returns the exit status; a
+:class:`~cadence.errors.CadenceError` is left to :func:`cadence.cli.main.main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+from typing import Any
+
+from rich.console import Console
+
+from cadence import layout
+from cadence.cli.torchrun import end_distributed, env_rank, log_restart, train_with_torchrun, wants_torchrun
+from cadence.config.schema import ExperimentConfig
+from cadence.errors import ConfigError
+from cadence.summaries.progress import format_value
+from cadence.summaries.scalars import json_value
+
+logger = logging.getLogger("cadence")
+
+
+def _load(args: argparse.Namespace) -> ExperimentConfig:
+    """The config of ``args`` (its file, ``--set`` overrides and ``--model-dir``); a model dir's own
+    ``config.yaml`` moved elsewhere is refused unless the model dir is given explicitly."""
+    from cadence.config import load_config
+    from cadence.config.loading import check_own_model_dir
+
+    cfg = load_config(args.config, overrides=args.overrides, model_dir=args.model_dir)
+    explicit = args.model_dir is not None or any(o.split("=", 1)[0].strip() == "model_dir" for o in args.overrides)
+    if not explicit:  # a moved model dir's own config.yaml must not start a new run elsewhere
+        check_own_model_dir(cfg, args.config)
+    return cfg
+
+
+def cmd_train(args: argparse.Namespace, console: Console) -> int:
+    if args.profile and _load(args).profiler is None:  # an override: the ranks of --nproc get it too
+        args.overrides.append("profiler={}")
+    if wants_torchrun(args):
+        return train_with_torchrun(args, _claim_model_dir(args, _load(args), check=True), console)
+    rank = env_rank()
+    if rank != 0:  # one process reports: the other ranks log warnings and errors only
+        root = logging.getLogger()
+        root.setLevel(max(root.getEffectiveLevel(), logging.WARNING))
+    else:
+        log_restart()  # a torchrun job restarted after a failure (--max-restarts)
+    cfg = _claim_model_dir(args, _load(args), check=False) if rank == 0 else _load(args)
+    from cadence.cluster.roles import resolve_role
+    from cadence.sidecar.evaluator import SidecarResult
+    from cadence.torch.experiments.roles import train_and_evaluate
+
+    spec = resolve_role()
+    if spec.source != "default" and rank == 0:
+        console.print(f"role: {spec.role} (from {spec.source})")
+    import signal
+
+    from cadence.runtime.signals import SignalHandlers, install_handlers
+
+    handlers = SignalHandlers({})
+    if spec.is_trainer and not cfg.trainer.save_on_preemption:
+        # Without the preemption action SIGTERM would kill the process where it stands; raise in the
+        # main thread instead, so that `with controller:` closes the run (callbacks' on_close).
+        def terminate(signum: int, _frame: Any) -> None:
+            signal.signal(signum, signal.SIG_IGN)  # a repeated SIGTERM does not interrupt the clean-up
+            logger.warning("received SIGTERM: stopping without saving (trainer.save_on_preemption is false)")
+            raise SystemExit(128 + signum)
+
+        handlers = install_handlers([signal.SIGTERM], terminate, owner="cadence train")
+    try:
+        metrics = train_and_evaluate(cfg, role=spec, progress=False if args.no_progress else None)
+    except BaseException:
+        end_distributed(ok=False)
+        raise
+    finally:
+        handlers.restore()
+    end_distributed(ok=True)
+    if isinstance(metrics, SidecarResult):  # the evaluator role ran the sidecar
+        return _sidecar_done(metrics, console)
+    if rank != 0:
+        return 0
+    shown = "  ".join(f"{k}={format_value(v)}" for k, v in (metrics or {}).items()) or "trained (no in-process evaluation)"
+    console.print(f"[bold]done[/bold]: {shown}")
+    console.print(f"model dir: {cfg.model_dir}  (cadence ls {cfg.model_dir}; tensorboard --logdir {cfg.model_dir})")
+    return 0
+
+
+def _claim_model_dir(args: argparse.Namespace, cfg: ExperimentConfig, *, check: bool) -> ExperimentConfig:
+    """Before any rank starts: with ``--take-over`` fence off the holder of the model dir's writer
+    lease; else, with ``check``, refuse now (exit 2) when another trainer holds it."""
+    from cadence.checkpoint import writer_lease
+
+    model_dir = layout.check_model_dir(cfg.require_model_dir())
+    if args.take_over:
+        if writer_lease.take_over(model_dir) is None:
+            logger.info("--take-over: nobody holds the writer lease of %s", model_dir)
+    elif check:
+        writer_lease.check_free(model_dir)
+    return cfg
+
+
+def cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
+    sidecar_flags = {"sidecar.mode": args.mode, "sidecar.timeout": args.timeout,
+                     "sidecar.max_evaluations": args.max_evaluations, "sidecar.name": args.name}
+    given = [flag for flag, value in sidecar_flags.items() if value is not None]
+    if args.continuous and args.nproc is not None:
+        raise ConfigError("--nproc and --continuous exclude each other (the sidecar is one process)")
+    if args.continuous:
+        args.overrides += [f"{flag}={json.dumps(sidecar_flags[flag])}" for flag in given]
+        return _cmd_sidecar(args, console)
+    if given:
+        raise ConfigError(f"--mode, --timeout, --max-evaluations and --name need --continuous (got {', '.join(given)})")
+    cfg = _load(args)
+    if args.nproc is not None:
+        return _evaluate_with_torchrun(args, cfg, console)
+    if env_rank() != 0:  # under torchrun one process reports: the others log warnings and errors only
+        root = logging.getLogger()
+        root.setLevel(max(root.getEffectiveLevel(), logging.WARNING))
+    from cadence.torch.experiments.experiment import run_evaluation
+
+    try:
+        step, metrics = run_evaluation(cfg, args.checkpoint)
+    except BaseException:
+        end_distributed(ok=False)
+        raise
+    end_distributed(ok=True)  # under torchrun: a gloo group left to the interpreter's exit can abort it
+    result = json.dumps({"step": step, **{k: json_value(v) for k, v in metrics.items()}})
+    if env_rank() == 0:  # under torchrun: one line, from the chief
+        target = os.environ.pop(_RESULT_ENV, None)
+        if target:  # cadence evaluate --nproc prints it, without torchrun's rank prefix
+            with open(target, "w") as f:
+                f.write(result)
+        else:
+            print(result)
+    return 0
+
+
+_RESULT_ENV = "CADENCE_EVALUATE_RESULT"
+"""Where the chief of ``cadence evaluate --nproc N`` writes its JSON line for the launcher to print."""
+
+
+def _evaluate_with_torchrun(args: argparse.Namespace, cfg: Any, console: Console) -> int:
+    """``cadence evaluate --nproc N``: the evaluation on N processes through torch's launcher;
+    the chief's JSON line printed here."""
+    import tempfile
+
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
+    if os.environ.get("TORCHELASTIC_RUN_ID") or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise ConfigError("--nproc: this process already runs under torchrun; leave --nproc out")
+    for name in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts"):
+        setattr(args, name, None)
+    extra = ["--checkpoint", str(args.checkpoint)] if args.checkpoint is not None else []
+    fd, result = tempfile.mkstemp(prefix="cadence-evaluate-", suffix=".json")
+    os.close(fd)
+    try:
+        code = train_with_torchrun(args, cfg, console, command="evaluate", extra=extra,
+                                   env_extra={_RESULT_ENV: result})
+        if code == 0:
+            with open(result) as f:
+                print(f.read())
+    finally:
+        os.unlink(result)
+    return code
+
+
+def _cmd_sidecar(args: argparse.Namespace, console: Console) -> int:
+    if args.checkpoint is not None:
+        raise ConfigError("--checkpoint and --continuous exclude each other")
+    cfg = _load(args)
+    from cadence.torch.experiments.experiment import run_sidecar
+
+    return _sidecar_done(run_sidecar(cfg), console)
+
+
+def _sidecar_done(result: Any, console: Console) -> int:
+    """Print a sidecar's :class:`~cadence.sidecar.evaluator.SidecarResult` as JSON; 1 when it timed out."""
+    print(json.dumps(dataclasses.asdict(result), default=str))
+    if result.stop_reason == "timeout":
+        console.print(f"[red]cadence: sidecar stopped:[/red] {result.message}", highlight=False, soft_wrap=True)
+        return 1
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace, console: Console) -> int:
+    if not args.sidecar:
+        raise ConfigError("launch: nothing to launch; add --sidecar")
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
+    cfg = _load(args)  # a bad config fails here (exit 2), before anything starts
+    if args.profile and cfg.profiler is None:  # both processes get it; only the trainer traces
+        args.overrides.append("profiler={}")
+    model_dir = cfg.require_model_dir()
+    from cadence.checkpoint.leases import Leases
+    from cadence.cluster.launch import launch, launch_exit_code, sidecar_commands
+    from cadence.sidecar.evaluator import lease_holder
+
+    leases = Leases(layout.checkpoints_dir(model_dir))
+    holder = lease_holder(cfg.sidecar.name)
+
+    def sidecar_ready() -> bool:  # its lease protects every checkpoint from the trainer's retention
+        return any(lease.holder == holder for lease in leases.active())
+
+    codes = launch(sidecar_commands(args.config, model_dir, args.overrides, nproc=args.nproc), env={"COLUMNS": "120"},
+                   stop_others_on_failure=["trainer"], grace_s=args.grace,
+                   start_when={"trainer": sidecar_ready})
+    for name, code in codes.items():
+        console.print(f"{name}: exit {code}")
+    if codes.get("sidecar") == 0:
+        console.print(f"evaluations: {layout.eval_dir(model_dir, cfg.sidecar.name)}/evaluations.jsonl; "
+                      f"cadence ls {model_dir}")
+    return launch_exit_code(codes)
+
+
+def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
+    from cadence.sweep.command import run_sweep
+
+    return run_sweep(args)
