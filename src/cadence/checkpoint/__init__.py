@@ -16,7 +16,6 @@ from cadence.checkpoint.protocol import (
     Restorable,
     Savable,
     Snapshottable,
-    Stateful,
 )
 from cadence.storage import Storage
 
@@ -35,7 +34,6 @@ __all__ = [
     "Savable",
     "Snapshottable",
     "STATE_NAME",
-    "Stateful",
     "Storage",
     "copy_objects",
 ]

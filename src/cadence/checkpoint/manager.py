@@ -31,7 +31,8 @@ from cadence.checkpoint.leases import Leases
 from cadence.checkpoint.files import STATE_NAME, DirectoryWriter, VerifiedReader
 from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.checkpoint.objects import load_object, save_object, snapshot_objects
-from cadence.checkpoint.protocol import Restorable, Savable, Stateful
+from cadence.checkpoint.protocol import Restorable, Savable
+from cadence.extensions import Stateful
 from cadence.checkpoint.space import raise_if_full
 from cadence.runtime.coordination import Coordinator
 from cadence.storage import Storage

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 from cadence import layout
 from cadence.actions.best_checkpoint import read_best_record
-from cadence.callbacks import Callback
-from cadence.lifecycle import RunContext
+from cadence.extensions import Callback
+from cadence.extensions import RunContext
 from cadence.storage import Storage
 from cadence.summaries.writer import flatten_scalars
 from cadence.trackers.base import Tracker

@@ -34,14 +34,14 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from cadence import layout
-from cadence.callbacks import Callback
+from cadence.extensions import Callback
 from cadence.config.components.profiler import NEVER, Cycle, ProfilerWindow
 from cadence.storage import Storage
 from cadence.runtime.watchdog import Heartbeat, unwatched
 
 if TYPE_CHECKING:  # pragma: no cover
     from cadence.config.schema import ProfilerConfig
-    from cadence.lifecycle import RunContext
+    from cadence.extensions import RunContext
     from cadence.torch.runtime.context import Context
 
 __all__ = ["StepProfiler", "build_step_profiler", "trace_name"]

@@ -26,7 +26,7 @@ from cadence.runtime.coordination import Coordinator, LocalCoordinator
 from cadence.config import ExperimentConfig, save_config
 from cadence.loop.controller import Controller
 from cadence.errors import CheckpointError, ConfigError, WriterLeaseHeldError
-from cadence.lifecycle import RunContext
+from cadence.extensions import RunContext
 from cadence.sidecar.evaluator import SidecarEvaluator, SidecarResult
 from cadence.runtime.watchdog import Heartbeat, Watchdog
 from cadence.torch.runtime.context import Context

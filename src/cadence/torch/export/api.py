@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from cadence.lifecycle import RunContext
+from cadence.extensions import RunContext
 from cadence.storage import Storage
 from cadence.torch.export.formats import (
     FILES,

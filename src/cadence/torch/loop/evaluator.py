@@ -1,4 +1,4 @@
-"""The PyTorch implementation of the :class:`cadence.loop.runner.Evaluator` protocol."""
+"""The PyTorch implementation of the :class:`cadence.extensions.Evaluator` protocol."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The PyTorch implementation of the :class:`cadence.loop.runner.Trainer` protocol."""
+"""The PyTorch implementation of the :class:`cadence.extensions.Trainer` protocol."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from cadence.checkpoint.background import Pending, Worker
-from cadence.checkpoint.protocol import CheckpointReader, CheckpointWriter, ShardTarget, Stateful
+from cadence.checkpoint.protocol import CheckpointReader, CheckpointWriter, ShardTarget
+from cadence.extensions import Stateful
 from cadence.errors import CheckpointError, ConfigError
 from cadence.torch.data.batch import move_to_device
 from cadence.torch.components.compile import compile_model
