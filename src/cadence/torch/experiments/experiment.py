@@ -420,12 +420,12 @@ def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any,
         export_on = cfg.export.on if cfg.export is not None else None
         exports = export_on if export_on == "final" or (evaluate and export_on is not None) else None
         callbacks += _tracking(cfg, ctx.is_chief, export=exports)
-    if train and cfg.profiler is not None:  # a step hook, and a callback for the run's first step and its end
+    if train and ema is not None:  # updated after each step (after the user's callbacks: their positions stay)
+        callbacks.append(ema)
+    if train and cfg.profiler is not None:
         from cadence.torch.components.profiling import build_step_profiler
 
-        profiler = build_step_profiler(cfg.profiler, model_dir, ctx, train_steps=t.train_steps)
-        trainer.step_hooks.append(profiler)
-        callbacks.append(profiler)
+        callbacks.append(build_step_profiler(cfg.profiler, model_dir, ctx, train_steps=t.train_steps))
     manager = CheckpointManager(  # one writer: the chief; the other ranks only read
         layout.checkpoints_dir(model_dir), max_to_keep=t.max_to_keep,
         keep_every_n_steps=t.keep_every_n_steps, writer=train and ctx.is_chief,
