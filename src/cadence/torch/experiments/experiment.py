@@ -137,13 +137,13 @@ def build_callbacks(cfg: ExperimentConfig, task: Task) -> list[Any]:
 
 def _tracking(cfg: ExperimentConfig, chief: bool, *, eval_name: str | None = None,
               export: str | None = None) -> list[Any]:
-    """The config's ``loggers:`` as a callback (``[]``: none set): only the chief logs, the
-    evaluations under ``eval_name`` (default ``eval``), and at the end the newest export of
-    ``export`` (the one this process writes). ConfigError when a tracker's extra is missing."""
-    from cadence.trackers import tracker_callback
+    """The config's ``loggers:``, each tracker a callback (``[]``: none set; none on a rank that is
+    not the chief): the evaluations under ``eval_name`` (default ``eval``), and at the end the
+    newest export of ``export`` (the one this process writes). ConfigError when a tracker's extra
+    is missing."""
+    from cadence.trackers import build_trackers
 
-    callback = tracker_callback(cfg, chief=chief, eval_name=eval_name, export=export)
-    return [callback] if callback is not None else []
+    return list(build_trackers(cfg, chief=chief, eval_name=eval_name, export=export))
 
 
 def _example_inputs(task: Task, formats: Sequence[str], where: str, model: Any = None) -> Any:
