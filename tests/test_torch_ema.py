@@ -32,7 +32,8 @@ from cadence.checkpoint.files import MemoryWriter
 from cadence.config import config_from_dict
 from cadence.errors import ConfigError, SanityCheckError
 from cadence.summaries.writer import read_metrics
-from cadence.torch import Context, TorchEvaluator, build_runners, run_evaluation, run_sidecar, run_training, seed_everything
+from cadence.torch import Context, TorchEvaluator, build_runners, run_evaluation, run_sidecar, run_training
+from cadence.torch.runtime.rng import seed_everything
 from cadence.torch.experiments.experiment import run_export
 from cadence.torch.components.ema import EMASettings, ModelEMA
 from cadence.torch.checkpoint_io.safetensors_io import safetensors_metadata, state_dict_from_safetensors
