@@ -14,7 +14,7 @@ Each run trains ``WARMUP`` untimed steps, then times ``steps`` steps (``trainer.
 contenders are interleaved, their order alternating, and repeated. Each timing is taken twice: the
 process's CPU time (what the run costs, whatever else the machine runs) and wall time. Reported:
 microseconds per step (min and median) and the ratio to the loop without an EMA. Target: <= 1.02x,
-CPU time, of the medians. Also: the EMA's update alone (``ModelEMA.after_step``, ns per call) and
+CPU time, of the medians. Also: the EMA's update alone (``ModelEMA.on_train_step_end``, ns per call) and
 the memory it holds (bytes of the averaged copy next to the parameters'). ``benchmarks/run.py``
 runs it as ``ema``.
 """
@@ -69,6 +69,7 @@ WORKLOADS: dict[str, tuple[str, Callable[[], Any]]] = {
 
 
 def trainer_for(task: Any, ema: bool) -> Any:
+    from cadence import Controller
     from cadence.torch import Context, build_runners
     from cadence.torch.components.ema import EMASettings
 
@@ -76,6 +77,8 @@ def trainer_for(task: Any, ema: bool) -> Any:
     trainer, _ = build_runners(task, Context.create(device="cpu"), evaluate=False,
                                ema=EMASettings(decay=DECAY) if ema else None)
     trainer.initialize()
+    # the EMA is a per-step callback: a controller hands it to the trainer (nothing per step without it)
+    Controller(trainer, callbacks=[trainer.ema] if ema else [], steps_per_loop=1, restore=False, progress=False)
     return trainer
 
 
@@ -89,14 +92,15 @@ def timed_run(task: Any, steps: int, ema: bool) -> tuple[float, float]:
 
 
 def update_ns(task: Any, calls: int, repeats: int = 5) -> float:
-    """Nanoseconds per ``ModelEMA.after_step`` (one foreach lerp over the model's float state), min over repeats."""
+    """Nanoseconds per ``ModelEMA.on_train_step_end`` (one foreach lerp over the model's float state), min over
+    repeats."""
     ema = trainer_for(task, ema=True).ema
-    after_step, steps = ema.after_step, range(1, calls + 1)
+    step_end, steps = ema.on_train_step_end, range(1, calls + 1)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         for step in steps:
-            after_step(step)
+            step_end(None, step)  # the EMA needs no run
         best = min(best, time.perf_counter() - start)
     return best / calls * 1e9
 

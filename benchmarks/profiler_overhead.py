@@ -65,8 +65,7 @@ def timed_run(batches: list, steps: int, profiler: dict | None,
     hook = None
     if profiler is not None:
         hook = StepProfiler(ProfilerWindow(**profiler), directory)
-        trainer.step_hooks.append(hook)
-        callbacks.append(hook)
+        callbacks.append(hook)  # one callback: per step (on_train_step_end), at the start and the close
     controller = Controller(trainer=trainer, steps_per_loop=100, callbacks=callbacks, progress=False)
     controller.train(WARMUP, checkpoint_at_completion=False)
     cpu, wall = time.process_time(), time.perf_counter()
@@ -79,19 +78,19 @@ def timed_run(batches: list, steps: int, profiler: dict | None,
 
 
 def hook_call_ns(calls: int = 1_000_000, repeats: int = 5) -> float:
-    """Nanoseconds per ``StepProfiler.after_step`` call outside a window (min over repeats, the
+    """Nanoseconds per ``StepProfiler.on_train_step_end`` call outside a window (min over repeats, the
     loop's own iteration included): what a step pays for the profiler outside its window."""
     from cadence.config.components.profiler import ProfilerWindow
     from cadence.torch.components.profiling import StepProfiler
 
     hook = StepProfiler(ProfilerWindow(skip_first=10, wait=1, warmup=1, active=3), "unused")
-    hook.after_step(100)  # past the window: nothing left to start
-    after_step, steps = hook.after_step, range(101, 101 + calls)
+    hook.on_train_step_end(None, 100)  # past the window: nothing left to start (the profiler needs no run here)
+    step_end, steps = hook.on_train_step_end, range(101, 101 + calls)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         for step in steps:
-            after_step(step)
+            step_end(None, step)
         best = min(best, time.perf_counter() - start)
     return best / calls * 1e9
 

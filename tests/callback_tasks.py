@@ -19,7 +19,6 @@ class EventLog(Callback):
     def __init__(self, path: str, tag: str = "config") -> None:
         self.path = path
         self.tag = tag
-        self.controller: Any = None
 
     def _log(self, event: str, **fields: Any) -> None:
         with open(self.path, "a") as f:
@@ -27,27 +26,26 @@ class EventLog(Callback):
             f.flush()
             os.fsync(f.fileno())
 
-    def attach(self, controller: Any) -> None:
-        self.controller = controller
+    def attach(self, run: Any) -> None:
         self._log("attach")
 
-    def on_train_start(self) -> None:
-        self._log("train_start", step=self.controller.global_step)
+    def on_train_start(self, run: Any) -> None:
+        self._log("train_start", step=run.global_step)
 
-    def on_train_end(self) -> None:
-        self._log("train_end", step=self.controller.global_step)
+    def on_train_end(self, run: Any) -> None:
+        self._log("train_end", step=run.global_step)
 
-    def on_checkpoint_save(self, checkpoint_dir: str) -> None:
+    def on_checkpoint_save(self, run: Any, checkpoint_dir: str) -> None:
         self._log("checkpoint_save", dir=os.path.basename(checkpoint_dir),
                   manifest=os.path.exists(os.path.join(checkpoint_dir, "MANIFEST.json")))
 
-    def on_checkpoint_load(self, checkpoint_dir: str) -> None:
+    def on_checkpoint_load(self, run: Any, checkpoint_dir: str) -> None:
         self._log("checkpoint_load", dir=os.path.basename(checkpoint_dir))
 
-    def on_eval_end(self, metrics: dict, step: int) -> None:
+    def on_eval_end(self, run: Any, metrics: dict, step: int) -> None:
         self._log("eval_end", step=step)
 
-    def on_close(self) -> None:
+    def on_close(self, run: Any) -> None:
         self._log("close")
 
 

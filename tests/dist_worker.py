@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tasks import TinyTask  # noqa: E402
 
 from cadence.checkpoint import CheckpointManager  # noqa: E402
-from cadence.torch import Context, Task, build_runners, unwrap_model  # noqa: E402
+from cadence.torch import Context, Task, build_runners  # noqa: E402
+from cadence.torch.checkpoint_io.state import unwrap_model  # noqa: E402
 from cadence.torch.runtime.distributed import shutdown_distributed  # noqa: E402
 
 

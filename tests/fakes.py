@@ -7,7 +7,7 @@ how many steps the training data allows (None: endless).
 from __future__ import annotations
 
 import json
-from typing import Callable
+from typing import Any, Callable
 
 MODEL_FILE = "model.bin"
 
@@ -61,3 +61,32 @@ class FakeTrainer:
         model = json.loads(reader.read(MODEL_FILE))
         self.step, self.value = model["step"], model["value"]
         assert state["global_step"] == self.step
+
+
+class SteppingTrainer(FakeTrainer):
+    """A FakeTrainer that reports each step (``cadence.extensions.ReportsSteps``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.step_end: Callable[[int], None] | None = None
+        self.on_step_end_calls = 0  # how many times set_step_end was called
+
+    def set_step_end(self, fn: Callable[[int], None] | None) -> None:
+        self.step_end = fn
+        self.on_step_end_calls += 1
+
+    def train(self, num_steps: int):
+        step_end = self.step_end
+        if step_end is not None:  # the step's own hook first, then the callbacks'
+            steps = range(self.step + 1, self.step + num_steps + 1)
+            self.on_step.update({n: _then(self.on_step.get(n), step_end, n) for n in steps})
+        return super().train(num_steps)
+
+
+def _then(first: Callable[[], None] | None, step_end: Callable[[int], None], step: int) -> Callable[[], None]:
+    def both() -> None:
+        if first is not None:
+            first()
+        step_end(step)
+
+    return both

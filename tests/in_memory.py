@@ -12,6 +12,7 @@ from cadence.checkpoint.files import MemoryWriter
 class MemReader:
     def __init__(self, files: dict[str, bytes], step: int, path: str = "mem://ckpt") -> None:
         self.files, self.step, self.path = dict(files), step, path
+        self.storage_options: dict[str, Any] = {}
 
     def names(self) -> list[str]:
         return sorted(self.files)

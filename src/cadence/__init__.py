@@ -16,10 +16,12 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Controller": "cadence.loop.controller",
-    "Callback": "cadence.callbacks",
-    "RunContext": "cadence.lifecycle",
-    "Trainer": "cadence.loop.runner",
-    "Evaluator": "cadence.loop.runner",
+    # what a user implements (cadence.extensions lists them all)
+    **dict.fromkeys(
+        ("Action", "Callback", "ChecksOutputs", "Closeable", "Composite", "Evaluator", "GathersCheckpoint",
+         "Initializable", "NamedInCheckpoint", "ReportsSteps", "RunAware", "RunContext", "Stateful", "Trainer"),
+        "cadence.extensions"),
+    "Tracker": "cadence.trackers.base",
     "CheckpointManager": "cadence.checkpoint",
     "SummaryWriter": "cadence.summaries.writer",
     "ProgressReporter": "cadence.summaries.progress",
@@ -69,9 +71,23 @@ if TYPE_CHECKING:  # pragma: no cover
         RecoveryAction,
         SaveCheckpointIfPreempted,
     )
-    from cadence.callbacks import Callback
-    from cadence.lifecycle import RunContext
     from cadence.checkpoint import CheckpointManager
+    from cadence.extensions import (
+        Action,
+        Callback,
+        ChecksOutputs,
+        Closeable,
+        Composite,
+        Evaluator,
+        GathersCheckpoint,
+        Initializable,
+        NamedInCheckpoint,
+        ReportsSteps,
+        RunAware,
+        RunContext,
+        Stateful,
+        Trainer,
+    )
     from cadence.cluster.roles import resolve_role
     from cadence.config import ExperimentConfig, load_config
     from cadence.loop.controller import Controller
@@ -91,6 +107,6 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from cadence.summaries.progress import ProgressReporter
     from cadence.reports.run_report import build_report
-    from cadence.loop.runner import Evaluator, Trainer
     from cadence.sidecar.evaluator import SidecarEvaluator
     from cadence.summaries.writer import SummaryWriter
+    from cadence.trackers.base import Tracker

@@ -56,31 +56,33 @@ class Recorder(Callback):
     def __init__(self, events: list, name: str = "rec") -> None:
         self.events = events
         self.name = name
-        self.controller: Any = None
+        self.runs: list[Any] = []  # the run each hook was given
 
-    def attach(self, controller: Any) -> None:
-        self.controller = controller
+    def attach(self, run: Any) -> None:
+        self.runs.append(run)
         self.events.append(("attach", None))
 
-    def on_train_start(self) -> None:
-        self.events.append(("train_start", self.controller.global_step))
+    def on_train_start(self, run: Any) -> None:
+        self.runs.append(run)
+        self.events.append(("train_start", run.global_step))
 
-    def on_train_end(self) -> None:
-        final = self.controller.checkpoint_manager.final_step() if self.controller.checkpoint_manager else None
-        self.events.append(("train_end", (self.controller.global_step, final)))
+    def on_train_end(self, run: Any) -> None:
+        self.runs.append(run)
+        final = run.checkpoint_manager.final_step() if run.checkpoint_manager else None
+        self.events.append(("train_end", (run.global_step, final)))
 
-    def on_checkpoint_save(self, checkpoint_dir: str) -> None:
+    def on_checkpoint_save(self, run: Any, checkpoint_dir: str) -> None:
         committed = Path(checkpoint_dir, "MANIFEST.json").exists()
         main = threading.current_thread() is threading.main_thread()
         self.events.append(("save", (Path(checkpoint_dir).name, committed, main)))
 
-    def on_checkpoint_load(self, checkpoint_dir: str) -> None:
+    def on_checkpoint_load(self, run: Any, checkpoint_dir: str) -> None:
         self.events.append(("load", Path(checkpoint_dir).name))
 
-    def on_eval_end(self, metrics: dict, step: int) -> None:
+    def on_eval_end(self, run: Any, metrics: dict, step: int) -> None:
         self.events.append(("eval_end", (step, metrics["value"])))
 
-    def on_close(self) -> None:
+    def on_close(self, run: Any) -> None:
         self.events.append(("close", self.name))
 
 
@@ -90,7 +92,7 @@ class Counter(Callback):
     def __init__(self) -> None:
         self.evaluations = 0
 
-    def on_eval_end(self, metrics: dict, step: int) -> None:
+    def on_eval_end(self, run: Any, metrics: dict, step: int) -> None:
         self.evaluations += 1
 
     def state_dict(self) -> dict:
@@ -103,13 +105,10 @@ class Counter(Callback):
 class WriteMetadata(Callback):
     """The docstring's example: metadata written into each committed checkpoint."""
 
-    def attach(self, controller: Any) -> None:
-        self.controller = controller
-
-    def on_checkpoint_save(self, checkpoint_dir: str) -> None:
+    def on_checkpoint_save(self, run: Any, checkpoint_dir: str) -> None:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=TESTS,
                                 check=False).stdout.strip()
-        meta = {"step": self.controller.global_step, "git_commit": commit or None, "hostname": socket.gethostname()}
+        meta = {"step": run.global_step, "git_commit": commit or None, "hostname": socket.gethostname()}
         with open(os.path.join(checkpoint_dir, "metadata.json"), "w") as f:
             json.dump(meta, f)
 
@@ -152,8 +151,10 @@ def controller(tmp_path: Path, callbacks, trainer: FakeTrainer | None = None, **
 
 def test_train_and_evaluate_fires_each_hook_in_order(tmp_path):
     events: list = []
-    with controller(tmp_path, [Recorder(events)]) as c:
+    recorder = Recorder(events)
+    with controller(tmp_path, [recorder]) as c:
         c.train_and_evaluate(train_steps=4, eval_interval=2)
+    assert len(recorder.runs) == 3 and all(run is c for run in recorder.runs)  # every hook is given the run
     assert events == [
         ("attach", None),
         ("train_start", 0),
@@ -181,7 +182,7 @@ def test_callbacks_fire_in_list_order_and_subclasses_override_only_some_hooks(tm
     events: list = []
 
     class OnlyClose(Callback):  # every other hook is the base class's no-op
-        def on_close(self) -> None:
+        def on_close(self, run: Any) -> None:
             events.append(("close", "only"))
 
     with controller(tmp_path, [Recorder(events, "a"), OnlyClose(), Recorder(events, "b")]) as c:
@@ -192,7 +193,7 @@ def test_callbacks_fire_in_list_order_and_subclasses_override_only_some_hooks(tm
 
 def test_a_callback_must_be_a_callback_subclass(tmp_path):
     class DuckTyped:  # has a hook, but does not declare itself a Callback
-        def on_close(self) -> None: ...
+        def on_close(self, run: Any) -> None: ...
 
     with pytest.raises(TypeError, match=r"callbacks\[1\]: expected a cadence.Callback .* got DuckTyped"):
         controller(tmp_path, [Callback(), DuckTyped()])
@@ -359,7 +360,7 @@ class FailingClose(Callback):
     def __init__(self, events: list, name: str) -> None:
         self.events, self.name = events, name
 
-    def on_close(self) -> None:
+    def on_close(self, run: Any) -> None:
         self.events.append(("close", self.name))
         raise OSError(f"{self.name} could not close")
 
@@ -458,7 +459,7 @@ def test_config_builds_the_task_callbacks_then_the_configured_ones(tmp_path, mon
     monkeypatch.chdir(tmp_path)  # a relative file path resolves against the config file's directory
     cfg = load_config(config_with(tmp_path, [
         {"class": "my_callbacks.py:Marker", "params": {"label": "mine"}},
-        {"class": "cadence.callbacks:Callback"},
+        {"class": "cadence.extensions:Callback"},
     ]))
     assert cfg.callbacks[0].class_path == f"{tmp_path / 'conf' / 'my_callbacks.py'}:Marker"
     assert cfg.to_dict()["callbacks"][0] == {"class": f"{tmp_path / 'conf' / 'my_callbacks.py'}:Marker",
@@ -570,3 +571,47 @@ def test_sigterm_without_save_on_preemption_closes_and_exits_non_zero(tmp_path):
         assert "train_end" not in seen
     assert "received SIGTERM" in stderr
     assert saved_before >= 1
+
+
+# ------------------------------------------------------------------ per-step hooks
+
+
+class Stepper(Callback):
+    """Records ``(step, run)`` after each optimizer step."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def on_train_step_end(self, run: Any, step: int) -> None:
+        self.events.append(("step", step, run))
+
+
+def test_per_step_callbacks_are_called_after_each_step_with_the_run(tmp_path):
+    from fakes import SteppingTrainer
+
+    events: list = []
+    trainer = SteppingTrainer()
+    with controller(tmp_path, [Stepper(events), Recorder([]), Stepper(events)], trainer=trainer) as c:
+        c.train(3)
+    assert [(kind, step) for kind, step, _ in events] == [("step", 1), ("step", 1), ("step", 2), ("step", 2),
+                                                         ("step", 3), ("step", 3)]
+    assert all(run is c for _, _, run in events)
+
+
+def test_without_a_per_step_callback_the_trainer_is_handed_nothing(tmp_path):
+    from fakes import SteppingTrainer
+
+    trainer = SteppingTrainer()
+    trainer.step_end = lambda step: None  # from an earlier controller: replaced
+    with controller(tmp_path, [Recorder([])], trainer=trainer) as c:
+        c.train(2)
+    assert trainer.step_end is None and trainer.on_step_end_calls == 1
+
+
+def test_a_per_step_callback_needs_a_trainer_that_reports_steps(tmp_path):
+    with pytest.raises(TypeError, match=r"callbacks \['Stepper'\] override on_train_step_end, and the trainer "
+                                        r"\(FakeTrainer\) cannot report steps: .*ReportsSteps"):
+        controller(tmp_path, [Recorder([]), Stepper([])])
+    # an evaluator-only run trains nothing: its per-step callbacks are never called, and allowed
+    trainer = FakeTrainer()
+    Controller(evaluator=FakeEvaluator(trainer), callbacks=[Stepper([])], progress=False).close()

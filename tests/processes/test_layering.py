@@ -50,7 +50,8 @@ def test_the_torch_layers_name_every_torch_package() -> None:
 
 def test_importing_the_core_does_not_import_torch() -> None:
     code = ("import sys, cadence, cadence.loop.controller, cadence.sidecar.evaluator, cadence.actions, cadence.config, "
-            "cadence.cluster.roles, cadence.checkpoint, cadence.loop.hooks, cadence.lifecycle, cadence.loop.schedule; "
+            "cadence.cluster.roles, cadence.checkpoint, cadence.loop.hooks, cadence.extensions, cadence.loop.schedule, "
+            "cadence.trackers.base; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"

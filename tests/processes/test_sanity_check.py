@@ -1,7 +1,7 @@
 """An error at the first evaluation must not lose the training before it (issue 12, item 6).
 
 The sanity check (``trainer.sanity_val_steps`` validation batches before training, then the eval
-actions' :class:`~cadence.lifecycle.ChecksOutputs` checks) fails bad validation code or a
+actions' :class:`~cadence.extensions.ChecksOutputs` checks) fails bad validation code or a
 misnamed metric before any step; an error of an evaluation or an action after training steps
 commits them first. With fakes (no torch) for the controller, then through the CLI.
 """
@@ -22,7 +22,7 @@ from cadence.checkpoint.session import CheckpointSession
 from cadence.runtime.coordination import LocalCoordinator
 from cadence.errors import (CheckpointError, ConfigError, SanityCheckError, TrainingDivergedError,
                             ValidationOutputError)
-from cadence.lifecycle import ChecksOutputs
+from cadence.extensions import ChecksOutputs
 from cadence.loop.sanity import sanity_check
 from cadence.summaries.metrics_file import read_metrics
 from cli_run import run_cadence as cadence

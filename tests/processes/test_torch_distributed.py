@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from cadence.checkpoint.files import MemoryWriter
 from cadence.runtime.coordination import LocalCoordinator
-from cadence.torch import Context, ResumableLoader, ResumableSampler, TorchTrainer, seed_everything
+from cadence.torch import Context, ResumableLoader, ResumableSampler, TorchTrainer
+from cadence.torch.runtime.rng import seed_everything
 from cadence.torch.runtime.distributed import init_distributed, rank_env, shutdown_distributed
 from cadence.torch.loop.trainer import _rank_seed
 from cli_run import torchrun_command

@@ -27,11 +27,13 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from cadence import Callback, Controller
 from cadence.checkpoint.files import MemoryWriter
 from cadence.config import config_from_dict
 from cadence.errors import ConfigError, SanityCheckError
 from cadence.summaries.metrics_file import read_metrics
-from cadence.torch import Context, TorchEvaluator, build_runners, run_evaluation, run_sidecar, run_training, seed_everything
+from cadence.torch import Context, TorchEvaluator, build_runners, run_evaluation, run_sidecar, run_training
+from cadence.torch.runtime.rng import seed_everything
 from cadence.torch.experiments.experiment import run_export
 from cadence.torch.components.ema import EMASettings, ModelEMA
 from cadence.torch.checkpoint_io.safetensors_io import safetensors_metadata, state_dict_from_safetensors
@@ -68,11 +70,14 @@ class TiedTask(TinyTask):
         return Tied()
 
 
-def runners(task: TinyTask, **settings):
+def runners(task: TinyTask, *callbacks: Callback, **settings):
+    """A trainer with an EMA and its evaluator; the EMA (then ``callbacks``) registered with a
+    controller, so that each ``trainer.train`` updates it."""
     seed_everything(0)
     trainer, evaluator = build_runners(task, Context.create("cpu", seed=0), ema=EMASettings(**settings))
-    assert trainer is not None and evaluator is not None
+    assert trainer is not None and evaluator is not None and trainer.ema is not None
     trainer.initialize()
+    Controller(trainer, callbacks=[trainer.ema, *callbacks], steps_per_loop=1, restore=False, progress=False)
     return trainer, evaluator
 
 
@@ -86,18 +91,19 @@ def float_state(module: nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("decay, start_step, every_n_steps", [(0.9, 0, 1), (0.8, 3, 1), (0.7, 4, 3)],
                          ids=["every-step", "start-3", "every-3-start-4"])
 def test_the_ema_is_the_hand_computed_average_of_the_weights(decay, start_step, every_n_steps):
-    trainer, _ = runners(TiedTask(), decay=decay, start_step=start_step, every_n_steps=every_n_steps)
-    assert trainer.ema is not None
-    ema = trainer.ema
-    weights = [float_state(trainer.model)]  # the initial weights, then after each step
+    weights: list[dict[str, torch.Tensor]] = []  # the initial weights, then after each step
     averages = []
 
-    class Record:
-        def after_step(self, global_step: int) -> None:  # runs after the EMA's update
+    class Record(Callback):
+        def on_train_step_end(self, run, step: int) -> None:  # runs after the EMA's update (registered first)
+            assert run.trainer is trainer and step == len(weights)
             weights.append(float_state(trainer.model))
             averages.append({k: v.clone() for k, v in ema.averaged_state().items() if v.is_floating_point()})
 
-    trainer.step_hooks.append(Record())
+    trainer, _ = runners(TiedTask(), Record(), decay=decay, start_step=start_step, every_n_steps=every_n_steps)
+    assert trainer.ema is not None
+    ema = trainer.ema
+    weights.append(float_state(trainer.model))
     trainer.train(10)
     expected = {k: v.double() for k, v in weights[0].items()}
     for step in range(1, 11):
@@ -144,6 +150,17 @@ def test_applied_swaps_the_ema_in_and_the_raw_weights_back_bit_for_bit_even_on_a
         raise RuntimeError("boom")
     assert all(torch.equal(model.state_dict()[k], raw[k]) for k in raw)
     assert all(torch.equal(ema.averaged_state()[k], averaged[k]) for k in averaged)
+
+
+def test_an_ema_that_no_controller_updates_is_refused_by_the_trainer():
+    seed_everything(0)
+    trainer, _ = build_runners(TinyTask(), Context.create("cpu", seed=0), ema=EMASettings(decay=0.9), evaluate=False)
+    assert trainer is not None
+    with pytest.raises(RuntimeError, match=r"pass trainer.ema in the controller's callbacks"):
+        trainer.train(1)
+    Controller(trainer, callbacks=[trainer.ema], steps_per_loop=1, restore=False, progress=False)
+    trainer.train(1)
+    assert trainer.global_step == 1
 
 
 def test_bad_settings_are_value_errors():

@@ -19,7 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from cadence import Controller
+from cadence import Callback, Controller
 from cadence.config import config_from_dict
 from cadence.config.components.profiler import NEVER, ProfilerWindow
 from cadence.torch import Context, build_runners, run_training
@@ -90,14 +90,14 @@ def test_window_description_and_bounds():
         ProfilerWindow(wait=-1)
 
 
-class ProfilerState:
-    """A step hook after the profiler's: whether the profiler records while each next step runs."""
+class ProfilerState(Callback):
+    """A per-step callback after the profiler: whether the profiler records while each next step runs."""
 
     def __init__(self) -> None:
         self.recording: dict[int, bool] = {}
 
-    def after_step(self, global_step: int) -> None:
-        self.recording[global_step + 1] = torch.autograd._profiler_enabled()
+    def on_train_step_end(self, run, step: int) -> None:
+        self.recording[step + 1] = torch.autograd._profiler_enabled()
 
 
 def test_no_profiler_outside_the_window_and_one_trace_per_cycle(tmp_path):
@@ -107,8 +107,7 @@ def test_no_profiler_outside_the_window_and_one_trace_per_cycle(tmp_path):
     window = ProfilerWindow(skip_first=0, wait=0, warmup=1, active=2, repeat=0)  # 2-3, 5-6, 8-9, ...
     profiler = StepProfiler(window, str(tmp_path / "profile"))
     state = ProfilerState()
-    trainer.step_hooks += [profiler, state]
-    with Controller(trainer=trainer, steps_per_loop=5, callbacks=[profiler], progress=False) as controller:
+    with Controller(trainer=trainer, steps_per_loop=5, callbacks=[profiler, state], progress=False) as controller:
         controller.train(10, checkpoint_at_completion=False)
         assert torch.autograd._profiler_enabled()  # the cycle of steps 11-12 began (warmup at 10)
     assert not torch.autograd._profiler_enabled()  # stopped on close
@@ -127,7 +126,7 @@ def test_a_trace_that_cannot_be_written_is_a_warning(tmp_path, caplog):
     blocker.write_text("a file where the directory should be")
     trainer, _ = build_runners(TinyTask(), Context.create(device="cpu", seed=0), evaluate=False)
     profiler = StepProfiler(ProfilerWindow(skip_first=1, wait=0, warmup=1, active=1), str(blocker))
-    trainer.step_hooks.append(profiler)
+    Controller(trainer=trainer, steps_per_loop=5, callbacks=[profiler], restore=False, progress=False)
     with caplog.at_level(logging.WARNING, logger="cadence"):
         trainer.train(5)
     assert trainer.global_step == 5 and profiler.traces == []
@@ -269,7 +268,7 @@ def test_a_rollback_inside_the_window_ends_the_trace(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="cadence"):
         for step in (1, 2, 3, 4, 2, 3, 4, 5, 6):  # steps 1-4, rolled back to 1, steps 2-6
             x = torch.tanh(x @ x)
-            profiler.after_step(step)
+            profiler.on_train_step_end(None, step)  # it needs no run here
     assert len(profiler.traces) == 2
     cut, again = traces(tmp_path).values()
     assert cut["cadence"]["steps"] == [3, 4]

@@ -1,4 +1,4 @@
-"""Experiment trackers (``loggers:``): the TrackerCallback with a recording tracker (in process,
+"""Experiment trackers (``loggers:``): the Tracker base class with a recording tracker (in process,
 fake trainer), then real MLflow on a sqlite store and real W&B offline, through ``cadence train``,
 a resume, a named sidecar, a failing server, a missing extra and 2 ranks."""
 
@@ -24,14 +24,14 @@ from cadence.actions import BestCheckpointExporter
 from cadence.checkpoint import CheckpointManager
 from cadence.config import config_from_dict
 from cadence.errors import ConfigError
-from cadence.trackers import Tracker, TrackerCallback, build_trackers, flatten_params
+from cadence.trackers import Tracker, build_trackers, flatten_params
 
 TESTS = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy:DeprecationWarning")  # MLflow's
 TASK = f"{TESTS / 'tasks.py'}:TinyTask"
 
 
-# -- the callback, with a recording tracker ---------------------------------------------------
+# -- the tracker as a callback, with a recording tracker --------------------------------------
 
 
 class Recording(Tracker):
@@ -39,7 +39,8 @@ class Recording(Tracker):
 
     name = "recording"
 
-    def __init__(self, fail_on: str | None = None, run_id: str = "run-a") -> None:
+    def __init__(self, fail_on: str | None = None, run_id: str = "run-a", **settings: Any) -> None:
+        super().__init__(**settings)
         self.calls: list[tuple[Any, ...]] = []
         self.fail_on = fail_on
         self.run_id = run_id
@@ -83,20 +84,22 @@ class Evaluator:
         return {"value": float(self.trainer.value), "nested": {"a": 1}}
 
 
-def _train(model_dir: Path, tracker: Tracker, steps: int, **kwargs: Any) -> Controller:
+def _settings(model_dir: Path, steps: int) -> dict[str, Any]:
+    return {"model_dir": str(model_dir), "params": {"trainer": {"train_steps": steps}}}
+
+
+def _train(model_dir: Path, tracker: Tracker, steps: int) -> Controller:
     trainer = FakeTrainer()
-    callback = TrackerCallback([tracker], model_dir=str(model_dir), params={"trainer": {"train_steps": steps}},
-                               **kwargs)
     best = BestCheckpointExporter(str(model_dir / "best"), "value")
     with Controller(trainer, Evaluator(trainer), CheckpointManager(str(model_dir / "checkpoints")),
                     steps_per_loop=2, checkpoint_interval=4, summary_interval=4, eval_actions=[best],
-                    callbacks=[callback], progress=False) as controller:
+                    callbacks=[tracker], progress=False) as controller:
         controller.train_and_evaluate(steps, eval_interval=4)
     return controller
 
 
 def test_callback_logs_params_metrics_best_and_continues_the_recorded_run(tmp_path):
-    tracker = Recording()
+    tracker = Recording(**_settings(tmp_path, 8))
     _train(tmp_path, tracker, 8)
     assert tracker.calls[0] == ("start", None)
     assert tracker.calls[1] == ("params", {"trainer": {"train_steps": 8}})
@@ -111,7 +114,7 @@ def test_callback_logs_params_metrics_best_and_continues_the_recorded_run(tmp_pa
     assert tracker.of("summary")[-1] == ("summary", {"best/step": 8, "best/metric": "value", "best/value": 36.0})
     assert tracker.calls[-1] == ("close", True)
 
-    again = Recording(run_id="run-b")  # a resumed run: continues run-a
+    again = Recording(run_id="run-b", **_settings(tmp_path, 12))  # a resumed run: continues run-a
     _train(tmp_path, again, 12)
     assert again.calls[0] == ("start", {"run_id": "run-a"})
     assert [c[2] for c in again.of("metrics") if c[1] == "train"] == [12]
@@ -125,40 +128,39 @@ def test_a_run_recorded_meanwhile_by_another_process_is_joined(tmp_path):
                 (tmp_path / "trackers" / "recording.json").write_text('{"run_id": "winner"}')
             return super().start(record)
 
-    tracker = Loser()
+    tracker = Loser(**_settings(tmp_path, 4))
     _train(tmp_path, tracker, 4)
     assert [c for c in tracker.calls if c[0] in ("start", "discard")] == [
         ("start", None), ("discard",), ("start", {"run_id": "winner"})]
 
 
 def test_a_failing_tracker_warns_once_and_training_goes_on(tmp_path, caplog):
-    failing, fine = Recording(fail_on="metrics"), Recording()
+    failing, fine = Recording(fail_on="metrics", model_dir=str(tmp_path)), Recording(model_dir=str(tmp_path))
     fine.name = "fine"
     trainer = FakeTrainer()
-    callback = TrackerCallback([failing, fine], model_dir=str(tmp_path))
     manager = CheckpointManager(str(tmp_path / "checkpoints"))
     with caplog.at_level(logging.WARNING, logger="cadence.trackers"):
         with Controller(trainer, Evaluator(trainer), manager, steps_per_loop=2, checkpoint_interval=2,
-                        callbacks=[callback], progress=False) as controller:
+                        callbacks=[failing, fine], progress=False) as controller:
             controller.train_and_evaluate(8, eval_interval=4)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == ["tracker recording failed and logs nothing more from this process (training goes on): "
                         "ConnectionError: metrics: server down"]
-    assert callback.failed == ["recording"]
+    assert failing.failed and not fine.failed
     assert [c[0] for c in failing.calls] == ["start", "metrics"]  # nothing after the failure, not even close
     assert len(fine.of("metrics")) == 4 + 2 and fine.calls[-1] == ("close", True)
     assert manager.steps() == [2, 4, 6, 8]
 
 
 def test_only_the_chief_logs():
-    tracker = Recording()
-    callback = TrackerCallback([tracker], model_dir=None)
-    callback.attach(SimpleNamespace(coordinator=SimpleNamespace(is_chief=False)))
-    callback.on_train_start()
-    callback.on_train_logs({"loss": 1.0}, 2)
-    callback.on_eval_end({"accuracy": 0.5}, 2)
-    callback.log_artifact(__file__, "x")
-    callback.on_close()
+    tracker = Recording(model_dir=None)
+    run = SimpleNamespace(coordinator=SimpleNamespace(is_chief=False), global_step=2)
+    tracker.attach(run)
+    tracker.on_train_start(run)
+    tracker.on_train_logs(run, {"loss": 1.0}, 2)
+    tracker.on_eval_end(run, {"accuracy": 0.5}, 2)
+    tracker.add_artifact(__file__, "x")
+    tracker.on_close(run)
     assert tracker.calls == []
 
 

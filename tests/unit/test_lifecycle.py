@@ -1,10 +1,11 @@
-"""cadence.lifecycle: the declared protocols and the walk over wrapped actions."""
+"""cadence.extensions: the declared protocols and the walk over wrapped actions."""
 
 from __future__ import annotations
 
 from cadence.actions import ConditionalAction, NewBestMetric, PeriodicAction
-from cadence.checkpoint import Stateful
-from cadence.lifecycle import Closeable, Composite, RunAware, components, owner_of, stateful_members
+from cadence.extensions import Stateful
+from cadence.extensions import Closeable, Composite, RunAware
+from cadence.loop.members import components, owner_of, stateful_members
 
 
 class Aware:

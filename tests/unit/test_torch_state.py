@@ -15,23 +15,19 @@ import torch
 from torch import nn
 
 from cadence.errors import CheckpointError, UnsafeCheckpointError
-from cadence.torch import (
-    get_rng_state,
-    load_model_safetensors,
-    load_torch_state,
-    model_to_safetensors,
-    seed_everything,
-    set_rng_state,
-    state_dict_from_safetensors,
-    torch_state_to_bytes,
-)
 from cadence.torch.checkpoint_io.state import (
     SafetensorsPayload,
     clone_tree,
+    load_model_safetensors,
+    load_torch_state,
+    model_to_safetensors,
     safetensors_metadata,
     save_torch_state,
+    state_dict_from_safetensors,
     state_dict_to_safetensors,
+    torch_state_to_bytes,
 )
+from cadence.torch.runtime.rng import get_rng_state, seed_everything, set_rng_state
 from cadence.torch.runtime.rng import RNGSnapshot
 
 

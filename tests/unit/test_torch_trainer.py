@@ -26,8 +26,8 @@ from cadence.torch import (
     TorchTrainer,
     build_runners,
     resolve_precision,
-    seed_everything,
 )
+from cadence.torch.runtime.rng import seed_everything
 from in_memory import MemReader, save
 
 # -- a small regression task ---------------------------------------------------------------------

@@ -2,8 +2,8 @@
 output (no torch here).
 
 The action contract: ``action(output: dict) -> Any``; raising :class:`~cadence.errors.StopTraining`
-ends training cleanly. What else an action may be and use is declared in :mod:`cadence.lifecycle`:
-``RunAware`` (``attach(run)``: handed the run's :class:`~cadence.lifecycle.RunContext` once),
+ends training cleanly. What else an action may be and use is declared in :mod:`cadence.extensions`:
+``RunAware`` (``attach(run)``: handed the run's :class:`~cadence.extensions.RunContext` once),
 ``Stateful`` (saved in and restored from checkpoints), ``Closeable``, ``Composite`` (a wrapper).
 """
 

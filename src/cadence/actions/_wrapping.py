@@ -1,7 +1,7 @@
 """What actions that wrap other actions share: :class:`WrapperAction`.
 
 A wrapper declares what it wraps (:meth:`WrapperAction.wrapped`, the
-:class:`~cadence.lifecycle.Composite` protocol): the controller attaches and closes those objects
+:class:`~cadence.extensions.Composite` protocol): the controller attaches and closes those objects
 itself, so no wrapper forwards ``attach`` or ``close``. The wrapped objects' state is carried in
 the wrapper's own ``state_dict`` (keyed by position and class name), written here once.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Sequence
 
-from cadence.checkpoint.protocol import Stateful
 from cadence.errors import StopTraining
-from cadence.lifecycle import Action, owner_of
+from cadence.extensions import Action, Stateful, checkpoint_name
+from cadence.loop.members import owner_of
 
 logger = logging.getLogger("cadence")
 
@@ -41,7 +41,7 @@ def run_all(actions: list[Action], output: dict[str, Any]) -> None:
 
 
 def _key(i: int, obj: object) -> str:
-    return f"{i}/{getattr(obj, 'checkpoint_name', None) or type(obj).__name__}"
+    return f"{i}/{checkpoint_name(obj)}"
 
 
 class WrapperAction:

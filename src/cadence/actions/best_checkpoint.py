@@ -15,7 +15,7 @@ from cadence.checkpoint import CheckpointManager, JSONState, copy_objects
 from cadence.checkpoint.protocol import WritesShards
 from cadence.checkpoint.space import raise_if_full
 from cadence.errors import CheckpointError
-from cadence.lifecycle import RunContext
+from cadence.extensions import RunContext
 from cadence.summaries.scalars import json_value
 
 logger = logging.getLogger("cadence.actions")

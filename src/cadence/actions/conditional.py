@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from cadence.actions._wrapping import WrapperAction, run_all
-from cadence.lifecycle import Action
+from cadence.extensions import Action
 
 __all__ = ["ConditionalAction", "Condition"]
 

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from cadence.actions.metric_path import Metric, check_metric, get_metric, is_better, metric_name, same_metric
 from cadence.errors import StopTraining
-from cadence.lifecycle import RunContext
+from cadence.extensions import RunContext
 
 __all__ = ["EarlyStopping"]
 

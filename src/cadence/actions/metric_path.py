@@ -89,7 +89,7 @@ def get_metric(output: Mapping[str, Any], metric: Metric) -> float:
 
 def check_metric(output: Mapping[str, Any], metric: Metric, owner: str) -> None:
     """Check that :func:`get_metric` reads ``metric`` from ``output`` as a number (the
-    :class:`~cadence.lifecycle.ChecksOutputs` check of the actions that read one metric).
+    :class:`~cadence.extensions.ChecksOutputs` check of the actions that read one metric).
 
     Raises:
       ConfigError: the metric is missing (the message names it, ``owner`` and the keys

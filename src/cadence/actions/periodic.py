@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from cadence.actions._wrapping import WrapperAction, run_all
-from cadence.lifecycle import Action, RunContext
+from cadence.extensions import Action, RunContext
 
 __all__ = ["PeriodicAction"]
 

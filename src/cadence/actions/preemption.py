@@ -8,7 +8,7 @@ from types import FrameType
 from typing import Any, Iterable
 
 from cadence.errors import PreemptedExit
-from cadence.lifecycle import RunContext
+from cadence.extensions import RunContext
 from cadence.runtime.signals import SignalHandlers, install_handlers, signal_name
 
 logger = logging.getLogger("cadence.actions")

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from cadence.errors import CheckpointError, TrainingDivergedError
-from cadence.lifecycle import RunContext
+from cadence.extensions import RunContext
 
 logger = logging.getLogger("cadence.actions")
 
@@ -19,7 +19,7 @@ class RecoveryAction:
     infinite, or when ``loss_upper_bound`` is set, the global step is at least
     ``recovery_begin_steps`` and the loss exceeds the bound. Then model, optimizer, scheduler,
     grad scaler and global step are restored from the latest committed checkpoint through
-    :meth:`~cadence.lifecycle.RunContext.rollback`, while the data position keeps moving forward: the batches
+    :meth:`~cadence.extensions.RunContext.rollback`, while the data position keeps moving forward: the batches
     of the steps since that checkpoint are skipped (as large-model practice does for loss spikes)
     and the skipped range is logged and kept in :attr:`skipped`.
 

@@ -19,7 +19,6 @@ from cadence.checkpoint.protocol import (
     Restorable,
     Savable,
     Snapshottable,
-    Stateful,
 )
 from cadence.storage import Storage
 
@@ -38,7 +37,6 @@ __all__ = [
     "Savable",
     "Snapshottable",
     "STATE_NAME",
-    "Stateful",
     "Storage",
     "copy_objects",
 ]

@@ -25,7 +25,8 @@ from cadence.checkpoint.leases import Leases
 from cadence.checkpoint.listing import check_step
 from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.checkpoint.objects import snapshot_objects
-from cadence.checkpoint.protocol import Savable, Stateful
+from cadence.checkpoint.protocol import Savable
+from cadence.extensions import Stateful
 from cadence.checkpoint.space import raise_if_full
 from cadence.errors import CheckpointError, CheckpointSpaceError, CorruptCheckpointError
 from cadence.runtime.coordination import Coordinator

@@ -16,8 +16,8 @@ from cadence.checkpoint.protocol import (
     Restorable,
     Savable,
     Snapshottable,
-    Stateful,
 )
+from cadence.extensions import Stateful
 
 logger = logging.getLogger("cadence.checkpoint")
 

@@ -6,8 +6,9 @@ mapping ``name -> object`` and each object contributes in one of two ways:
 * **Checkpointable** (``save_checkpoint`` / ``load_checkpoint``): writes its own files through the
   :class:`CheckpointWriter` (e.g. ``model.safetensors``, ``optimizer.pt``) and returns a
   JSON-serialisable value stored under its name in ``state.json``.
-* **Stateful** (``state_dict`` / ``load_state_dict`` returning / taking JSON-serialisable values):
-  stored under its name in ``state.json`` -- actions' state (best value, patience) uses this.
+* **Stateful** (:class:`cadence.extensions.Stateful`: ``state_dict`` / ``load_state_dict``
+  returning / taking JSON-serialisable values): stored under its name in ``state.json`` --
+  actions' state (best value, patience) uses this.
 
 For asynchronous saves a Checkpointable may also have ``snapshot_checkpoint()``, returning an
 object whose ``save_checkpoint(writer)`` writes what ``save_checkpoint`` would have written at the
@@ -139,10 +140,3 @@ class Snapshottable(Protocol):
     written at the time of the snapshot (e.g. tensors copied rather than serialised)."""
 
     def snapshot_checkpoint(self) -> Savable: ...
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    def state_dict(self) -> JSON: ...
-
-    def load_state_dict(self, state: JSON) -> None: ...

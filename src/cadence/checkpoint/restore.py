@@ -12,7 +12,8 @@ from cadence.checkpoint.files import STATE_NAME, VerifiedReader
 from cadence.checkpoint.listing import committed_steps, step_dir
 from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.checkpoint.objects import load_object
-from cadence.checkpoint.protocol import Restorable, Stateful
+from cadence.checkpoint.protocol import Restorable
+from cadence.extensions import Stateful
 from cadence.errors import CheckpointError, CorruptCheckpointError
 from cadence.runtime.coordination import Coordinator
 from cadence.storage import Storage

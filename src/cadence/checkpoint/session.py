@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 from cadence.checkpoint.copy import JSONState
 from cadence.checkpoint.manager import CheckpointManager
-from cadence.checkpoint.protocol import CheckpointReader, ShardTarget, Stateful, WritesShards
+from cadence.checkpoint.protocol import CheckpointReader, ShardTarget, WritesShards
+from cadence.extensions import Stateful
 from cadence.runtime.coordination import Coordinator
 from cadence.errors import CheckpointError, TrainingDivergedError
 
@@ -219,7 +220,7 @@ class CheckpointSession:
 
     @staticmethod
     def frozen(objects: Mapping[str, object]) -> dict[str, object]:
-        """The :class:`~cadence.checkpoint.Stateful` ones of ``objects`` as they are now: a copy
+        """The :class:`~cadence.extensions.Stateful` ones of ``objects`` as they are now: a copy
         of each one's state, saved in its place (the checkpoint of a moment already past)."""
         return {name: JSONState(copy.deepcopy(obj.state_dict())) for name, obj in objects.items()
                 if isinstance(obj, Stateful)}

@@ -1,8 +1,10 @@
 """The training loop: :class:`Controller` (Orbit's, with the differences the README lists).
 
 The loop alone; its parts have one job each: :mod:`cadence.checkpoint.session` (restore, save,
-FINAL, rollback), :mod:`cadence.loop.hooks` (callbacks), :mod:`cadence.loop.schedule` (intervals, segments,
-throttling), :mod:`cadence.lifecycle` (what actions may use and be). No framework is imported.
+FINAL, rollback), :mod:`cadence.loop.hooks` (callbacks), :mod:`cadence.loop.schedule` (intervals,
+segments, throttling), :mod:`cadence.loop.members` (the actions' and callbacks' parts),
+:mod:`cadence.sidecar.continuous` (continuous evaluation), :mod:`cadence.extensions` (what the
+roles, actions and callbacks may use and be). No framework is imported.
 """
 
 from __future__ import annotations
@@ -11,22 +13,23 @@ import logging
 import time
 from typing import Any, Callable, Iterable, TypeVar
 
-from cadence.callbacks import Callback
 from cadence.checkpoint.manager import CheckpointManager
 from cadence.checkpoint.protocol import Restorable, WritesShards
 from cadence.checkpoint.session import CheckpointSession
-from cadence.runtime.coordination import Coordinator, LocalCoordinator
 from cadence.errors import StopTraining
+from cadence.extensions import (Action, Callback, Closeable, Evaluator, GathersCheckpoint, Initializable, RunAware,
+                                Trainer)
 from cadence.loop.hooks import CallbackHooks
-from cadence.lifecycle import Action, Closeable, RunAware, components, stateful_members
-from cadence.summaries.progress import ProgressReporter, format_value
-from cadence.loop.runner import Evaluator, GathersCheckpoint, Initializable, Trainer
+from cadence.loop.members import components, stateful_members
 from cadence.loop.sanity import sanity_check
 from cadence.loop.schedule import (EvalState, EvalThrottle, check_advance, check_interval, check_loop_settings, crossed,
-                              segment_target)
-from cadence.summaries.manager import SummaryManager
-from cadence.summaries.throughput import CountsWork, throughput_logs
+                                   already_reached, loop_size, segment_target)
+from cadence.runtime.coordination import Coordinator, LocalCoordinator
 from cadence.runtime.watchdog import Heartbeat
+from cadence.sidecar.continuous import ContinuousEvaluation
+from cadence.summaries.progress import ProgressReporter, format_value
+from cadence.summaries.throughput import CountsWork, throughput_logs
+from cadence.summaries.manager import SummaryManager
 
 logger = logging.getLogger("cadence")
 
@@ -56,7 +59,9 @@ class Controller:
         rates of :func:`cadence.summaries.throughput.throughput_logs` when the trainer is
         :class:`~cadence.summaries.throughput.CountsWork`: ``samples_per_second``, ...; the same elapsed time).
       eval_actions: callables run on each evaluation's metrics.
-      callbacks: :class:`~cadence.callbacks.Callback` instances told about the run's events.
+      callbacks: :class:`~cadence.extensions.Callback` instances told about the run's events; those
+        overriding ``on_train_step_end`` are called by the trainer after each step (it must be
+        :class:`~cadence.extensions.ReportsSteps`).
       restore_step: the checkpoint restored on construction. ``None``: the latest committed one
         (a corrupt one is reported and skipped); an int: exactly that step (missing or corrupt
         raises :class:`~cadence.errors.CheckpointError`).
@@ -70,7 +75,7 @@ class Controller:
         ``actions``, ``checkpoint``, ``evaluate``) for a :class:`~cadence.runtime.watchdog.Watchdog`
         (``trainer.hang_timeout``); the runners beat it at each step. ``None``: nobody watches.
 
-    Actions and callbacks take part through :mod:`cadence.lifecycle`'s protocols: ``RunAware``
+    Actions and callbacks take part through :mod:`cadence.extensions`' protocols: ``RunAware``
     ones are attached to this controller (a ``RunContext``) once, before the restore, also when
     wrapped in another action; ``Stateful`` ones are saved in every checkpoint
     (``train_actions/<i>/<Class>``, ``eval_actions/...``, ``callbacks/...``; ``checkpoint_name``
@@ -78,7 +83,7 @@ class Controller:
 
     On construction the latest checkpoint is restored (model, optimizer, data position, RNG,
     actions' state); when there is none, the trainer's (or a lone evaluator's) ``initialize()``
-    runs if it is :class:`~cadence.loop.runner.Initializable`. With a trainer, the summaries a killed run
+    runs if it is :class:`~cadence.extensions.Initializable`. With a trainer, the summaries a killed run
     wrote past the restored step are dropped then (``metrics.jsonl`` records, and TensorBoard's
     through a restart marker: :meth:`SummaryManager.resume_at <cadence.summaries.manager.SummaryManager.resume_at>`);
     the eval ones only when this controller evaluates (a sidecar's stay).
@@ -86,7 +91,8 @@ class Controller:
     Raises:
       ValueError: neither trainer nor evaluator; bad ``steps_per_loop`` / intervals; with a
         trainer, a ``restore_step`` older than the latest checkpoint (two runs in one dir).
-      TypeError: a callback that is not a :class:`~cadence.callbacks.Callback`.
+      TypeError: a callback that is not a :class:`~cadence.extensions.Callback`; a callback that
+        overrides ``on_train_step_end`` with a trainer that is not ``ReportsSteps``.
     """
 
     def __init__(
@@ -124,8 +130,9 @@ class Controller:
         self.progress = progress if self.coordinator.is_chief else False
         self.restored_step: int | None = None
         self.stop_reason: str | None = None
-        self._hooks = CallbackHooks(callbacks)
+        self._hooks = CallbackHooks(callbacks, self)
         self.callbacks = self._hooks.callbacks
+        self._hooks.hand_step_end(trainer)
         self._session = CheckpointSession(checkpoint_manager, self.coordinator,
                                           on_save=self._hooks.checkpoint_save, on_load=self._hooks.checkpoint_load,
                                           shards=trainer if isinstance(trainer, WritesShards) else None)
@@ -232,7 +239,7 @@ class Controller:
         self._require(self.trainer, "trainer", "train")
         self.stop_reason = None
         with self._hooks.training(on_preempted=self._session.wait_for_commits):
-            if self._reached(steps):
+            if already_reached(self.global_step, steps, saved=self.checkpoint_manager is not None):
                 return
             self._session.reopen_if_final(steps)
             with self._progress(steps) as progress:
@@ -253,7 +260,7 @@ class Controller:
         trainer = self._require(self.trainer, "trainer", "train")
         while (target is None or self.global_step < target) and self.stop_reason is None:
             before = self.global_step
-            requested = self._loop_size(before, target)
+            requested = loop_size(self.steps_per_loop, before, target)
             start = time.perf_counter()
             self._heartbeat.enter("train", before)
             logs = dict(trainer.train(requested) or {})
@@ -288,27 +295,6 @@ class Controller:
                 logger.info("training data exhausted at step %d", after)
                 return True
         return self.stop_reason is not None
-
-    def _reached(self, target: int | None) -> bool:
-        """Whether the global step is at ``target`` already (logged), or past it (a warning: a run
-        resumed with a lower ``train_steps`` has nothing to train)."""
-        if target is None or self.global_step < target:
-            return False
-        if self.global_step == target:
-            logger.info("train: global step %d already reached target %d", self.global_step, target)
-        else:
-            where = "the model dir has" if self.checkpoint_manager is not None else "the trainer has"
-            logger.warning("%s trained to step %d, past train_steps=%d: nothing to train", where, self.global_step,
-                           target)
-        return True
-
-    def _loop_size(self, step: int, target: int | None) -> int:
-        spl = self.steps_per_loop
-        size = spl(step) if callable(spl) else spl
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"steps_per_loop({step}) returned {size!r}; expected an int >= 1")
-        return size if target is None else min(size, target - step)
-
 
     def evaluate(self, steps: int = -1) -> dict[str, Any]:
         """Evaluate ``steps`` batches (``-1``: all) of the current model state; return the metrics.
@@ -346,15 +332,13 @@ class Controller:
     ) -> dict[str, Any] | None:
         """Evaluate checkpoints as they are committed; the last evaluation's metrics (None: none).
 
-        Orbit's contract, run by the sidecar's loop (:class:`~cadence.sidecar.evaluator.ContinuousEvaluation`)
+        Orbit's contract, run by the sidecar's loop (:class:`~cadence.sidecar.continuous.ContinuousEvaluation`)
         with its defaults (``None``): ``mode="every"`` evaluates each checkpoint in step order
         (``"latest"``: the newest, as Orbit), one that fails to load is retried, then skipped. After
         ``timeout`` s without a new checkpoint ``timeout_fn()`` decides: True (or none) stops, False
         waits on; ``None`` waits for ever. It also stops after the final checkpoint (``FINAL``).
         Raises ValueError without an evaluator or a checkpoint manager.
         """
-        from cadence.sidecar.evaluator import ContinuousEvaluation
-
         self._require(self.evaluator, "evaluator", "evaluate_continuously")
         self._require(self.checkpoint_manager, "checkpoint_manager", "evaluate_continuously")
         result = ContinuousEvaluation(self, steps=steps, timeout=timeout, timeout_fn=timeout_fn, mode=mode,
@@ -405,7 +389,7 @@ class Controller:
         check_interval("eval_interval", eval_interval)
         throttle = EvalThrottle(throttle_secs, start_delay_secs)
         self.stop_reason = None
-        reached = self._reached(train_steps)
+        reached = already_reached(self.global_step, train_steps, saved=self.checkpoint_manager is not None)
         if sanity_steps and not reached:  # before anything changes on disk
             sanity_check(evaluator, self.eval_actions, sanity_steps)
         self._session.reopen_if_final(train_steps)

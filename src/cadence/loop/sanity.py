@@ -3,7 +3,7 @@
 An error in the validation code or in an eval action's settings (a misnamed metric) would
 otherwise surface only at the first evaluation, after training steps have run. A few validation
 batches are run through the real evaluator before the first training step, and the eval actions
-that read the metrics check that they are there (:class:`~cadence.lifecycle.ChecksOutputs`).
+that read the metrics check that they are there (:class:`~cadence.extensions.ChecksOutputs`).
 Nothing is written: no summary, no metrics file, no action state; the evaluator leaves the
 training's RNG, data position and the model's modes as they were (its validation data is
 iterated afresh for each evaluation).
@@ -15,8 +15,9 @@ import logging
 from typing import Any, Iterable
 
 from cadence.errors import CadenceError, SanityCheckError, ValidationOutputError
-from cadence.lifecycle import ChecksOutputs, components
-from cadence.loop.runner import Evaluator
+from cadence.extensions import ChecksOutputs
+from cadence.loop.members import components
+from cadence.extensions import Evaluator
 
 logger = logging.getLogger("cadence")
 
@@ -25,7 +26,7 @@ __all__ = ["sanity_check"]
 
 def sanity_check(evaluator: Evaluator, eval_actions: Iterable[object], steps: int) -> dict[str, Any]:
     """Evaluate ``steps`` (>= 1) validation batches, then let each eval action (wrapped ones
-    too) that is :class:`~cadence.lifecycle.ChecksOutputs` check the metrics; return them.
+    too) that is :class:`~cadence.extensions.ChecksOutputs` check the metrics; return them.
 
     Collective in a multi-process run (the evaluation is): every rank calls it.
 

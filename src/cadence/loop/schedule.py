@@ -1,15 +1,19 @@
 """When the loop acts: interval crossings, evaluation segments and tf.estimator's throttling.
 
-Pure bookkeeping, no I/O: the :class:`~cadence.Controller` asks these when to write summaries,
-save, and evaluate.
+Pure bookkeeping, no I/O (but a log line): the :class:`~cadence.Controller` asks these how long
+an inner loop is, when to write summaries, save, and evaluate.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
-__all__ = ["EvalState", "EvalThrottle", "check_advance", "check_interval", "check_loop_settings", "crossed", "segment_target"]
+logger = logging.getLogger("cadence")
+
+__all__ = ["EvalState", "EvalThrottle", "already_reached", "check_advance", "check_interval", "check_loop_settings",
+           "crossed", "loop_size", "segment_target"]
 
 
 def check_interval(name: str, value: int | None) -> None:
@@ -124,3 +128,27 @@ class EvalThrottle:
     def evaluating(self) -> None:
         """Note that an evaluation starts now."""
         self._last = self._clock()
+
+
+def loop_size(steps_per_loop: int | Callable[[int], int] | None, step: int, target: int | None) -> int:
+    """The steps of the inner loop starting at ``step``: ``steps_per_loop`` (called with ``step``
+    when callable), at most up to ``target`` (None: no target). ValueError for a callable that
+    returns anything but an int >= 1."""
+    size = steps_per_loop(step) if callable(steps_per_loop) else steps_per_loop
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"steps_per_loop({step}) returned {size!r}; expected an int >= 1")
+    return size if target is None else min(size, target - step)
+
+
+def already_reached(step: int, target: int | None, *, saved: bool) -> bool:
+    """Whether the global ``step`` is at ``target`` already (logged), or past it (a warning: a run
+    resumed with a lower ``train_steps`` has nothing to train). ``saved``: the run has a
+    checkpoint manager (the warning then names the model dir)."""
+    if target is None or step < target:
+        return False
+    if step == target:
+        logger.info("train: global step %d already reached target %d", step, target)
+    else:
+        where = "the model dir has" if saved else "the trainer has"
+        logger.warning("%s trained to step %d, past train_steps=%d: nothing to train", where, step, target)
+    return True

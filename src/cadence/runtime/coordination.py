@@ -42,6 +42,15 @@ class Coordinator(Protocol):
         ...
 
 
+@runtime_checkable
+class GathersToOne(Protocol):
+    """A coordinator that gathers onto one rank only (cheaper than :meth:`Coordinator.all_gather`)."""
+
+    def gather(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's ``obj``, in rank order, on rank ``dst``; ``None`` elsewhere."""
+        ...
+
+
 class LocalCoordinator:
     """The coordinator of a single process: every collective is immediate."""
 

@@ -1,53 +1,32 @@
-"""Continuous evaluation: the sidecar evaluator, and the loop under ``Controller.evaluate_continuously``.
+"""The sidecar evaluator: :class:`SidecarEvaluator` (Keras' ``SidecarEvaluator``, tf.estimator's
+evaluator role).
 
-:class:`ContinuousEvaluation` is the one continuous-evaluation loop: it follows a controller's
-checkpoints as they are committed, restores each into the controller and evaluates it, retries a
-checkpoint that fails to load and then records it as failed, and stops on ``FINAL``, a timeout,
-``max_evaluations`` or a request. :class:`SidecarEvaluator` runs it in a separate process
-(Keras' ``SidecarEvaluator``, tf.estimator's evaluator role) and adds what a separate process
+It runs :class:`~cadence.sidecar.continuous.ContinuousEvaluation` (the loop under
+``Controller.evaluate_continuously`` too) in a separate process and adds what a separate process
 needs: leases, so the trainer's retention never deletes a checkpoint from under it;
 ``evaluations.jsonl``, so a restarted sidecar never evaluates a step twice; and SIGTERM handling.
 
-Framework-agnostic: the evaluator is any :class:`~cadence.loop.runner.Evaluator` that restores
+Framework-agnostic: the evaluator is any :class:`~cadence.extensions.Evaluator` that restores
 checkpoints (``cadence.torch.experiments.experiment.build_sidecar`` builds one for a Task).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import math
 import signal
-import socket
 import threading
-import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal
+from typing import Any, Iterable, Literal
 
 from cadence import layout
-from cadence.actions.metric_path import is_better
 from cadence.checkpoint import CheckpointManager
 from cadence.checkpoint.lease_keeper import LeaseKeeper
 from cadence.checkpoint.leases import Leases
-from cadence.checkpoint.watcher import CheckpointWatcher, Mode
-from cadence.config.schema import SidecarConfig
-from cadence.errors import CheckpointError
+from cadence.extensions import Evaluator
+from cadence.loop.controller import Controller
 from cadence.runtime.signals import install_handlers
-from cadence.storage import Storage
-from cadence.summaries.metrics_file import read_metrics
-from cadence.summaries.scalars import json_value
+from cadence.sidecar.continuous import (DEFAULTS, EVALUATIONS_FILE, BestTracker, ContinuousEvaluation, EvaluationLog,
+                                        SidecarResult)
 
-if TYPE_CHECKING:  # pragma: no cover
-    from cadence.loop.controller import Controller
-
-logger = logging.getLogger("cadence.sidecar.evaluator")
-
-__all__ = ["ContinuousEvaluation", "EVALUATIONS_FILE", "EvaluationLog", "SidecarEvaluator", "SidecarResult",
-           "lease_holder"]
-
-EVALUATIONS_FILE = "evaluations.jsonl"
-Status = Literal["evaluated", "failed", "skipped"]
-DEFAULTS = SidecarConfig()  # the sidecar's settings and their defaults live in its config section
+__all__ = ["EVALUATIONS_FILE", "EvaluationLog", "SidecarEvaluator", "SidecarResult", "lease_holder"]
 
 
 def lease_holder(name: str | None = None) -> str:
@@ -55,259 +34,11 @@ def lease_holder(name: str | None = None) -> str:
     return f"sidecar-{name or 'eval'}"
 
 
-class EvaluationLog:
-    """``evaluations.jsonl``: one JSON record per checkpoint the sidecar dealt with.
-
-    Each record: ``step``, ``checkpoint`` (its path), ``status`` (``evaluated`` | ``failed`` |
-    ``skipped``), ``time``, and ``metrics`` + ``duration_s`` (evaluated) or ``error`` (the others).
-    Appends rewrite the file atomically, so a killed sidecar leaves whole records only.
-    """
-
-    def __init__(self, eval_dir: str, storage_options: dict[str, Any] | None = None) -> None:
-        self.storage = Storage(layout.join(eval_dir, EVALUATIONS_FILE), storage_options)
-        self.path = self.storage.url(self.storage.root)
-
-    def records(self) -> list[dict[str, Any]]:
-        return [r for r in read_metrics(self.path) if isinstance(r.get("step"), int) and "status" in r]
-
-    def append(self, record: dict[str, Any]) -> None:
-        try:
-            existing = self.storage.read_bytes(self.storage.root)
-        except FileNotFoundError:
-            existing = b""
-            self.storage.makedirs(self.storage.root.rsplit("/", 1)[0])
-        if existing and not existing.endswith(b"\n"):
-            existing += b"\n"
-        self.storage.write_atomic(self.storage.root, existing + (json.dumps(record) + "\n").encode())
-
-
-@dataclass
-class SidecarResult:
-    """What a continuous evaluation did and why it stopped."""
-
-    stop_reason: str  # "final" | "timeout" | "max_evaluations" | "stopped"
-    message: str
-    evaluated: list[int] = field(default_factory=list)
-    failed: list[int] = field(default_factory=list)
-    skipped: list[int] = field(default_factory=list)
-    best: dict[str, Any] | None = None  # {"metric", "step", "value"} (the sidecar: over all evaluations.jsonl)
-    last_metrics: dict[str, Any] | None = None
-
-
-@dataclass
-class BestTracker:
-    """The best value of one metric over evaluation records."""
-
-    metric: str | None
-    higher_is_better: bool = True
-
-    def update(self, best: dict[str, Any] | None, record: dict[str, Any]) -> dict[str, Any] | None:
-        """``best`` or, when ``record`` is an evaluation with a better finite value, ``record``'s."""
-        if self.metric is None or record.get("status") != "evaluated":
-            return best
-        value = record.get("metrics", {}).get(self.metric)
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            return best
-        if is_better(value, None if best is None else best["value"], higher_is_better=self.higher_is_better):
-            return {"metric": self.metric, "step": record["step"], "value": value}
-        return best
-
-
-class ContinuousEvaluation:
-    """Evaluates ``controller``'s committed checkpoints as they appear; :meth:`run` returns a
-    :class:`SidecarResult`.
-
-    Args:
-      controller: a controller with an evaluator and a checkpoint manager; each checkpoint is
-        restored into it (``Controller.restore``) and evaluated (``Controller.evaluate``: eval
-        summaries, eval actions and callbacks).
-      steps: batches per evaluation; ``-1``: the whole eval data.
-      mode, poll_interval, max_retries, retry_backoff: see
-        :class:`~cadence.config.SidecarConfig` (``None``: its default).
-      timeout: stop after this many seconds without a new checkpoint; ``None``: wait for ever.
-      timeout_fn: on timeout, True (or no ``timeout_fn``) stops, False waits on (Orbit's).
-      max_evaluations: stop once this many checkpoints were evaluated in total (``None``: no limit).
-      train_steps: a checkpoint at or past this step is final even before ``FINAL`` appears.
-      log: where records go and, on start, which steps were already dealt with (``None``: none).
-      keeper: a started lease keeper protecting the checkpoints still to evaluate (``None``: no lease).
-      max_pending: (``every`` mode, with a keeper) the unevaluated checkpoints held back from
-        retention; the oldest beyond it are recorded as skipped.
-      best: which metric's best to report.
-      should_stop: polled between checkpoints; True ends the run (``"stopped"``).
-      name: who is evaluating, for log lines.
-
-    Stop reasons: ``"final"`` (the final checkpoint was evaluated), ``"timeout"``,
-    ``"max_evaluations"``, ``"stopped"``.
-    """
-
-    def __init__(
-        self,
-        controller: Controller,
-        *,
-        steps: int = -1,
-        mode: str | None = None,
-        poll_interval: float | None = None,
-        timeout: float | None = None,
-        timeout_fn: Callable[[], bool] | None = None,
-        max_evaluations: int | None = None,
-        train_steps: int | None = None,
-        max_retries: int | None = None,
-        retry_backoff: float | None = None,
-        log: EvaluationLog | None = None,
-        keeper: LeaseKeeper | None = None,
-        max_pending: int | None = None,
-        best: BestTracker | None = None,
-        should_stop: Callable[[], bool] | None = None,
-        name: str = "evaluate_continuously",
-    ) -> None:
-        mode = DEFAULTS.mode if mode is None else mode
-        if mode != "every" and mode != "latest":
-            raise ValueError(f"mode must be 'every' or 'latest', got {mode!r}")
-        if controller.checkpoint_manager is None:
-            raise ValueError("continuous evaluation needs a controller with a checkpoint manager")
-        self.controller = controller
-        self.manager: CheckpointManager = controller.checkpoint_manager
-        self.steps = steps
-        self.mode: Mode = "every" if mode == "every" else "latest"
-        self.poll_interval = DEFAULTS.poll_interval if poll_interval is None else poll_interval
-        self.timeout = timeout
-        self.timeout_fn = timeout_fn
-        self.max_evaluations = max_evaluations
-        self.train_steps = train_steps
-        self.max_retries = DEFAULTS.max_retries if max_retries is None else max_retries
-        self.retry_backoff = DEFAULTS.retry_backoff if retry_backoff is None else retry_backoff
-        self.log = log
-        self.keeper = keeper
-        self.max_pending = max_pending
-        self.best = best or BestTracker(None)
-        self.should_stop = should_stop
-        self.name = name
-
-    def run(self) -> SidecarResult:
-        """Evaluate checkpoints until a stop condition; return what was done and why it stopped."""
-        records = self.log.records() if self.log is not None else []
-        done = {r["step"] for r in records}
-        result = SidecarResult(stop_reason="", message="", best=self._best_of(records))
-        evaluated_total = sum(r["status"] == "evaluated" for r in records)
-        after = max(done) if done else None
-        if done and self.log is not None:
-            logger.info("%s: resuming after step %d (%d checkpoints already in %s)", self.name, after,
-                        len(done), self.log.path)
-        if self.max_evaluations is not None and evaluated_total >= self.max_evaluations:
-            return self._finish(result, "max_evaluations", f"already evaluated {evaluated_total} checkpoints "
-                                f"(max_evaluations={self.max_evaluations})")
-        watcher = CheckpointWatcher(self.manager, mode=self.mode, poll_interval=self.poll_interval,
-                                    timeout=self.timeout, timeout_fn=self.timeout_fn, after=after,
-                                    train_steps=self.train_steps, should_stop=self.should_stop)
-        seen: set[int] = set()
-        for step in watcher:
-            if step in done:
-                continue
-            waiting = [step, *watcher.pending()]
-            seen.update(waiting)
-            releasing = self.mode == "every" and self.keeper is not None
-            if releasing and step in self._release_excess(waiting, watcher, seen, done, result):
-                continue
-            self._keep(reading=step)
-            record = self._evaluate(step)
-            self._record(record)
-            done.add(step)
-            self._keep(after=step if self.mode == "every" else None, reading=None)
-            getattr(result, record["status"]).append(step)
-            if record["status"] == "evaluated":
-                evaluated_total += 1
-                result.last_metrics = record["metrics"]
-                result.best = self.best.update(result.best, record)
-            if self.max_evaluations is not None and evaluated_total >= self.max_evaluations:
-                return self._finish(result, "max_evaluations",
-                                    f"evaluated {evaluated_total} checkpoints (max_evaluations={self.max_evaluations})")
-        reason = watcher.stop_reason or "stopped"
-        if reason == "final":
-            message = f"evaluated the final checkpoint (step {watcher.after})"
-        elif reason == "timeout":
-            message = (f"no new checkpoint in {self.manager.directory} for {self.timeout:g} s and no FINAL: "
-                       "stopping (is the trainer still running?)")
-        else:
-            message = "stopped on request"
-        return self._finish(result, reason, message)
-
-    def _keep(self, **protect: int | None) -> None:
-        if self.keeper is not None:
-            self.keeper.update(**protect)
-
-    def _record(self, record: dict[str, Any]) -> None:
-        if self.log is not None:
-            self.log.append(record)
-
-    def _release_excess(self, waiting: list[int], watcher: CheckpointWatcher, seen: set[int], done: set[int],
-                        result: SidecarResult) -> list[int]:
-        """Record as skipped the checkpoints retention may delete or has deleted: the oldest of
-        ``waiting`` beyond ``max_pending``, and seen ones already gone. Returns them."""
-        gone = sorted(seen - done - set(self.manager.steps()))
-        excess = []
-        if self.max_pending is not None and len(waiting) > self.max_pending:
-            excess = waiting[: len(waiting) - self.max_pending]
-        reasons = dict.fromkeys(gone, "deleted by the trainer's retention before it could be evaluated")
-        reasons.update(dict.fromkeys(excess, f"more than max_pending={self.max_pending} checkpoints were waiting"))
-        for step in sorted(reasons):
-            logger.warning("%s: skipping checkpoint %d: %s", self.name, step, reasons[step])
-            self._record(self._new_record(step, "skipped", error=reasons[step]))
-            done.add(step)
-            result.skipped.append(step)
-        if excess:  # evaluate after them; the lease no longer holds them
-            watcher.after = excess[-1]
-            self._keep(after=excess[-1])
-        return sorted(reasons)
-
-    def _evaluate(self, step: int) -> dict[str, Any]:
-        error: Exception | None = None
-        for attempt in range(self.max_retries + 1):
-            try:
-                self.controller.restore(step)
-                break
-            except CheckpointError as e:
-                if step not in self.manager.steps():
-                    return self._new_record(step, "skipped", error=f"deleted before it could be read ({e})")
-                error = e
-            if attempt < self.max_retries:
-                delay = self.retry_backoff * 2**attempt
-                logger.warning("%s: loading checkpoint %d failed (%s); retrying in %.1f s", self.name, step,
-                               error, delay)
-                time.sleep(delay)
-        else:
-            logger.error("%s: checkpoint %d failed to load after %d attempts, skipping it: %s", self.name,
-                         step, self.max_retries + 1, error)
-            return self._new_record(step, "failed", error=str(error))
-        start = time.perf_counter()
-        metrics = self.controller.evaluate(self.steps)
-        record = self._new_record(step, "evaluated", metrics={k: json_value(v) for k, v in metrics.items()})
-        record["duration_s"] = round(time.perf_counter() - start, 6)
-        return record
-
-    def _new_record(self, step: int, status: Status, **extra: Any) -> dict[str, Any]:
-        return {"step": step, "checkpoint": self.manager.path(step), "status": status, "time": time.time(),
-                "host": socket.gethostname(), **extra}
-
-    def _best_of(self, records: list[dict[str, Any]]) -> dict[str, Any] | None:
-        best = None
-        for record in records:
-            best = self.best.update(best, record)
-        return best
-
-    def _finish(self, result: SidecarResult, reason: str, message: str) -> SidecarResult:
-        result.stop_reason, result.message = reason, message
-        best = f"; best {result.best['metric']}={result.best['value']:.6g} at step {result.best['step']}" \
-            if result.best else ""
-        logger.info("%s: %s (%d evaluated, %d failed, %d skipped in this run%s)", self.name, message,
-                    len(result.evaluated), len(result.failed), len(result.skipped), best)
-        return result
-
-
 class SidecarEvaluator:
     """Evaluates the committed checkpoints of ``model_dir`` while a trainer writes them.
 
     Args:
-      evaluator: an :class:`~cadence.loop.runner.Evaluator` that restores checkpoints
+      evaluator: an :class:`~cadence.extensions.Evaluator` that restores checkpoints
         (``load_checkpoint``); for a ``cadence.torch.Task``, use
         ``cadence.torch.experiments.experiment.build_sidecar``.
       model_dir: the trainer's model dir (local path or fsspec URL), shared with the trainer.
@@ -322,7 +53,7 @@ class SidecarEvaluator:
       train_steps: a checkpoint at or past this step is final even before ``FINAL`` appears.
       best_metric / higher_is_better: the metric whose best is reported (and rebuilt from
         ``evaluations.jsonl`` on restart). ``None``: no best is tracked here.
-      callbacks: :class:`~cadence.callbacks.Callback` objects told of each checkpoint restored
+      callbacks: :class:`~cadence.extensions.Callback` objects told of each checkpoint restored
         (``on_checkpoint_load``), each evaluation (``on_eval_end``) and the end (``on_close``,
         always). A sidecar does not train: ``on_train_start`` / ``on_train_end`` /
         ``on_checkpoint_save`` never fire, and callbacks' state is not restored (it belongs to
@@ -335,7 +66,7 @@ class SidecarEvaluator:
 
     def __init__(
         self,
-        evaluator: Any,
+        evaluator: Evaluator,
         model_dir: str,
         mode: Literal["every", "latest"] = DEFAULTS.mode,
         steps: int = -1,
@@ -361,7 +92,7 @@ class SidecarEvaluator:
             raise ValueError(f"max_evaluations must be >= 1 or None, got {max_evaluations}")
         if max_pending is not None and max_pending < 1:
             raise ValueError(f"max_pending must be >= 1 or None, got {max_pending}")
-        if not callable(getattr(evaluator, "evaluate", None)):
+        if not isinstance(evaluator, Evaluator):
             raise TypeError(f"SidecarEvaluator needs an evaluator (evaluate(num_steps)), got {type(evaluator).__name__}; "
                             "for a Task use cadence.torch.experiments.experiment.build_sidecar")
         self.evaluator = evaluator
@@ -394,8 +125,6 @@ class SidecarEvaluator:
 
     def start(self) -> SidecarResult:
         """Evaluate checkpoints until a stop condition; return what was done and why it stopped."""
-        from cadence.loop.controller import Controller
-
         done = [r["step"] for r in self.log.records()]
         after = max(done) if done else None
         controller = Controller(evaluator=self.evaluator, checkpoint_manager=self.manager,

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 from cadence.actions.metric_path import check_metric, get_metric
 from cadence.config.schema import SweepTrialConfig
 from cadence.errors import CadenceError, StopTraining
-from cadence.lifecycle import RunContext
+from cadence.extensions import RunContext
 from cadence.storage import Storage
 
 logger = logging.getLogger("cadence.sweep")

@@ -1,6 +1,8 @@
 """cadence for PyTorch: the Task a user writes, and the trainer / evaluator that run it.
 
-Everything in cadence that imports torch lives in this package.
+Everything in cadence that imports torch lives in this package. The names below are its public
+API; the low-level state helpers (RNG states, safetensors and ``torch.save`` files) are not: they
+live in :mod:`cadence.torch.runtime.rng` and :mod:`cadence.torch.checkpoint_io.state`.
 """
 
 from cadence._lazy import lazy_attributes
@@ -16,16 +18,6 @@ from cadence.torch.components.metrics import TorchMetricsReducer
 from cadence.torch.components.precision import Precision, resolve_precision
 from cadence.torch.export.signatures import export_model_signatures, read_signatures
 from cadence.torch.task.export_specs import ExportSignature
-from cadence.torch.checkpoint_io.state import (
-    load_model_safetensors,
-    load_torch_state,
-    model_to_safetensors,
-    state_dict_from_safetensors,
-    state_dict_to_safetensors,
-    torch_state_to_bytes,
-    unwrap_model,
-)
-from cadence.torch.runtime.rng import get_rng_state, seed_everything, set_rng_state
 from cadence.torch.task.task import Task
 from cadence.torch.loop.trainer import TorchTrainer, build_runners
 
@@ -61,23 +53,13 @@ __all__ = [
     "export_model",
     "export_model_signatures",
     "first_tensor",
-    "get_rng_state",
     "init_distributed",
     "load_exported",
     "read_signatures",
-    "load_model_safetensors",
-    "load_torch_state",
-    "model_to_safetensors",
     "move_to_device",
     "rank_env",
     "resolve_precision",
-    "seed_everything",
-    "set_rng_state",
     "shutdown_distributed",
-    "state_dict_from_safetensors",
-    "state_dict_to_safetensors",
-    "torch_state_to_bytes",
-    "unwrap_model",
     "train_and_evaluate",
     *_EXPERIMENT,
     *_SMOKE,

@@ -50,7 +50,9 @@ class MLflowTracker(Tracker):
       experiment: the experiment's name; created when missing.
       run_name: the run's name (``None``: the model dir's name, else MLflow's).
       tags: tags set on a new run.
-      model_dir: recorded as the run's tag ``cadence.model_dir``.
+      model_dir: recorded as the run's tag ``cadence.model_dir``; the run of
+        ``MODEL_DIR/trackers/mlflow.json`` is continued.
+      settings: the other keywords of :class:`~cadence.trackers.Tracker` (``params``, ...).
 
     Raises:
       ConfigError: mlflow is not installed (names ``cadence[mlflow]``).
@@ -60,13 +62,13 @@ class MLflowTracker(Tracker):
 
     def __init__(self, tracking_uri: str | None = DEFAULTS.tracking_uri, experiment: str = DEFAULTS.experiment,
                  run_name: str | None = DEFAULTS.run_name, tags: Mapping[str, str] | None = None, *,
-                 model_dir: str | None = None) -> None:
+                 model_dir: str | None = None, **settings: Any) -> None:
         require_extra("mlflow", "mlflow", "loggers.mlflow")
+        super().__init__(model_dir=model_dir, **settings)
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.run_name = run_name if run_name is not None else default_run_name(model_dir)
         self.tags = dict(tags or {})
-        self.model_dir = model_dir
         self.client: Any = None
         self.run_id: str | None = None
         self._reopened_from: str | None = None

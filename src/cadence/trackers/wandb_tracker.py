@@ -29,7 +29,9 @@ class WandbTracker(Tracker):
       dir: where W&B writes (``DIR/wandb/``); ``None``: ``MODEL_DIR/trackers`` for a local model
         dir, else the current directory.
       run_name, tags: the run's name (``None``: the model dir's name, else W&B's) and tags.
-      model_dir: the model dir (for ``dir``'s default).
+      model_dir: the model dir (for ``dir``'s default); the run of ``MODEL_DIR/trackers/wandb.json``
+        is continued.
+      settings: the other keywords of :class:`~cadence.trackers.Tracker` (``params``, ...).
 
     Each process of the model dir (the trainer, a resumed trainer, a sidecar) logs under the one
     run id of ``MODEL_DIR/trackers/wandb.json``; offline, each writes an ``offline-run-*-<id>``
@@ -44,8 +46,9 @@ class WandbTracker(Tracker):
     def __init__(self, project: str = DEFAULTS.project, entity: str | None = DEFAULTS.entity,
                  mode: Literal["offline", "online", "disabled"] = DEFAULTS.mode, dir: str | None = DEFAULTS.dir,
                  run_name: str | None = DEFAULTS.run_name, tags: list[str] | None = None, *,
-                 model_dir: str | None = None) -> None:
+                 model_dir: str | None = None, **settings: Any) -> None:
         require_extra("wandb", "wandb", "loggers.wandb")
+        super().__init__(model_dir=model_dir, **settings)
         self.project = project
         self.entity = entity
         self.mode = mode

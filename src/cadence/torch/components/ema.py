@@ -1,6 +1,7 @@
 """An exponential moving average of a model's weights (``trainer.ema``): :class:`ModelEMA`.
 
-The EMA is a :class:`~cadence.torch.loop.step_hooks.StepHook` of the trainer. It holds one copy of the
+The EMA is a :class:`~cadence.extensions.Callback` of the run (its ``on_train_step_end``), saved and
+restored by the trainer that has it (``TorchTrainer(ema=...)``). It holds one copy of the
 model's floating-point state (parameters and float buffers such as BatchNorm's running
 statistics), on the model's device, in the model's dtypes; for a model sharded by FSDP2 each
 copy is a ``DTensor`` with the parameter's placement, so every rank keeps only its shards.
@@ -37,6 +38,7 @@ from torch import nn
 
 from cadence.checkpoint.protocol import CheckpointReader
 from cadence.errors import CheckpointError
+from cadence.extensions import Callback, RunContext
 from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
 from cadence.torch.checkpoint_io.safetensors_io import SafetensorsPayload, safetensors_views
 from cadence.torch.checkpoint_io.state import describe_key_mismatch, unwrap_model
@@ -74,8 +76,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class ModelEMA:
+class ModelEMA(Callback):
     """An EMA of ``model``'s floating-point state; see the module's docstring for the rules.
+
+    A :class:`~cadence.extensions.Callback` that updates itself after each optimizer step
+    (:meth:`on_train_step_end`): pass it in the controller's callbacks, beside the trainer that
+    checkpoints it (the experiment's run does; the trainer refuses to train an EMA that is not
+    registered, :attr:`attached`).
 
     ``model`` may be wrapped (DDP, ``torch.compile``) or sharded by FSDP2 (then the EMA's tensors
     are DTensor shards placed as the parameters). Built from the weights as they are; the trainer
@@ -115,6 +122,8 @@ class ModelEMA:
         self._state = state
         self._live: list[torch.Tensor] = live  # the model's float tensors (local shards), in place
         self._averaged: list[torch.Tensor] = averaged  # the EMA's, in the same order
+        self.attached = False
+        """Whether a controller has it among its callbacks (so that it is updated at each step)."""
 
     @classmethod
     def from_settings(cls, model: nn.Module, settings: EMASettings) -> ModelEMA:
@@ -123,11 +132,14 @@ class ModelEMA:
 
     # -- the average ---------------------------------------------------------------------------
 
-    def after_step(self, global_step: int) -> None:
-        """The StepHook: update at every ``every_n_steps``-th global step (see the module)."""
-        if global_step % self.every_n_steps or not self._averaged:
+    def attach(self, run: RunContext) -> None:
+        self.attached = True
+
+    def on_train_step_end(self, run: RunContext, step: int) -> None:
+        """Update at every ``every_n_steps``-th global ``step`` (see the module)."""
+        if step % self.every_n_steps or not self._averaged:
             return
-        if global_step > self.start_step:
+        if step > self.start_step:
             torch._foreach_lerp_(self._averaged, self._live, self._weight)
         else:
             torch._foreach_copy_(self._averaged, self._live)
@@ -173,11 +185,11 @@ class ModelEMA:
         the ``ema`` state of a sharded checkpoint (a collective then, with a process group: every
         rank reads its shards). A checkpoint without an EMA: the EMA starts from the loaded
         weights, with a warning. ``CheckpointError`` when the saved EMA does not match the model."""
-        source = getattr(reader, "path", "")
+        source = reader.path
         names = reader.names()
         if sharded_checkpoint.is_sharded_checkpoint(names):
             found = sharded_checkpoint.load_extra_state(source, SHARDED_KEY, self._state,
-                                                        storage_options=getattr(reader, "storage_options", None))
+                                                        storage_options=reader.storage_options)
         elif EMA_FILE in names:
             self._load_file(reader.view(EMA_FILE), f"{source}/{EMA_FILE}" if source else EMA_FILE)
             found = True

@@ -2,7 +2,7 @@
 ``profiler:`` section, ``cadence train --profile``).
 
 The window is a :class:`~cadence.config.components.profiler.ProfilerWindow` in global steps. Outside its
-warmup and recorded steps no profiler exists: the trainer's step hook compares two integers and
+warmup and recorded steps no profiler exists: its ``on_train_step_end`` compares two integers and
 returns. Before a cycle's first warmup step (from the previous step's hook, or from
 ``on_train_start`` when it is the run's first step) a ``torch.profiler.profile`` is built and
 started -- between two steps, so no step is profiled in part; its schedule counts global steps,
@@ -34,14 +34,13 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from cadence import layout
-from cadence.callbacks import Callback
+from cadence.extensions import Callback, RunContext
 from cadence.config.components.profiler import NEVER, Cycle, ProfilerWindow
 from cadence.storage import Storage
 from cadence.runtime.watchdog import Heartbeat, unwatched
 
 if TYPE_CHECKING:  # pragma: no cover
     from cadence.config.schema import ProfilerConfig
-    from cadence.lifecycle import RunContext
     from cadence.torch.runtime.context import Context
 
 __all__ = ["StepProfiler", "build_step_profiler", "trace_name"]
@@ -61,10 +60,10 @@ def trace_name(rank: int, *, gzip: bool = False, time_ns: int | None = None) -> 
 class StepProfiler(Callback):
     """Traces the steps of ``window`` on this rank into ``directory`` (a local path or an fsspec URL).
 
-    A :class:`~cadence.torch.loop.step_hooks.StepHook` (``after_step``: add it to
-    ``TorchTrainer.step_hooks``) and a :class:`~cadence.Callback` (add it to the controller's
-    callbacks: ``on_train_start`` starts a cycle that begins at the run's first step,
-    ``on_close`` stops a profiler that training left running and writes what it recorded).
+    A :class:`~cadence.Callback`, registered once in the controller's callbacks:
+    ``on_train_step_end`` drives the profiler, ``on_train_start`` starts a cycle that begins at
+    the run's first step, ``on_close`` stops a profiler that training left running and writes
+    what it recorded.
     ``device``: CUDA kernels are traced too when it is a CUDA device. ``last_step``: the run's
     last step (``trainer.train_steps``; None: unknown), where a cycle is cut short and written
     (a cycle recording nothing before it is not started). A run that ends otherwise inside a
@@ -86,44 +85,40 @@ class StepProfiler(Callback):
         self.gzip = gzip
         self.heartbeat = heartbeat
         self.traces: list[str] = []
-        self._arm = window.next_start(1) - 1  # after_step(step) does nothing while step < _arm
+        self._arm = window.next_start(1) - 1  # on_train_step_end(step) does nothing while step < _arm
         self._prof: torch.profiler.profile | None = None
         self._cycle: Cycle | None = None
         self._expected = 0  # the global step the running profiler is in
         self._planned: Cycle | None = None  # the running cycle as the window has it (before a cut)
-        self._run: RunContext | None = None
 
     # -- hooks ---------------------------------------------------------------------------------
 
-    def attach(self, run: RunContext) -> None:
-        self._run = run
+    def on_train_start(self, run: RunContext) -> None:
+        if self._prof is None:
+            self._arm_for(run.global_step + 1)
 
-    def on_train_start(self) -> None:
-        if self._prof is None and self._run is not None:
-            self._arm_for(self._run.global_step + 1)
-
-    def after_step(self, global_step: int) -> None:
+    def on_train_step_end(self, run: RunContext, step: int) -> None:
         """Outside a window: one comparison. Before a cycle: start it; inside: the profiler's
         step; after its last recorded step: stop it and write the trace."""
         if self._prof is None:
-            if global_step < self._arm:
+            if step < self._arm:
                 return
-            self._arm_for(global_step + 1)
+            self._arm_for(step + 1)
             return
-        if global_step != self._expected:  # the step went back (a NaN rollback): keep what was recorded
+        if step != self._expected:  # the step went back (a NaN rollback): keep what was recorded
             log.warning("profiler: the global step went from %d to %d inside the window: the trace ends here",
-                        self._expected, global_step)
+                        self._expected, step)
             self._finish(self._expected - 1)
-            self._arm_for(global_step + 1)
+            self._arm_for(step + 1)
             return
         assert self._cycle is not None
-        if global_step >= self._cycle.last_active:
-            self._finish(global_step)
+        if step >= self._cycle.last_active:
+            self._finish(step)
             return
-        self._expected = global_step + 1
+        self._expected = step + 1
         self._prof.step()
 
-    def on_close(self) -> None:
+    def on_close(self, run: RunContext) -> None:
         if self._prof is not None:  # training ended inside a window
             self._finish(self._expected - 1)
 

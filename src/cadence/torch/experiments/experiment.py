@@ -26,7 +26,7 @@ from cadence.runtime.coordination import Coordinator, LocalCoordinator
 from cadence.config import ExperimentConfig, save_config
 from cadence.loop.controller import Controller
 from cadence.errors import CheckpointError, ConfigError, WriterLeaseHeldError
-from cadence.lifecycle import RunContext
+from cadence.extensions import RunContext
 from cadence.sidecar.evaluator import SidecarEvaluator, SidecarResult
 from cadence.runtime.watchdog import Heartbeat, Watchdog
 from cadence.torch.runtime.context import Context
@@ -137,13 +137,13 @@ def build_callbacks(cfg: ExperimentConfig, task: Task) -> list[Any]:
 
 def _tracking(cfg: ExperimentConfig, chief: bool, *, eval_name: str | None = None,
               export: str | None = None) -> list[Any]:
-    """The config's ``loggers:`` as a callback (``[]``: none set): only the chief logs, the
-    evaluations under ``eval_name`` (default ``eval``), and at the end the newest export of
-    ``export`` (the one this process writes). ConfigError when a tracker's extra is missing."""
-    from cadence.trackers import tracker_callback
+    """The config's ``loggers:``, each tracker a callback (``[]``: none set; none on a rank that is
+    not the chief): the evaluations under ``eval_name`` (default ``eval``), and at the end the
+    newest export of ``export`` (the one this process writes). ConfigError when a tracker's extra
+    is missing."""
+    from cadence.trackers import build_trackers
 
-    callback = tracker_callback(cfg, chief=chief, eval_name=eval_name, export=export)
-    return [callback] if callback is not None else []
+    return list(build_trackers(cfg, chief=chief, eval_name=eval_name, export=export))
 
 
 def _example_inputs(task: Task, formats: Sequence[str], where: str, model: Any = None) -> Any:
@@ -420,12 +420,12 @@ def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any,
         export_on = cfg.export.on if cfg.export is not None else None
         exports = export_on if export_on == "final" or (evaluate and export_on is not None) else None
         callbacks += _tracking(cfg, ctx.is_chief, export=exports)
-    if train and cfg.profiler is not None:  # a step hook, and a callback for the run's first step and its end
+    if train and ema is not None:  # updated after each step (after the user's callbacks: their positions stay)
+        callbacks.append(ema)
+    if train and cfg.profiler is not None:
         from cadence.torch.components.profiling import build_step_profiler
 
-        profiler = build_step_profiler(cfg.profiler, model_dir, ctx, train_steps=t.train_steps)
-        trainer.step_hooks.append(profiler)
-        callbacks.append(profiler)
+        callbacks.append(build_step_profiler(cfg.profiler, model_dir, ctx, train_steps=t.train_steps))
     manager = CheckpointManager(  # one writer: the chief; the other ranks only read
         layout.checkpoints_dir(model_dir), max_to_keep=t.max_to_keep,
         keep_every_n_steps=t.keep_every_n_steps, writer=train and ctx.is_chief,

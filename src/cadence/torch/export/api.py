@@ -20,12 +20,12 @@ import logging
 import os
 import posixpath
 import tempfile
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
 
-from cadence.lifecycle import RunContext
+from cadence.extensions import RunContext
 from cadence.storage import Storage
 from cadence.torch.export.formats import (
     FILES,
@@ -213,6 +213,13 @@ def _is_rank_zero() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+
+@runtime_checkable
+class HoldsModel(Protocol):
+    """A runner whose live model :class:`ExportModel` exports (``TorchTrainer``, ``TorchEvaluator``)."""
+
+    model: Any
+
 class ExportModel:
     """An action that exports the model on each call (e.g. as an eval action).
 
@@ -275,9 +282,8 @@ class ExportModel:
             return self._module
         runners = (self._run.trainer, self._run.evaluator) if self._run is not None else ()
         for runner in runners:
-            model = getattr(runner, "model", None)
-            if isinstance(model, nn.Module):
-                return model
+            if isinstance(runner, HoldsModel) and isinstance(runner.model, nn.Module):
+                return runner.model
         raise ExportError(
             "ExportModel cannot find the model: pass model_fn= (a zero-arg callable returning the "
             "live model), or attach it to a controller whose trainer or evaluator has a .model"

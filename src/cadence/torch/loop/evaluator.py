@@ -1,4 +1,4 @@
-"""The PyTorch implementation of the :class:`cadence.loop.runner.Evaluator` protocol."""
+"""The PyTorch implementation of the :class:`cadence.extensions.Evaluator` protocol."""
 
 from __future__ import annotations
 
@@ -152,11 +152,11 @@ class TorchEvaluator:
         if num_steps < -1:
             raise ValueError(f"num_steps must be -1 (all) or >= 0, got {num_steps}")
         task, device, autocast = self.task, self.ctx.device, self.precision.autocast
-        coordinator = getattr(self.ctx, "coordinator", None) or LocalCoordinator()
-        world_size = int(getattr(coordinator, "world_size", 1))
+        coordinator = self.ctx.coordinator or LocalCoordinator()
+        world_size = coordinator.world_size
         aggregate = _overrides(task, "aggregate_logs")
-        merge_aggregated = getattr(task, "merge_aggregated_logs", None)
-        if aggregate and world_size > 1 and not callable(merge_aggregated):
+        merge_aggregated = task.merge_aggregated_logs if _overrides(task, "merge_aggregated_logs") else None
+        if aggregate and world_size > 1 and merge_aggregated is None:
             raise TypeError(
                 f"{type(task).__name__} overrides aggregate_logs, whose state is per process: in an "
                 f"evaluation over {world_size} processes each rank aggregates only its own shard. Define "
@@ -258,8 +258,7 @@ class TorchEvaluator:
         return self._merge(gathered, reducers, agg_state, merge_aggregated)
 
     def _build_reducers(self) -> dict[str, MetricReducer]:
-        build = getattr(self.task, "build_metrics", None)
-        built = build() if callable(build) else {}
+        built = self.task.build_metrics()
         if built is None:
             return {}
         if not isinstance(built, Mapping):
@@ -313,9 +312,9 @@ class TorchEvaluator:
         """Load the model only (an evaluator-only controller): ``model.safetensors``, or the model
         state of a sharded checkpoint, assembled from every rank's shards (in one process without
         a process group: the sidecar, ``cadence export``), and its EMA with ``ema``; remember the step."""
-        source = getattr(reader, "path", "")
+        source = reader.path
         if sharded_checkpoint.is_sharded_checkpoint(reader.names()):
-            sharded_checkpoint.load_model(source, self.model, storage_options=getattr(reader, "storage_options", None))
+            sharded_checkpoint.load_model(source, self.model, storage_options=reader.storage_options)
         else:
             load_model_safetensors(self.model, reader.view(MODEL_FILE),
                                    source=f"{source}/{MODEL_FILE}" if source else MODEL_FILE)

@@ -1,4 +1,4 @@
-"""The PyTorch implementation of the :class:`cadence.loop.runner.Trainer` protocol."""
+"""The PyTorch implementation of the :class:`cadence.extensions.Trainer` protocol."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import functools
 import hashlib
 import logging
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeGuard
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from cadence.checkpoint.background import Pending, Worker
-from cadence.checkpoint.protocol import CheckpointReader, CheckpointWriter, ShardTarget, Stateful
+from cadence.checkpoint.protocol import CheckpointReader, CheckpointWriter, ShardTarget
+from cadence.extensions import Stateful, StepEnd
 from cadence.errors import CheckpointError, ConfigError
 from cadence.torch.data.batch import move_to_device
 from cadence.torch.components.compile import compile_model
@@ -39,7 +40,6 @@ from cadence.torch.checkpoint_io import tensor_tree
 from cadence.torch.data import state as data_state
 from cadence.torch.parallel import sharding
 from cadence.torch.checkpoint_io.shard_writes import ShardWrites, files_of
-from cadence.torch.loop.step_hooks import StepHook
 from cadence.torch.task.step_logs import FOLD, ScalarSum, add_extras, split_output
 from cadence.torch.task.task import Task
 from cadence.torch.components.throughput import ThroughputMeter
@@ -50,10 +50,6 @@ if TYPE_CHECKING:
     from cadence.config.schema import CompileConfig
 
 log = logging.getLogger(__name__)
-
-def _is_stateful(data: object) -> TypeGuard[Stateful]:
-    return callable(getattr(data, "state_dict", None)) and callable(getattr(data, "load_state_dict", None))
-
 
 class TorchTrainer:
     """Runs a :class:`Task`'s training steps; checkpoints everything exact resume needs.
@@ -67,10 +63,13 @@ class TorchTrainer:
     a gradient scaler); raises ``RuntimeError`` at construction if the device cannot run it.
     ``grad_accum_steps``: batches per optimizer step (the loss is divided by it).
     ``grad_clip_norm``: clip the global gradient norm to this value (``None``: no clipping).
-    ``step_hooks``: :class:`~cadence.torch.loop.step_hooks.StepHook` s called after each optimizer step
-    (appended to :attr:`step_hooks` later, too).
-    ``ema``: an EMA of the weights (:class:`~cadence.torch.components.ema.ModelEMA`), updated as a step hook,
-    started from the initial weights, saved into and restored from every checkpoint.
+    After each optimizer step (after the LR scheduler's) it calls what the controller handed
+    :meth:`set_step_end` (:class:`~cadence.extensions.ReportsSteps`: the callbacks'
+    ``on_train_step_end``); nothing when none was.
+    ``ema``: an EMA of the weights (:class:`~cadence.torch.components.ema.ModelEMA`), started from
+    the initial weights, saved into and restored from every checkpoint; it is a callback that
+    updates itself after each step: pass it in the controller's callbacks too (the experiment's
+    run does). :meth:`train` raises ``RuntimeError`` when it was not.
     ``peak_tflops``: the device's peak TFLOP/s for MFU (``None``: a CUDA device's from
     :mod:`cadence.torch.components.device_peaks`); see :meth:`loop_work`. ``log_throughput=False``: count
     nothing (no samples/s, tokens/s, MFU nor peak memory in the logs).
@@ -95,7 +94,6 @@ class TorchTrainer:
         grad_accum_steps: int = 1,
         grad_clip_norm: float | None = None,
         train_data: Iterable[Any] | None = None,
-        step_hooks: Iterable[StepHook] = (),
         ema: ModelEMA | None = None,
         peak_tflops: float | None = None,
         log_throughput: bool = True,
@@ -122,10 +120,8 @@ class TorchTrainer:
         self.grad_accum_steps = int(grad_accum_steps)
         self.grad_clip_norm = grad_clip_norm
         self._train_data = train_data
-        self.step_hooks: list[StepHook] = list(step_hooks)
         self.ema = ema
-        if ema is not None:
-            self.step_hooks.append(ema)
+        self._step_end: StepEnd | None = None
         self._iterator: Iterator[Any] | None = None
         self._global_step = 0
         self._batches_consumed = 0  # for replay when the data is not stateful
@@ -176,6 +172,11 @@ class TorchTrainer:
         if self.ema is not None:
             self.ema.reset()  # from the initial weights (the same on every rank)
 
+    def set_step_end(self, fn: StepEnd | None) -> None:
+        """:class:`~cadence.extensions.ReportsSteps`: call ``fn(global_step)`` after each optimizer
+        step (after the LR scheduler's step); ``None``: nothing."""
+        self._step_end = fn
+
     def train(self, num_steps: int) -> dict[str, float]:
         """Run up to ``num_steps`` optimizer steps (``grad_accum_steps`` batches each).
 
@@ -188,6 +189,9 @@ class TorchTrainer:
         """
         if num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {num_steps}")
+        if self.ema is not None and not self.ema.attached:
+            raise RuntimeError("the trainer's EMA updates itself as a callback: pass trainer.ema in the "
+                               "controller's callbacks (Controller(..., callbacks=[trainer.ema]))")
         it = self._iterator if self._iterator is not None else self._start_iterator()
         model, optimizer, scheduler, scaler = self.model, self.optimizer, self.lr_scheduler, self.grad_scaler
         task, device = self.task, self.ctx.device
@@ -207,7 +211,7 @@ class TorchTrainer:
         plain = k == 1 and autocast is None and scaler is None and not place
         train_step, forward_backward, step_optimizer = task.train_step, self._forward_backward, optimizer.step
         heartbeat = self.ctx.heartbeat  # the watchdog's: one beat per step
-        hooks, start_step = self.step_hooks, self._global_step
+        step_end, start_step = self._step_end, self._global_step
         count = self._meter.start_loop()  # samples and tokens: one Python call per batch (None: off)
         # Detached per-micro-batch losses stay on the device until the end (no per-step sync).
         losses: list[torch.Tensor] = []
@@ -280,9 +284,8 @@ class TorchTrainer:
                     else:
                         scheduler.step()
                 steps += 1
-                if hooks:
-                    for hook in hooks:
-                        hook.after_step(start_step + steps)
+                if step_end is not None:
+                    step_end(start_step + steps)
                 if heartbeat is not None:
                     heartbeat.beats += 1
                 if len(losses) >= FOLD:  # bound memory on very long loops: one on-device sum
@@ -338,7 +341,7 @@ class TorchTrainer:
         skip = 0
         if pending is not None:
             if pending.get("kind") == "stateful":
-                if not _is_stateful(data):
+                if not isinstance(data, Stateful):
                     raise CheckpointError(
                         "the checkpoint's data position was saved through the train data's state_dict, "
                         f"but the train data ({type(data).__name__}) has no load_state_dict"
@@ -367,7 +370,7 @@ class TorchTrainer:
             # Not iterated since construction / the last load: the position is the pending one.
             return self._pending_data_state
         data = self._train_data
-        if _is_stateful(data):
+        if isinstance(data, Stateful):
             return {"kind": "stateful", "state": data_state.to_json(data.state_dict())}
         return {"kind": "replay", "batches": self._batches_consumed}
 
@@ -489,11 +492,11 @@ class TorchTrainer:
         ``UnsafeCheckpointError``) when a file does not match or would need unsafe unpickling.
         """
         state = dict(state or {})
-        source = getattr(reader, "path", "")
+        source = reader.path
         if sharded_checkpoint.is_sharded_checkpoint(reader.names()):
             # Collective (DCP) when a process group is up: every rank reads the chunks of its shards.
             sharded_checkpoint.load_trainer_state(source, self.model, self.optimizer, self.lr_scheduler,
-                                                  storage_options=getattr(reader, "storage_options", None))
+                                                  storage_options=reader.storage_options)
             if self.grad_scaler is not None:
                 log.warning("%s: a sharded checkpoint holds no grad-scaler state: the fp16 loss scale starts afresh",
                             source)

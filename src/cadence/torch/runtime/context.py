@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, Subset
 
-from cadence.runtime.coordination import Coordinator, LocalCoordinator
+from cadence.runtime.coordination import Coordinator, GathersToOne, LocalCoordinator
 from cadence.errors import ConfigError
 from cadence.storage import Storage
 from cadence.runtime.watchdog import Heartbeat
@@ -273,9 +273,8 @@ class Context:
     def gather(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Every rank's ``obj`` (picklable), in rank order, on rank ``dst``; ``None`` elsewhere (collective)."""
         coord = self._coord("gather")
-        gather = getattr(coord, "gather", None)
-        if callable(gather):
-            return gather(obj, dst=dst)
+        if isinstance(coord, GathersToOne):
+            return coord.gather(obj, dst=dst)
         out = coord.all_gather(obj)
         return out if self.rank == dst else None
 

@@ -115,6 +115,13 @@ class Task(abc.ABC):
         """Turn the aggregated state into metrics, merged into the evaluation's result."""
         return {}
 
+    def merge_aggregated_logs(self, states: list[Any]) -> Any:
+        """Merge the :meth:`aggregate_logs` states of all ranks (in rank order) into one, before
+        :meth:`reduce_aggregated_logs`. Needed (overridden) by a task that overrides
+        :meth:`aggregate_logs` and evaluates on several processes (a ``TypeError`` names it
+        otherwise); not called on one process."""
+        raise NotImplementedError
+
     def build_metrics(self) -> Mapping[str, Any]:
         """Metric reducers, by the name of the ``validation_step`` output each one is fed; ``{}`` by default.
 
