@@ -33,7 +33,8 @@ from cadence.errors import ConfigError, SanityCheckError
 from cadence.summaries.writer import read_metrics
 from cadence.torch import Context, TorchEvaluator, build_runners, run_evaluation, run_sidecar, run_training, seed_everything
 from cadence.torch.experiments.experiment import run_export
-from cadence.torch.components.ema import EMASettings, ModelEMA
+from cadence.config.components.ema import EMAConfig
+from cadence.torch.components.ema import ModelEMA
 from cadence.torch.checkpoint_io.safetensors_io import safetensors_metadata, state_dict_from_safetensors
 from cadence.torch.checkpoint_io.sharded import read_model_state
 from cli_run import run_cadence, same_weights
@@ -70,7 +71,7 @@ class TiedTask(TinyTask):
 
 def runners(task: TinyTask, **settings):
     seed_everything(0)
-    trainer, evaluator = build_runners(task, Context.create("cpu", seed=0), ema=EMASettings(**settings))
+    trainer, evaluator = build_runners(task, Context.create("cpu", seed=0), ema=EMAConfig(**settings))
     assert trainer is not None and evaluator is not None
     trainer.initialize()
     return trainer, evaluator
@@ -152,7 +153,7 @@ def test_bad_settings_are_value_errors():
                             ({"start_step": -1}, "start_step must be >= 0"),
                             ({"every_n_steps": 0}, "every_n_steps must be >= 1")]:
         with pytest.raises(ValueError, match=message):
-            ModelEMA(model, **kwargs)
+            ModelEMA(model, EMAConfig(**kwargs))
 
 
 # -- checkpoints, in memory ----------------------------------------------------------------------
@@ -217,7 +218,7 @@ def test_an_export_with_signatures_holds_the_ema_weights_under_the_same_names(tm
 
     task = load_task_class(f"{HERE / 'signature_tasks.py'}:SignatureTask")()
     model = task.build_model()
-    ema = ModelEMA(model, decay=0.5)
+    ema = ModelEMA(model, EMAConfig(decay=0.5))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)  # the raw weights move away from the EMA

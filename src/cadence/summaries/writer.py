@@ -45,7 +45,7 @@ import warnings
 from typing import IO, Any, Iterator
 from collections.abc import Mapping
 
-from cadence.storage import Storage
+from cadence.storage import Storage, is_url, local_path
 
 __all__ = ["METRICS_FILE", "SummaryManager", "SummaryWriter", "flatten_scalars", "json_value", "read_metrics", "to_scalar",
            "truncate_metrics"]
@@ -120,16 +120,12 @@ def flatten_scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, i
 
 def _split_url(path: str) -> tuple[str | None, str]:
     """``(protocol, path)``; protocol ``None`` for local paths (``file://`` is local too)."""
-    if "://" not in path:
-        return None, path
-    protocol, rest = path.split("://", 1)
-    if protocol in ("file", "local"):
-        return None, rest
-    return protocol, path
+    local = local_path(path)
+    return (None, local) if local is not None else (path.split("://", 1)[0], path)
 
 
 def _join(base: str, name: str) -> str:
-    return base.rstrip("/") + "/" + name if "://" in base else os.path.join(base, name)
+    return base.rstrip("/") + "/" + name if is_url(base) else os.path.join(base, name)
 
 
 def _repair_tail(data: bytes) -> bytes:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from cadence import layout
 from cadence.actions.best_checkpoint import read_best_record
 from cadence.callbacks import Callback
+from cadence.errors import one_line
 from cadence.lifecycle import RunContext
 from cadence.storage import Storage
 from cadence.summaries.writer import flatten_scalars
@@ -29,12 +30,6 @@ CLOSE_TIMEOUT = 120.0
 """Seconds :meth:`TrackerCallback.on_close` waits for a tracker to send what is queued."""
 MAX_QUEUED = 10_000
 """Calls queued for one tracker before new ones are dropped (a tracker that cannot keep up)."""
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    line = text[0] if text else ""
-    return f"{type(error).__name__}: {line[:300]}" if line else type(error).__name__
 
 
 class _Worker:
@@ -78,7 +73,7 @@ class _Worker:
             except BaseException as e:  # never into training: one warning, then off
                 self.failed = True
                 logger.warning("tracker %s failed and logs nothing more from this process (training goes on): %s",
-                               self.tracker.name, _first_line(e))
+                               self.tracker.name, one_line(e, limit=300))
                 logger.debug("tracker %s failure", self.tracker.name, exc_info=True)
 
     def close(self, timeout: float) -> None:
