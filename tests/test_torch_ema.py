@@ -474,3 +474,19 @@ def test_an_fsdp_ema_run_checkpoints_its_shards_and_resumes_bit_identical(tmp_pa
     step = json.loads((straight / "best" / "best.json").read_text())["step"]
     exported = load_file(straight / "export" / "best" / str(step) / "model.safetensors")
     assert same_weights(exported, read_model_state(str(straight / "best" / f"ckpt-{step}"), key="ema"))
+
+
+def test_the_ema_reads_the_configs_own_settings():
+    """`trainer.ema` is the model ModelEMA takes (one set of defaults and bounds, the schema's)."""
+    cfg = config_from_dict({"model_dir": "m", "task": {"class": "a:B"},
+                            "trainer": {"ema": {"decay": 0.9, "every_n_steps": 2}}})
+    assert isinstance(cfg.trainer.ema, EMAConfig)
+    ema = ModelEMA(nn.Linear(2, 2), cfg.trainer.ema)
+    assert ema.settings is cfg.trainer.ema
+    assert (ema.decay, ema.start_step, ema.every_n_steps, ema.evaluate_raw) == (0.9, 0, 2, True)
+    default = ModelEMA(nn.Linear(2, 2))
+    assert default.settings == EMAConfig() == config_from_dict(
+        {"model_dir": "m", "task": {"class": "a:B"}, "trainer": {"ema": {}}}).trainer.ema
+    assert (default.decay, default.start_step, default.every_n_steps, default.evaluate_raw) == (0.999, 0, 1, True)
+    trainer, _ = build_runners(TinyTask(), Context.create("cpu", seed=0), ema=cfg.trainer.ema)
+    assert trainer.ema is not None and trainer.ema.settings is cfg.trainer.ema

@@ -276,3 +276,17 @@ def test_a_rollback_inside_the_window_ends_the_trace(tmp_path, caplog):
     assert again["cadence"]["steps"] == [3, 6] and profiler_steps(again) == [3, 4, 5, 6]
     assert any("went from 5 to 2" in r.getMessage() for r in caplog.records)
     assert not torch.autograd._profiler_enabled()
+
+
+def test_the_step_profiler_reads_the_configs_own_settings(tmp_path):
+    """`profiler:` is the model StepProfiler takes: its window and its options, with the section's defaults."""
+    from cadence.torch.components.profiling import build_step_profiler
+
+    cfg = config_from_dict({"model_dir": str(tmp_path), "task": {"class": "a:B"},
+                            "profiler": {"skip_first": 2, "gzip": True, "record_shapes": True}})
+    assert isinstance(cfg.profiler, ProfilerConfig)
+    profiler = build_step_profiler(cfg.profiler, str(tmp_path), Context.create(device="cpu", seed=0), train_steps=50)
+    assert profiler.window is cfg.profiler
+    assert (profiler.gzip, profiler.record_shapes, profiler.profile_memory, profiler.with_stack) == (True, True, False, False)
+    assert profiler.window.describe() == "steps 5-7"  # skip 2, then the defaults: wait 1, warmup 1, active 3
+    assert StepProfiler(ProfilerConfig(), str(tmp_path)).window.describe() == "steps 13-15"

@@ -28,7 +28,7 @@ from typing import IO, Any, Iterator
 
 import fsspec.core
 
-__all__ = ["LOCAL_PROTOCOLS", "Storage", "is_url", "local_path"]
+__all__ = ["LOCAL_PROTOCOLS", "Storage", "is_plain_path", "is_url", "local_path"]
 
 LOCAL_PROTOCOLS = frozenset({"file", "local"})
 """The protocols of fsspec's local file system (``LocalFileSystem.protocol``): a location with one
@@ -54,6 +54,12 @@ def local_path(location: str) -> str | None:
 def is_url(location: str) -> bool:
     """Whether ``location`` is a URL of a store other than the local disks (see :func:`local_path`)."""
     return local_path(location) is None
+
+
+def is_plain_path(location: str) -> bool:
+    """Whether ``location`` is a path with no protocol at all (not even ``file://`` / ``local://``):
+    one that ``os.path`` functions may rewrite (normalise, make absolute) as they are."""
+    return fsspec.core.split_protocol(location)[0] is None
 
 
 def _temp_suffix() -> str:
