@@ -71,11 +71,11 @@ WORKLOADS: dict[str, tuple[str, Callable[[], Any]]] = {
 def trainer_for(task: Any, ema: bool) -> Any:
     from cadence import Controller
     from cadence.torch import Context, build_runners
-    from cadence.torch.components.ema import EMASettings
+    from cadence.config.components.ema import EMAConfig
 
     torch.manual_seed(0)
     trainer, _ = build_runners(task, Context.create(device="cpu"), evaluate=False,
-                               ema=EMASettings(decay=DECAY) if ema else None)
+                               ema=EMAConfig(decay=DECAY) if ema else None)
     trainer.initialize()
     # the EMA is a per-step callback: a controller hands it to the trainer (nothing per step without it)
     Controller(trainer, callbacks=[trainer.ema] if ema else [], steps_per_loop=1, restore=False, progress=False)

@@ -53,10 +53,10 @@ def make_batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor
 def timed_run(batches: list, steps: int, profiler: dict | None,
               directory: str) -> tuple[float, float, list[str], float]:
     """Train ``WARMUP`` steps untimed, then ``steps`` timed; ``(cpu_seconds, wall_seconds, traces,
-    close_seconds)``. ``profiler``: ProfilerWindow settings (None: no profiler). ``close_seconds``:
+    close_seconds)``. ``profiler``: ProfilerConfig settings (None: no profiler). ``close_seconds``:
     the controller's close (wall), which writes a trace the timed steps left open."""
     from cadence import Controller
-    from cadence.config.components.profiler import ProfilerWindow
+    from cadence.config.components.profiler import ProfilerConfig
     from cadence.torch import Context, build_runners
     from cadence.torch.components.profiling import StepProfiler
 
@@ -64,7 +64,7 @@ def timed_run(batches: list, steps: int, profiler: dict | None,
     callbacks = []
     hook = None
     if profiler is not None:
-        hook = StepProfiler(ProfilerWindow(**profiler), directory)
+        hook = StepProfiler(ProfilerConfig(**profiler), directory)
         callbacks.append(hook)  # one callback: per step (on_train_step_end), at the start and the close
     controller = Controller(trainer=trainer, steps_per_loop=100, callbacks=callbacks, progress=False)
     controller.train(WARMUP, checkpoint_at_completion=False)
@@ -80,10 +80,10 @@ def timed_run(batches: list, steps: int, profiler: dict | None,
 def hook_call_ns(calls: int = 1_000_000, repeats: int = 5) -> float:
     """Nanoseconds per ``StepProfiler.on_train_step_end`` call outside a window (min over repeats, the
     loop's own iteration included): what a step pays for the profiler outside its window."""
-    from cadence.config.components.profiler import ProfilerWindow
+    from cadence.config.components.profiler import ProfilerConfig
     from cadence.torch.components.profiling import StepProfiler
 
-    hook = StepProfiler(ProfilerWindow(skip_first=10, wait=1, warmup=1, active=3), "unused")
+    hook = StepProfiler(ProfilerConfig(skip_first=10, wait=1, warmup=1, active=3), "unused")
     hook.on_train_step_end(None, 100)  # past the window: nothing left to start (the profiler needs no run here)
     step_end, steps = hook.on_train_step_end, range(101, 101 + calls)
     best = float("inf")

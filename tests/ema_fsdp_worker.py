@@ -27,6 +27,7 @@ from tasks import TinyTask, synthetic  # noqa: E402
 
 from cadence.torch import Context, TorchEvaluator  # noqa: E402
 from cadence.torch.runtime.distributed import shutdown_distributed  # noqa: E402
+from cadence.config.components.ema import EMAConfig  # noqa: E402
 from cadence.torch.components.ema import ModelEMA  # noqa: E402
 from cadence.torch.parallel.sharding import shard_model  # noqa: E402
 
@@ -48,8 +49,8 @@ def main(out: Path) -> None:
     torch.manual_seed(0)
     ref = task.build_model()
     model = shard_model(model := copy.deepcopy(ref), task.fsdp_units(model), ctx, "32")
-    ema = ModelEMA(model, decay=0.75)
-    ref_ema = ModelEMA(ref, decay=0.75)
+    ema = ModelEMA(model, EMAConfig(decay=0.75))
+    ref_ema = ModelEMA(ref, EMAConfig(decay=0.75))
     params = dict(model.named_parameters())
     state = ema.averaged_state()
     res: dict = {

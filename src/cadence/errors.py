@@ -93,3 +93,16 @@ class WriterLeaseHeldError(CadenceError):
 class WriterLeaseLostError(CheckpointError):
     """This process no longer holds the model dir's writer lease (another took it over, or it
     could not renew it in time): the commit, deletion or FINAL it was about to make was not made."""
+
+
+def one_line(error: BaseException, *, limit: int | None = None, all_lines: bool = False) -> str:
+    """``error`` as one line for a message or a report: ``"TypeName: text"`` (``"TypeName"`` when its
+    message is empty). ``text`` is the message's first non-empty line, or with ``all_lines`` every
+    line joined by a space (a config error that lists several fields); runs of whitespace become
+    one space. ``limit``: at most this many characters of ``text``, cut with ``...`` (None: whole)."""
+    message = str(error)
+    text = " ".join(message.split()) if all_lines else next(
+        (" ".join(line.split()) for line in message.splitlines() if line.strip()), "")
+    if limit is not None and len(text) > limit:
+        text = text[: max(limit - 3, 0)] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

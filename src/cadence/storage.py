@@ -28,11 +28,38 @@ from typing import IO, Any, Iterator
 
 import fsspec.core
 
-_LOCAL_PROTOCOLS = frozenset({"file", "local"})
+__all__ = ["LOCAL_PROTOCOLS", "Storage", "is_plain_path", "is_url", "local_path"]
+
+LOCAL_PROTOCOLS = frozenset({"file", "local"})
+"""The protocols of fsspec's local file system (``LocalFileSystem.protocol``): a location with one
+of them is a path on this machine's disks."""
 _CACHELESS_EXEMPT = frozenset({None, "file", "local", "memory"})  # no listings cache to turn off
 _CONFLICT_RETRIES = 6
 """Tries of a conditional create that S3 answers with 409 ConditionalRequestConflict (another
 conditional write of the same key in flight): retried after a short back-off, as AWS advises."""
+
+
+def local_path(location: str) -> str | None:
+    """The path on this machine's disks that ``location`` names, or None when it is a URL of another
+    store: a plain path is returned as it is; a ``file://`` or ``local://`` URL (fsspec's local file
+    system, which :class:`Storage` opens for both) without its protocol; ``memory://``, ``s3://``,
+    chained URLs (``simplecache::s3://``) and any other protocol give None. The one place cadence
+    tells a local path from a URL."""
+    protocol, path = fsspec.core.split_protocol(location)
+    if protocol is None:
+        return location
+    return path if protocol in LOCAL_PROTOCOLS else None
+
+
+def is_url(location: str) -> bool:
+    """Whether ``location`` is a URL of a store other than the local disks (see :func:`local_path`)."""
+    return local_path(location) is None
+
+
+def is_plain_path(location: str) -> bool:
+    """Whether ``location`` is a path with no protocol at all (not even ``file://`` / ``local://``):
+    one that ``os.path`` functions may rewrite (normalise, make absolute) as they are."""
+    return fsspec.core.split_protocol(location)[0] is None
 
 
 def _temp_suffix() -> str:
@@ -54,7 +81,7 @@ class Storage:
         self.fs, root = fsspec.core.url_to_fs(url, **options)
         self.root: str = root.rstrip("/") or "/"
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
-        self._local = bool(_LOCAL_PROTOCOLS.intersection(protocols))
+        self._local = bool(LOCAL_PROTOCOLS.intersection(protocols))
 
     def __repr__(self) -> str:
         return f"Storage({self.url(self.root)!r})"

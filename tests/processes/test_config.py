@@ -709,7 +709,10 @@ def test_the_schema_imports_no_yaml_and_no_overrides() -> None:
     code = ("import sys, cadence.config.schema as s; s.SidecarConfig(); "
             "print(sorted(m for m in sys.modules if m.startswith(('cadence.config', 'yaml'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['cadence.config', 'cadence.config.class_paths', 'cadence.config.schema']"
+    assert out.strip() == str(["cadence.config", "cadence.config.base", "cadence.config.class_paths",
+                               "cadence.config.components", "cadence.config.components.compile",
+                               "cadence.config.components.ema", "cadence.config.components.lr_schedule",
+                               "cadence.config.components.profiler", "cadence.config.schema", "cadence.config.trainer"])
 
 
 def test_the_package_still_exports_every_name() -> None:
@@ -763,3 +766,70 @@ def test_null_stays_null_where_it_is_a_value() -> None:
     assert cfg.export is None and cfg.trainer.best_checkpoint is None
     with pytest.raises(ConfigError, match=r"export\.formats: expected a list of 'safetensors', .*, got null"):
         config_from_dict({"task": {"class": "a:B"}, "export": {"formats": None, "on": "final"}})
+
+
+# ------------------------------------------------------------------ each component's settings: one model
+
+
+def test_the_schema_holds_the_components_own_models() -> None:
+    """The schema's sections for EMA, profiler, compile and LR schedule are the models the
+    components take (cadence.config.components), not copies of their fields."""
+    from cadence.config import components  # noqa: F401 - the package
+    from cadence.config.components.compile import CompileConfig as Compile
+    from cadence.config.components.ema import EMAConfig as EMA
+    from cadence.config.components.lr_schedule import LRScheduleConfig as LRSchedule
+    from cadence.config.components.profiler import ProfilerConfig as Profiler
+    from cadence.config.schema import ExperimentConfig, TrainerConfig
+
+    assert TrainerConfig.model_fields["ema"].annotation == EMA | None
+    assert TrainerConfig.model_fields["compile"].annotation == Compile | None
+    assert TrainerConfig.model_fields["lr_schedule"].annotation == LRSchedule | None
+    assert ExperimentConfig.model_fields["profiler"].annotation == Profiler | None
+    import cadence.config as config
+    assert (config.EMAConfig, config.CompileConfig, config.LRScheduleConfig, config.ProfilerConfig) == (
+        EMA, Compile, LRSchedule, Profiler)
+    cfg = config_from_dict({"model_dir": "m", "task": {"class": "a:B"}, "profiler": {},
+                            "trainer": {"train_steps": 5, "ema": {}, "compile": True,
+                                        "lr_schedule": {"kind": "warmup_linear"}}})
+    assert (type(cfg.trainer.ema), type(cfg.trainer.compile), type(cfg.trainer.lr_schedule), type(cfg.profiler)) == (
+        EMA, Compile, LRSchedule, Profiler)
+    assert (cfg.trainer.ema, cfg.trainer.compile, cfg.profiler) == (EMA(), Compile(), Profiler())
+
+
+def test_the_profiler_defaults_are_the_sections_steps_13_to_15() -> None:
+    """docs/changelog.md: one set of defaults, the YAML's (skip 10, wait 1, warmup 1, active 3, repeat 1),
+    for `profiler: {}`, `--profile` and a ProfilerConfig built in code alike."""
+    from cadence.config.components.profiler import ProfilerConfig
+
+    window = ProfilerConfig()
+    assert (window.skip_first, window.wait, window.warmup, window.active, window.repeat) == (10, 1, 1, 3, 1)
+    assert not (window.record_shapes or window.profile_memory or window.with_stack or window.gzip)
+    assert window.describe() == "steps 13-15"
+    cycle = window.cycle(0)
+    assert cycle is not None and (cycle.first_warmup, cycle.first_active, cycle.last_active) == (12, 13, 15)
+    assert window.cycle(1) is None and window.next_start(1) == 12
+    cfg = config_from_dict({"model_dir": "m", "task": {"class": "a:B"}, "profiler": {}})
+    assert cfg.profiler == window
+    assert config_from_dict({"model_dir": "m", "task": {"class": "a:B"}}).profiler is None  # off unless asked
+
+
+def test_a_bound_reads_the_same_in_code_and_in_a_config_file() -> None:
+    """One bound per field: built in code, the error names the field and its bound; in a config
+    file, the schema's `expected ...` words."""
+    from pydantic import ValidationError
+
+    from cadence.config.components.ema import EMAConfig
+    from cadence.config.components.lr_schedule import LRScheduleConfig
+    from cadence.config.components.profiler import ProfilerConfig
+
+    with pytest.raises(ValidationError, match=r"decay must be > 0 and < 1, got 1\.0"):
+        EMAConfig(decay=1.0)
+    with pytest.raises(ValidationError, match="repeat must be >= 0, got -1"):
+        ProfilerConfig(repeat=-1)
+    with pytest.raises(ValidationError, match=r"min_lr_ratio must be >= 0 and <= 1, got 1\.5"):
+        LRScheduleConfig(kind="warmup_cosine", min_lr_ratio=1.5)
+    with pytest.raises(ConfigError) as caught:
+        config_from_dict({"model_dir": "m", "task": {"class": "a:B"}, "trainer": {"ema": {"decay": 1.0}},
+                          "profiler": {"repeat": -1}})
+    assert str(caught.value).splitlines() == ["config: trainer.ema.decay: expected a number > 0 and < 1, got 1.0",
+                                              "config: profiler.repeat: expected an integer >= 0, got -1"]

@@ -35,7 +35,8 @@ from cadence.summaries.metrics_file import read_metrics
 from cadence.torch import Context, TorchEvaluator, build_runners, run_evaluation, run_sidecar, run_training
 from cadence.torch.runtime.rng import seed_everything
 from cadence.torch.experiments.experiment import run_export
-from cadence.torch.components.ema import EMASettings, ModelEMA
+from cadence.config.components.ema import EMAConfig
+from cadence.torch.components.ema import ModelEMA
 from cadence.torch.checkpoint_io.safetensors_io import safetensors_metadata, state_dict_from_safetensors
 from cadence.torch.checkpoint_io.sharded import read_model_state
 from cli_run import run_cadence, run_torchrun, same_weights
@@ -74,7 +75,7 @@ def runners(task: TinyTask, *callbacks: Callback, **settings):
     """A trainer with an EMA and its evaluator; the EMA (then ``callbacks``) registered with a
     controller, so that each ``trainer.train`` updates it."""
     seed_everything(0)
-    trainer, evaluator = build_runners(task, Context.create("cpu", seed=0), ema=EMASettings(**settings))
+    trainer, evaluator = build_runners(task, Context.create("cpu", seed=0), ema=EMAConfig(**settings))
     assert trainer is not None and evaluator is not None and trainer.ema is not None
     trainer.initialize()
     Controller(trainer, callbacks=[trainer.ema, *callbacks], steps_per_loop=1, restore=False, progress=False)
@@ -154,7 +155,7 @@ def test_applied_swaps_the_ema_in_and_the_raw_weights_back_bit_for_bit_even_on_a
 
 def test_an_ema_that_no_controller_updates_is_refused_by_the_trainer():
     seed_everything(0)
-    trainer, _ = build_runners(TinyTask(), Context.create("cpu", seed=0), ema=EMASettings(decay=0.9), evaluate=False)
+    trainer, _ = build_runners(TinyTask(), Context.create("cpu", seed=0), ema=EMAConfig(decay=0.9), evaluate=False)
     assert trainer is not None
     with pytest.raises(RuntimeError, match=r"pass trainer.ema in the controller's callbacks"):
         trainer.train(1)
@@ -169,7 +170,7 @@ def test_bad_settings_are_value_errors():
                             ({"start_step": -1}, "start_step must be >= 0"),
                             ({"every_n_steps": 0}, "every_n_steps must be >= 1")]:
         with pytest.raises(ValueError, match=message):
-            ModelEMA(model, **kwargs)
+            ModelEMA(model, EMAConfig(**kwargs))
 
 
 # -- checkpoints, in memory ----------------------------------------------------------------------
@@ -234,7 +235,7 @@ def test_an_export_with_signatures_holds_the_ema_weights_under_the_same_names(tm
 
     task = load_task_class(f"{HERE / 'signature_tasks.py'}:SignatureTask")()
     model = task.build_model()
-    ema = ModelEMA(model, decay=0.5)
+    ema = ModelEMA(model, EMAConfig(decay=0.5))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)  # the raw weights move away from the EMA
@@ -488,3 +489,19 @@ def test_an_fsdp_ema_run_checkpoints_its_shards_and_resumes_bit_identical(tmp_pa
     step = json.loads((straight / "best" / "best.json").read_text())["step"]
     exported = load_file(straight / "export" / "best" / str(step) / "model.safetensors")
     assert same_weights(exported, read_model_state(str(straight / "best" / f"ckpt-{step}"), key="ema"))
+
+
+def test_the_ema_reads_the_configs_own_settings():
+    """`trainer.ema` is the model ModelEMA takes (one set of defaults and bounds, the schema's)."""
+    cfg = config_from_dict({"model_dir": "m", "task": {"class": "a:B"},
+                            "trainer": {"ema": {"decay": 0.9, "every_n_steps": 2}}})
+    assert isinstance(cfg.trainer.ema, EMAConfig)
+    ema = ModelEMA(nn.Linear(2, 2), cfg.trainer.ema)
+    assert ema.settings is cfg.trainer.ema
+    assert (ema.decay, ema.start_step, ema.every_n_steps, ema.evaluate_raw) == (0.9, 0, 2, True)
+    default = ModelEMA(nn.Linear(2, 2))
+    assert default.settings == EMAConfig() == config_from_dict(
+        {"model_dir": "m", "task": {"class": "a:B"}, "trainer": {"ema": {}}}).trainer.ema
+    assert (default.decay, default.start_step, default.every_n_steps, default.evaluate_raw) == (0.999, 0, 1, True)
+    trainer, _ = build_runners(TinyTask(), Context.create("cpu", seed=0), ema=cfg.trainer.ema)
+    assert trainer.ema is not None and trainer.ema.settings is cfg.trainer.ema

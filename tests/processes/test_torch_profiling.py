@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from cadence import Callback, Controller
 from cadence.config import config_from_dict
-from cadence.config.components.profiler import NEVER, ProfilerWindow
+from cadence.config.components.profiler import NEVER, ProfilerConfig
 from cadence.torch import Context, build_runners, run_training
 from cadence.torch.components.profiling import StepProfiler
 from cli_run import ROOT, run_cadence, same_weights
@@ -64,7 +64,7 @@ def test_the_window_is_torch_schedules_in_global_steps(skip_first, wait, warmup,
     """Global step s is torch's step s - 1: warmup, recording and nothing agree step by step."""
     from torch.profiler import ProfilerAction, schedule
 
-    window = ProfilerWindow(skip_first, wait, warmup, active, repeat)
+    window = ProfilerConfig(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's warning for warmup=0
         torch_action = schedule(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
@@ -80,14 +80,15 @@ def test_the_window_is_torch_schedules_in_global_steps(skip_first, wait, warmup,
 
 
 def test_window_description_and_bounds():
-    assert ProfilerWindow(10, 1, 1, 3, 1).describe() == "steps 13-15"
-    assert ProfilerWindow(3, 1, 1, 2, 2).describe() == "steps 6-7, 10-11 (2 cycles)"
-    assert ProfilerWindow(0, 0, 0, 1, 5).describe() == "steps 1, 2, 3, ..., 5 (5 cycles)"
-    assert ProfilerWindow(0, 1, 1, 1, 0).describe() == "steps 3, 6, 9, ... (every 3 steps until training ends)"
+    assert ProfilerConfig(skip_first=10, wait=1, warmup=1, active=3, repeat=1).describe() == "steps 13-15"
+    assert ProfilerConfig(skip_first=3, wait=1, warmup=1, active=2, repeat=2).describe() == "steps 6-7, 10-11 (2 cycles)"
+    assert ProfilerConfig(skip_first=0, wait=0, warmup=0, active=1, repeat=5).describe() == "steps 1, 2, 3, ..., 5 (5 cycles)"
+    assert ProfilerConfig(skip_first=0, wait=1, warmup=1, active=1, repeat=0).describe() == (
+        "steps 3, 6, 9, ... (every 3 steps until training ends)")
     with pytest.raises(ValueError, match="active must be >= 1"):
-        ProfilerWindow(active=0)
+        ProfilerConfig(active=0)
     with pytest.raises(ValueError, match="wait must be >= 0"):
-        ProfilerWindow(wait=-1)
+        ProfilerConfig(wait=-1)
 
 
 class ProfilerState(Callback):
@@ -104,7 +105,7 @@ def test_no_profiler_outside_the_window_and_one_trace_per_cycle(tmp_path):
     """Driven through a Controller: the profiler records during the active steps only (a cycle
     starting at step 1 too, from on_train_start), and each cycle's trace holds exactly its steps."""
     trainer, _ = build_runners(TinyTask(), Context.create(device="cpu", seed=0), evaluate=False)
-    window = ProfilerWindow(skip_first=0, wait=0, warmup=1, active=2, repeat=0)  # 2-3, 5-6, 8-9, ...
+    window = ProfilerConfig(skip_first=0, wait=0, warmup=1, active=2, repeat=0)  # 2-3, 5-6, 8-9, ...
     profiler = StepProfiler(window, str(tmp_path / "profile"))
     state = ProfilerState()
     with Controller(trainer=trainer, steps_per_loop=5, callbacks=[profiler, state], progress=False) as controller:
@@ -125,7 +126,7 @@ def test_a_trace_that_cannot_be_written_is_a_warning(tmp_path, caplog):
     blocker = tmp_path / "profile"
     blocker.write_text("a file where the directory should be")
     trainer, _ = build_runners(TinyTask(), Context.create(device="cpu", seed=0), evaluate=False)
-    profiler = StepProfiler(ProfilerWindow(skip_first=1, wait=0, warmup=1, active=1), str(blocker))
+    profiler = StepProfiler(ProfilerConfig(skip_first=1, wait=0, warmup=1, active=1), str(blocker))
     Controller(trainer=trainer, steps_per_loop=5, callbacks=[profiler], restore=False, progress=False)
     with caplog.at_level(logging.WARNING, logger="cadence"):
         trainer.train(5)
@@ -263,7 +264,7 @@ def test_a_smoke_run_traces_nothing(tmp_path, caplog):
 def test_a_rollback_inside_the_window_ends_the_trace(tmp_path, caplog):
     """NaN recovery rolls the global step back between two loops: the trace of the steps recorded
     so far is written, and the cycle is traced again, whole, as its steps run again."""
-    profiler = StepProfiler(ProfilerWindow(skip_first=1, wait=0, warmup=1, active=4), str(tmp_path))
+    profiler = StepProfiler(ProfilerConfig(skip_first=1, wait=0, warmup=1, active=4), str(tmp_path))
     x = torch.randn(4, 4)
     with caplog.at_level(logging.WARNING, logger="cadence"):
         for step in (1, 2, 3, 4, 2, 3, 4, 5, 6):  # steps 1-4, rolled back to 1, steps 2-6
@@ -276,3 +277,17 @@ def test_a_rollback_inside_the_window_ends_the_trace(tmp_path, caplog):
     assert again["cadence"]["steps"] == [3, 6] and profiler_steps(again) == [3, 4, 5, 6]
     assert any("went from 5 to 2" in r.getMessage() for r in caplog.records)
     assert not torch.autograd._profiler_enabled()
+
+
+def test_the_step_profiler_reads_the_configs_own_settings(tmp_path):
+    """`profiler:` is the model StepProfiler takes: its window and its options, with the section's defaults."""
+    from cadence.torch.components.profiling import build_step_profiler
+
+    cfg = config_from_dict({"model_dir": str(tmp_path), "task": {"class": "a:B"},
+                            "profiler": {"skip_first": 2, "gzip": True, "record_shapes": True}})
+    assert isinstance(cfg.profiler, ProfilerConfig)
+    profiler = build_step_profiler(cfg.profiler, str(tmp_path), Context.create(device="cpu", seed=0), train_steps=50)
+    assert profiler.window is cfg.profiler
+    assert (profiler.gzip, profiler.record_shapes, profiler.profile_memory, profiler.with_stack) == (True, True, False, False)
+    assert profiler.window.describe() == "steps 5-7"  # skip 2, then the defaults: wait 1, warmup 1, active 3
+    assert StepProfiler(ProfilerConfig(), str(tmp_path)).window.describe() == "steps 13-15"

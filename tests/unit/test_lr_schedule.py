@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from cadence.config import config_from_dict
+from cadence.config.components.lr_schedule import LRScheduleConfig
 from cadence.errors import ConfigError
 from cadence.summaries.metrics_file import read_metrics
 from cadence.torch import build_run, run_training
@@ -43,7 +44,8 @@ def test_the_curves_at_a_few_steps():
 
     # the LambdaLR: optimizer step k (1-based) runs at lr_factor(k)
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=2.0)
-    scheduler = build_lr_schedule(optimizer, kind="warmup_cosine", total_steps=10, warmup_steps=2, min_lr_ratio=0.1)
+    scheduler = build_lr_schedule(optimizer, LRScheduleConfig(kind="warmup_cosine", warmup_steps=2, min_lr_ratio=0.1),
+                                  total_steps=10)
     seen = []
     for _ in range(10):
         seen.append(optimizer.param_groups[0]["lr"])

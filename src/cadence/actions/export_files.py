@@ -8,7 +8,7 @@ import posixpath
 import re
 from typing import Any, Callable
 
-from cadence.storage import Storage
+from cadence.storage import Storage, is_plain_path
 
 logger = logging.getLogger("cadence")
 
@@ -82,7 +82,7 @@ class ExportFileManager:
         if not isinstance(separator, str) or not separator:
             raise ValueError(f"ExportFileManager: separator must be a non-empty string, got {separator!r}")
         stripped = base_name.rstrip("/") if isinstance(base_name, str) else ""
-        if stripped and "://" not in stripped:
+        if stripped and is_plain_path(stripped):
             stripped = os.path.normpath(stripped)  # as Orbit: "foo//bar/base" names "foo/bar/base-<id>"
         if not stripped:
             raise ValueError(f"ExportFileManager: base_name must be a non-empty path, got {base_name!r}")

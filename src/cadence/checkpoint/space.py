@@ -16,7 +16,7 @@ import posixpath
 import shutil
 
 from cadence.errors import CheckpointSpaceError
-from cadence.summaries.progress import format_size
+from cadence.units import format_size
 from cadence.storage import Storage
 
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})

@@ -7,6 +7,8 @@ import os
 import re
 from pathlib import Path
 
+from cadence.storage import is_plain_path
+
 __all__ = ["CLASS_SPEC_FORM", "check_class_spec", "portable_class_path", "resolve_class_path"]
 
 CLASS_SPEC_FORM = "'module:ClassName' or 'path/to/file.py:ClassName'"
@@ -30,7 +32,7 @@ def resolve_class_path(spec: str, config_dir: str | Path | None = None) -> str:
     """A class spec with a relative ``file.py`` made absolute against ``config_dir`` (None: the
     current directory); ``module:Class`` and URLs are unchanged."""
     module, _, cls = spec.rpartition(":")
-    if not module.endswith(".py") or "://" in module:
+    if not module.endswith(".py") or not is_plain_path(module):
         return spec
     path = Path(module).expanduser()
     if not path.is_absolute():
@@ -46,7 +48,7 @@ def portable_class_path(spec: str, directory: str | Path) -> str:
     -- code and model dirs together -- keeps the config working; otherwise (code or model dir
     elsewhere) unchanged: absolute. ``module:Class`` specs and URLs are always unchanged."""
     module, _, cls = spec.rpartition(":")
-    if not module.endswith(".py") or "://" in module or not os.path.isabs(module):
+    if not module.endswith(".py") or not is_plain_path(module) or not os.path.isabs(module):
         return spec
     cwd = os.path.realpath(os.getcwd())
     code, target = os.path.realpath(module), os.path.realpath(directory)

@@ -22,7 +22,7 @@ from cadence.config.overrides import apply_overrides
 from cadence.config.schema import ExperimentConfig
 from cadence.config.yaml_io import Loc, parse_yaml, read_text
 from cadence.errors import ConfigError
-from cadence.storage import Storage
+from cadence.storage import Storage, local_path
 
 __all__ = ["check_own_model_dir", "config_from_dict", "load_config", "save_config"]
 
@@ -98,11 +98,8 @@ def load_config(
     data, lines = parse_yaml(text, source)
     if data is None:
         raise ConfigError(f"{source}: the file is empty (expected a mapping with at least 'task')")
-    config_dir = (
-        None
-        if "://" in source and not source.startswith("file://")
-        else Path(source.removeprefix("file://")).parent
-    )
+    local = local_path(source)
+    config_dir = Path(local).parent if local is not None else None
     return config_from_dict(
         data, overrides, model_dir=model_dir, source=source, config_dir=config_dir, _lines=lines
     )
@@ -117,8 +114,9 @@ def save_config(cfg: ExperimentConfig, path_or_url: str | Path) -> None:
 
     target = os.fspath(path_or_url)
     data = cfg.to_dict()
-    if "://" not in target or target.startswith("file://"):
-        directory = os.path.dirname(os.path.abspath(target.removeprefix("file://")))
+    local = local_path(target)
+    if local is not None:
+        directory = os.path.dirname(os.path.abspath(local))
         for entry in (data["task"], *data["callbacks"]):
             entry["class"] = portable_class_path(entry["class"], directory)
     storage = Storage(target)
@@ -134,15 +132,17 @@ def check_own_model_dir(cfg: ExperimentConfig, config_path: str | Path) -> None:
     from cadence import layout
 
     source = os.fspath(config_path)
-    if "://" in source and not source.startswith("file://"):
+    local = local_path(source)
+    if local is None:
         return
-    path = Path(source.removeprefix("file://"))
+    path = Path(local)
     own = path.parent
     if path.name != layout.CONFIG or not (own / layout.CHECKPOINTS).is_dir() or not cfg.model_dir:
         return
-    if "://" in cfg.model_dir and not cfg.model_dir.startswith("file://"):
+    named_dir = local_path(cfg.model_dir)
+    if named_dir is None:
         return
-    named = Path(cfg.model_dir.removeprefix("file://")).expanduser()
+    named = Path(named_dir).expanduser()
     if os.path.realpath(named) != os.path.realpath(own):
         raise ConfigError(
             f"{source} is the config of the model dir {own}, but its model_dir is {cfg.model_dir} "

@@ -9,7 +9,8 @@ import datetime
 from typing import Any, Mapping
 
 from cadence import layout
-from cadence.summaries.progress import format_size, format_value
+from cadence.summaries.progress import format_value
+from cadence.units import format_size
 
 __all__ = ["list_checkpoints", "format_table"]
 

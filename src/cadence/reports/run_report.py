@@ -31,7 +31,7 @@ from typing import Any
 
 from cadence import layout
 from cadence.errors import CadenceError, ConfigError
-from cadence.summaries.progress import format_size
+from cadence.units import format_size
 from cadence.reports.page import PAGE_CSS as _CSS
 from cadence.reports.page import escape as _e
 from cadence.reports.page import format_cell as _fmt

@@ -15,7 +15,7 @@ import os
 import warnings
 from typing import Any, Iterator
 
-from cadence.storage import Storage
+from cadence.storage import Storage, is_url
 
 __all__ = ["METRICS_FILE", "RESERVED", "read_metrics", "truncate_metrics"]
 
@@ -28,7 +28,7 @@ RESERVED = ("step", "time")
 
 def join(base: str, name: str) -> str:
     """``base/name`` for a local path or a URL."""
-    return base.rstrip("/") + "/" + name if "://" in base else os.path.join(base, name)
+    return base.rstrip("/") + "/" + name if is_url(base) else os.path.join(base, name)
 
 
 def repair_tail(data: bytes) -> bytes:

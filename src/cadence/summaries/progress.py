@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress, Task, TaskID
 
-__all__ = ["ProgressReporter", "format_duration", "format_logs", "format_rate", "format_size", "format_value"]
+__all__ = ["ProgressReporter", "format_duration", "format_logs", "format_rate", "format_value"]
 
 _monotonic = time.monotonic  # indirection so tests can drive the clock
 
@@ -37,15 +37,6 @@ def format_duration(seconds: float | None) -> str:
     hours, rest = divmod(total, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}"
-
-
-def format_size(n: float) -> str:
-    """A byte count for people: ``"512 B"``, ``"138.8 KiB"``, ``"1.2 GiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def format_rate(steps_per_s: float | None) -> str:

@@ -42,7 +42,7 @@ import warnings
 from collections.abc import Mapping
 from typing import IO, Any
 
-from cadence.storage import Storage
+from cadence.storage import Storage, local_path
 from cadence.summaries.metrics_file import METRICS_FILE, RESERVED, join, read_bytes, repair_local_tail, repair_tail
 from cadence.summaries.scalars import flatten_scalars
 
@@ -53,12 +53,8 @@ _warned_reserved: set[str] = set()
 
 def _split_url(path: str) -> tuple[str | None, str]:
     """``(protocol, path)``; protocol ``None`` for local paths (``file://`` is local too)."""
-    if "://" not in path:
-        return None, path
-    protocol, rest = path.split("://", 1)
-    if protocol in ("file", "local"):
-        return None, rest
-    return protocol, path
+    local = local_path(path)
+    return (None, local) if local is not None else (path.split("://", 1)[0], path)
 
 
 _EVENTS_PREFIX = "events.out.tfevents."

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cadence.errors import ConfigError
+from cadence.storage import local_path
 from cadence.sweep.space import SweepSpace
 
 __all__ = ["STUDY_FILE", "SWEEP_FILE", "SweepDir", "SweepLock", "SweepRecord", "is_sweep_dir", "load_sweep", "new_record",
@@ -33,7 +34,8 @@ TRIAL_PREFIX = "trial-"
 
 def is_sweep_dir(path: str) -> bool:
     """Whether ``path`` is a local directory holding a sweep (its ``sweep.json``)."""
-    return "://" not in path and (Path(path) / SWEEP_FILE).is_file()
+    local = local_path(path)
+    return local is not None and (Path(local) / SWEEP_FILE).is_file()
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,10 @@ class SweepDir:
     @classmethod
     def at(cls, path: str) -> SweepDir:
         """ConfigError when ``path`` is a URL (a sweep dir is local), a file, or a model dir."""
-        if "://" in path and not path.startswith("file://"):
+        local = local_path(path)
+        if local is None:
             raise ConfigError(f"--sweep-dir: a sweep dir is local (its study is a sqlite file), got {path}")
-        root = Path(path.removeprefix("file://")).expanduser().resolve()
+        root = Path(local).expanduser().resolve()
         if root.exists() and not root.is_dir():
             raise ConfigError(f"--sweep-dir: not a directory: {root}")
         if (root / "checkpoints").is_dir():

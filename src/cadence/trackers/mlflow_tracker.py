@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cadence.config.schema import MLflowConfig
+from cadence.storage import local_path
 from cadence.trackers.base import Tracker, default_run_name, flatten_params, require_extra
 
 logger = logging.getLogger("cadence.trackers")
@@ -88,8 +89,8 @@ class MLflowTracker(Tracker):
         else:
             tags = {**self.tags}
             if self.model_dir is not None:
-                tags.setdefault("cadence.model_dir", os.path.abspath(self.model_dir) if "://" not in self.model_dir
-                                else self.model_dir)
+                local = local_path(self.model_dir)
+                tags.setdefault("cadence.model_dir", os.path.abspath(local) if local is not None else self.model_dir)
             run = self.client.create_run(self._experiment_id(), run_name=self.run_name, tags=tags)
         self.run_id = run.info.run_id
         return {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "tracking_uri": uri}

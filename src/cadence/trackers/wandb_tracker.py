@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from cadence.config.schema import WandbConfig
+from cadence.storage import local_path
 from cadence.trackers.base import Tracker, default_run_name, require_extra
 
 __all__ = ["STEP_KEY", "WandbTracker"]
@@ -52,8 +53,9 @@ class WandbTracker(Tracker):
         self.project = project
         self.entity = entity
         self.mode = mode
-        if dir is None and model_dir is not None and "://" not in model_dir:
-            dir = os.path.join(model_dir, "trackers")
+        local = local_path(model_dir) if model_dir is not None else None
+        if dir is None and local is not None:
+            dir = os.path.join(local, "trackers")
         self.dir = dir
         self.run_name = run_name if run_name is not None else default_run_name(model_dir)
         self.tags = list(tags or [])

@@ -7,6 +7,8 @@ import queue
 import threading
 from typing import Any, Callable, Protocol
 
+from cadence.errors import one_line
+
 logger = logging.getLogger("cadence.trackers")
 
 __all__ = ["MAX_QUEUED", "TrackerThread"]
@@ -18,12 +20,6 @@ MAX_QUEUED = 10_000
 class Named(Protocol):
     name: str
     """Read at each warning: it may be set after construction."""
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    line = text[0] if text else ""
-    return f"{type(error).__name__}: {line[:300]}" if line else type(error).__name__
 
 
 class TrackerThread:
@@ -67,7 +63,7 @@ class TrackerThread:
             except BaseException as e:  # never into training: one warning, then off
                 self.failed = True
                 logger.warning("tracker %s failed and logs nothing more from this process (training goes on): %s",
-                               self.tracker.name, _first_line(e))
+                               self.tracker.name, one_line(e, limit=300))
                 logger.debug("tracker %s failure", self.tracker.name, exc_info=True)
 
     def close(self, timeout: float) -> None:

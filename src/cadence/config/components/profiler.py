@@ -1,18 +1,27 @@
-"""Which training steps the profiler traces: ``torch.profiler.schedule``'s cycles, counted in
-global steps (pure arithmetic, no torch; :mod:`cadence.torch.components.profiling` runs the profiler).
+"""``profiler:``: the settings of ``torch.profiler`` traces of chosen training steps, and which
+global steps they trace: ``torch.profiler.schedule``'s cycles, counted in global steps (pure
+arithmetic, no torch; :mod:`cadence.torch.components.profiling` runs the profiler).
 
 Global step ``s`` is the ``s``-th optimizer step of the run (1 for the first; a resumed run goes
 on counting), so a window set in the config names the same steps whatever the restarts. With
 torch's meaning of the settings, the steps ``1 .. skip_first`` are skipped, then every cycle is
 ``wait`` steps without a profiler, ``warmup`` steps profiled but discarded, and ``active`` steps
 recorded into one trace; ``repeat`` cycles (0: until training ends).
+
+The defaults (skip 10, wait 1, warmup 1, record 3, one cycle: steps 13-15) are those of the
+``profiler:`` section and of ``cadence train --profile``, and of a :class:`ProfilerConfig` built in
+code (see ``docs/changelog.md``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Cycle", "ProfilerWindow"]
+from pydantic import Field, StrictBool
+
+from cadence.config.base import ConfigModel
+
+__all__ = ["NEVER", "Cycle", "ProfilerConfig"]
 
 NEVER = 2**62
 """A step no run reaches: where a window with no cycle left starts."""
@@ -36,23 +45,47 @@ class Cycle:
         return f"{self.first_active}-{self.last_active}"
 
 
-@dataclass(frozen=True)
-class ProfilerWindow:
-    """The cycles of ``torch.profiler.schedule(skip_first, wait, warmup, active, repeat)`` in
-    global steps. ``ValueError`` for a negative count, ``active < 1`` or ``repeat < 0``."""
+class ProfilerConfig(ConfigModel):
+    """`torch.profiler` traces of chosen training steps (`cadence train --profile` turns it on with these
+    defaults: steps 13-15). The window is `torch.profiler.schedule`'s, in global steps (a resumed run keeps it):
+    steps 1 to `skip_first` are skipped, then each cycle waits `wait` steps, warms up `warmup` and records
+    `active` into one trace per rank, `MODEL_DIR/profile/rank<R>.<time>.pt.trace.json` (TensorBoard's profiler
+    plugin, Perfetto, chrome://tracing). No profiler exists outside the warmup and recorded steps; an
+    evaluation or checkpoint between loops inside them is recorded too, and the step that ends a cycle
+    waits for its trace to be written. A cycle is cut at `trainer.train_steps`; a run resumed inside a cycle's
+    recorded steps skips that cycle."""
 
-    skip_first: int = 0
-    wait: int = 0
-    warmup: int = 1
-    active: int = 1
-    repeat: int = 1
+    skip_first: int = Field(
+        default=10, ge=0, strict=True,
+        description="Global steps before the first cycle (its first wait step is `skip_first + 1`).",
+    )
+    wait: int = Field(default=1, ge=0, strict=True, description="Steps at the start of each cycle without a profiler.")
+    warmup: int = Field(
+        default=1, ge=0, strict=True,
+        description=("Steps profiled and discarded before the recorded ones (the profiler's own start-up); "
+                     "0 skews the first recorded step."),
+    )
+    active: int = Field(default=3, ge=1, strict=True, description="Steps recorded into each trace.")
+    repeat: int = Field(default=1, ge=0, strict=True, description="How many cycles; 0: cycle after cycle until training ends.")
+    record_shapes: StrictBool = Field(
+        default=False,
+        description="Record every op's input shapes (the plugin groups ops by shape); more time per op, bigger traces.",
+    )
+    profile_memory: StrictBool = Field(
+        default=False,
+        description="Track every tensor allocation and free (the memory view); more time per op, bigger traces.",
+    )
+    with_stack: StrictBool = Field(
+        default=False,
+        description=("Record the Python stack (file:line) of every op (the plugin's call stacks); more time per op "
+                     "and traces about 3x bigger."),
+    )
+    gzip: StrictBool = Field(
+        default=False,
+        description="Write `.pt.trace.json.gz` (about 10x smaller; the plugin and Perfetto read both).",
+    )
 
-    def __post_init__(self) -> None:
-        for name in ("skip_first", "wait", "warmup", "repeat"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"profiler.{name} must be >= 0, got {getattr(self, name)}")
-        if self.active < 1:
-            raise ValueError(f"profiler.active must be >= 1, got {self.active}")
+    # -- the window, in global steps (``ValueError`` at construction for a count out of bounds) ----
 
     @property
     def period(self) -> int:

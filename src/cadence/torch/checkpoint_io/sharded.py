@@ -46,7 +46,7 @@ from torch.futures import Future
 
 from cadence.checkpoint import checksum as checksum_lib
 from cadence.errors import CheckpointError, UnsafeCheckpointError
-from cadence.storage import Storage
+from cadence.storage import Storage, local_path
 from cadence.torch.checkpoint_io.state import describe_key_mismatch
 
 __all__ = [
@@ -332,13 +332,10 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def _reader(directory: str, storage_options: Mapping[str, Any] | None) -> Any:
-    if _is_url(directory):
+    local = local_path(directory)
+    if local is None:
         return _fsspec_reader(directory, storage_options)
-    return _LocalReader(directory)
-
-
-def _is_url(directory: str) -> bool:
-    return "://" in directory and not directory.startswith("file://")
+    return _LocalReader(local)
 
 
 def _fsspec_reader(directory: str, storage_options: Mapping[str, Any] | None) -> Any:
@@ -377,7 +374,8 @@ class _LocalWriter(_Recording, FileSystemWriter):
 
 def _writer(directory: str, storage_options: Mapping[str, Any] | None) -> Any:
     options: dict[str, Any] = {"single_file_per_rank": True, "sync_files": True, "overwrite": False}
-    if _is_url(directory):
+    local = local_path(directory)
+    if local is None:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         class _FsspecWriter(_Recording, FsspecWriter):
@@ -385,7 +383,7 @@ def _writer(directory: str, storage_options: Mapping[str, Any] | None) -> Any:
 
         writer: Any = _FsspecWriter(directory, **options, **dict(storage_options or {}))
     else:
-        writer = _LocalWriter(directory, **options)
+        writer = _LocalWriter(local, **options)
     writer.written = []
     return writer
 

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import nn
 
-from cadence.errors import ConfigError
+from cadence.errors import ConfigError, one_line
 
 if TYPE_CHECKING:
-    from cadence.config.schema import CompileConfig
+    from cadence.config.components.compile import CompileConfig
     from cadence.torch.task.task import Task
 
 log = logging.getLogger(__name__)
@@ -108,11 +108,7 @@ def _reason(error: BaseException) -> str:
 
     if isinstance(error, BackendCompilerFailed):
         error = error.inner_exception
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    text = lines[0] if lines else ""
-    if len(text) > 160:
-        text = text[:157] + "..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return one_line(error, limit=160)
 
 
 def check_backend(name: str) -> None:

@@ -30,20 +30,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from cadence.checkpoint.protocol import CheckpointReader
+from cadence.config.components.ema import EMAConfig
 from cadence.errors import CheckpointError
 from cadence.extensions import Callback, RunContext
 from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
 from cadence.torch.checkpoint_io.safetensors_io import SafetensorsPayload, safetensors_views
 from cadence.torch.checkpoint_io.state import describe_key_mismatch, unwrap_model
 
-__all__ = ["EMA_FILE", "EMASettings", "ModelEMA", "RAW_PREFIX", "SHARDED_KEY", "applied", "raw_metrics"]
+__all__ = ["EMA_FILE", "ModelEMA", "RAW_PREFIX", "SHARDED_KEY", "applied", "raw_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +53,6 @@ SHARDED_KEY = "ema"
 """The EMA's top-level key in a sharded (DCP) checkpoint's state."""
 RAW_PREFIX = "raw/"
 """What the raw weights' metrics are named with when the EMA's are evaluated too: ``raw/<name>``."""
-
-
-@dataclass(frozen=True)
-class EMASettings:
-    """How :class:`ModelEMA` averages (``trainer.ema``'s fields); checked as :class:`ModelEMA` checks them."""
-
-    decay: float = 0.999
-    start_step: int = 0
-    every_n_steps: int = 1
-    evaluate_raw: bool = True
 
 
 def _is_float(t: torch.Tensor) -> bool:
@@ -86,22 +76,18 @@ class ModelEMA(Callback):
 
     ``model`` may be wrapped (DDP, ``torch.compile``) or sharded by FSDP2 (then the EMA's tensors
     are DTensor shards placed as the parameters). Built from the weights as they are; the trainer
-    calls :meth:`reset` after initialising the model. ``ValueError`` for ``decay`` outside (0, 1),
-    a negative ``start_step`` or ``every_n_steps`` < 1.
+    calls :meth:`reset` after initialising the model. ``settings``: how it averages (``trainer.ema``;
+    None: :class:`~cadence.config.components.ema.EMAConfig`'s defaults), checked when they are built
+    (``ValueError`` for ``decay`` outside (0, 1), a negative ``start_step`` or ``every_n_steps`` < 1).
     """
 
-    def __init__(self, model: nn.Module, *, decay: float = 0.999, start_step: int = 0, every_n_steps: int = 1,
-                 evaluate_raw: bool = True) -> None:
-        if not 0.0 < decay < 1.0:
-            raise ValueError(f"EMA decay must be > 0 and < 1, got {decay}")
-        if start_step < 0:
-            raise ValueError(f"EMA start_step must be >= 0, got {start_step}")
-        if every_n_steps < 1:
-            raise ValueError(f"EMA every_n_steps must be >= 1, got {every_n_steps}")
-        self.decay = float(decay)
-        self.start_step = int(start_step)
-        self.every_n_steps = int(every_n_steps)
-        self.evaluate_raw = bool(evaluate_raw)
+    def __init__(self, model: nn.Module, settings: EMAConfig | None = None) -> None:
+        settings = EMAConfig() if settings is None else settings
+        self.settings = settings
+        self.decay = settings.decay
+        self.start_step = settings.start_step
+        self.every_n_steps = settings.every_n_steps
+        self.evaluate_raw = settings.evaluate_raw
         self._weight = 1.0 - self.decay
         state: dict[str, torch.Tensor] = {}
         first: dict[int, str] = {}  # a tied tensor: the first name it has
@@ -124,11 +110,6 @@ class ModelEMA(Callback):
         self._averaged: list[torch.Tensor] = averaged  # the EMA's, in the same order
         self.attached = False
         """Whether a controller has it among its callbacks (so that it is updated at each step)."""
-
-    @classmethod
-    def from_settings(cls, model: nn.Module, settings: EMASettings) -> ModelEMA:
-        return cls(model, decay=settings.decay, start_step=settings.start_step,
-                   every_n_steps=settings.every_n_steps, evaluate_raw=settings.evaluate_raw)
 
     # -- the average ---------------------------------------------------------------------------
 

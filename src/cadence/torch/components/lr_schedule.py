@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from cadence.config.schema import LR_SCHEDULE_KINDS
+from cadence.config.components.lr_schedule import LR_SCHEDULE_KINDS, LRScheduleConfig
 
 __all__ = ["KINDS", "build_lr_schedule", "lr_factor"]
 
@@ -49,27 +49,18 @@ def _factor_after(steps_done: int, **schedule: object) -> float:
 
 
 def build_lr_schedule(
-    optimizer: torch.optim.Optimizer,
-    *,
-    kind: str,
-    total_steps: int,
-    warmup_steps: int = 0,
-    min_lr_ratio: float = 0.0,
+    optimizer: torch.optim.Optimizer, schedule: LRScheduleConfig, *, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A ``LambdaLR`` over ``optimizer`` following :func:`lr_factor` (of every parameter group's
-    learning rate), to be stepped once per optimizer step.
+    """A ``LambdaLR`` over ``optimizer`` following :func:`lr_factor` with ``schedule``'s settings
+    (``trainer.lr_schedule``, checked when it is built) over ``total_steps`` (of every parameter
+    group's learning rate), to be stepped once per optimizer step.
 
-    Raises ``ValueError`` for an unknown ``kind``, ``total_steps < 1``, a negative
-    ``warmup_steps`` or one above ``total_steps``, or ``min_lr_ratio`` outside ``[0, 1]``.
+    Raises ``ValueError`` for ``total_steps < 1`` or ``schedule.warmup_steps`` above it.
     """
-    if kind not in KINDS:
-        raise ValueError(f"unknown lr schedule {kind!r}; expected one of {', '.join(KINDS)}")
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
-    if not 0 <= warmup_steps <= total_steps:
-        raise ValueError(f"warmup_steps must be in [0, total_steps={total_steps}], got {warmup_steps}")
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
-    factor = functools.partial(_factor_after, kind=kind, warmup_steps=warmup_steps, total_steps=total_steps,
-                               min_lr_ratio=min_lr_ratio)
+    if schedule.warmup_steps > total_steps:
+        raise ValueError(f"warmup_steps must be in [0, total_steps={total_steps}], got {schedule.warmup_steps}")
+    factor = functools.partial(_factor_after, kind=schedule.kind, warmup_steps=schedule.warmup_steps,
+                               total_steps=total_steps, min_lr_ratio=schedule.min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,7 +1,7 @@
 """``torch.profiler`` traces of chosen training steps: :class:`StepProfiler` (the config's
 ``profiler:`` section, ``cadence train --profile``).
 
-The window is a :class:`~cadence.config.components.profiler.ProfilerWindow` in global steps. Outside its
+The window is a :class:`~cadence.config.components.profiler.ProfilerConfig`'s, in global steps. Outside its
 warmup and recorded steps no profiler exists: its ``on_train_step_end`` compares two integers and
 returns. Before a cycle's first warmup step (from the previous step's hook, or from
 ``on_train_start`` when it is the run's first step) a ``torch.profiler.profile`` is built and
@@ -28,19 +28,18 @@ import shutil
 import tempfile
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from cadence import layout
 from cadence.extensions import Callback, RunContext
-from cadence.config.components.profiler import NEVER, Cycle, ProfilerWindow
+from cadence.config.components.profiler import NEVER, Cycle, ProfilerConfig
 from cadence.storage import Storage
 from cadence.runtime.watchdog import Heartbeat, unwatched
 
 if TYPE_CHECKING:  # pragma: no cover
-    from cadence.config.schema import ProfilerConfig
     from cadence.torch.runtime.context import Context
 
 __all__ = ["StepProfiler", "build_step_profiler", "trace_name"]
@@ -58,7 +57,8 @@ def trace_name(rank: int, *, gzip: bool = False, time_ns: int | None = None) -> 
 
 
 class StepProfiler(Callback):
-    """Traces the steps of ``window`` on this rank into ``directory`` (a local path or an fsspec URL).
+    """Traces the steps of ``settings``' window on this rank into ``directory`` (a local path or an
+    fsspec URL), with its options (``record_shapes``, ``profile_memory``, ``with_stack``, ``gzip``).
 
     A :class:`~cadence.Callback`, registered once in the controller's callbacks:
     ``on_train_step_end`` drives the profiler, ``on_train_start`` starts a cycle that begins at
@@ -72,20 +72,19 @@ class StepProfiler(Callback):
     :attr:`traces` lists the paths written, in order.
     """
 
-    def __init__(self, window: ProfilerWindow, directory: str, *, rank: int = 0,
-                 device: torch.device | str = "cpu", record_shapes: bool = False, profile_memory: bool = False,
-                 with_stack: bool = False, gzip: bool = False, heartbeat: Heartbeat | None = None,
+    def __init__(self, settings: ProfilerConfig, directory: str, *, rank: int = 0,
+                 device: torch.device | str = "cpu", heartbeat: Heartbeat | None = None,
                  last_step: int | None = None) -> None:
-        self.window = window
+        self.window = settings
         self.last_step = NEVER if last_step is None else last_step
         self.directory = directory
         self.rank = rank
         self.device = torch.device(device)
-        self.record_shapes, self.profile_memory, self.with_stack = record_shapes, profile_memory, with_stack
-        self.gzip = gzip
+        self.record_shapes, self.profile_memory = settings.record_shapes, settings.profile_memory
+        self.with_stack, self.gzip = settings.with_stack, settings.gzip
         self.heartbeat = heartbeat
         self.traces: list[str] = []
-        self._arm = window.next_start(1) - 1  # on_train_step_end(step) does nothing while step < _arm
+        self._arm = settings.next_start(1) - 1  # on_train_step_end(step) does nothing while step < _arm
         self._prof: torch.profiler.profile | None = None
         self._cycle: Cycle | None = None
         self._expected = 0  # the global step the running profiler is in
@@ -223,17 +222,14 @@ def build_step_profiler(config: ProfilerConfig, model_dir: str, ctx: Context, *,
     """The run's :class:`StepProfiler` from the ``profiler:`` section, writing into
     ``MODEL_DIR/profile/``; the chief logs which steps it traces, and warns when the first cycle
     records nothing up to ``train_steps`` (a cycle that ends after it is cut there)."""
-    settings: dict[str, Any] = config.model_dump()
-    window = ProfilerWindow(**{k: settings[k] for k in ("skip_first", "wait", "warmup", "active", "repeat")})
     directory = layout.profile_dir(model_dir)
     if ctx.is_chief:
-        first = window.cycle(0)
+        first = config.cycle(0)
         assert first is not None
         if train_steps is not None and first.first_active > train_steps:
             log.warning("profiler: the first cycle records steps %s, after trainer.train_steps (%d): nothing will be "
                         "traced (lower profiler.skip_first or profiler.wait)", first.active_steps, train_steps)
         else:
-            log.info("profiler: tracing %s into %s (one trace per rank and cycle)", window.describe(), directory)
-    return StepProfiler(window, directory, rank=ctx.rank, device=ctx.device, record_shapes=settings["record_shapes"],
-                        profile_memory=settings["profile_memory"], with_stack=settings["with_stack"],
-                        gzip=settings["gzip"], heartbeat=ctx.heartbeat, last_step=train_steps)
+            log.info("profiler: tracing %s into %s (one trace per rank and cycle)", config.describe(), directory)
+    return StepProfiler(config, directory, rank=ctx.rank, device=ctx.device, heartbeat=ctx.heartbeat,
+                        last_step=train_steps)

@@ -30,7 +30,7 @@ from cadence.extensions import RunContext
 from cadence.sidecar.evaluator import SidecarEvaluator, SidecarResult
 from cadence.runtime.watchdog import Heartbeat, Watchdog
 from cadence.torch.runtime.context import Context
-from cadence.torch.components.ema import EMASettings, ModelEMA, applied
+from cadence.torch.components.ema import ModelEMA, applied
 from cadence.torch.export.formats import TRACED_FORMATS, check_spec
 from cadence.torch.task.export_specs import as_inputs
 from cadence.torch.export.signatures import check_signatures, has_export_signatures
@@ -296,7 +296,7 @@ def _build_runners_for(cfg: ExperimentConfig, *, train: bool, evaluate: bool = T
     trainer, evaluator = build_runners(
         task, ctx, precision=precision or t.precision, grad_accum_steps=t.grad_accum_steps,
         grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate, strategy=t.strategy,
-        lr_schedule=_lr_schedule(cfg), ema=EMASettings(**t.ema.model_dump()) if t.ema is not None else None,
+        lr_schedule=_lr_schedule(cfg), ema=t.ema,
         peak_tflops=t.peak_tflops, log_throughput=t.log_throughput, compile_config=t.compile if compile_model else None,
     )
     return task, ctx, trainer, evaluator
@@ -310,8 +310,7 @@ def _lr_schedule(cfg: ExperimentConfig) -> Callable[[Any], Any] | None:
     assert total is not None, "checked by the schema"
     from cadence.torch.components.lr_schedule import build_lr_schedule
 
-    return lambda optimizer: build_lr_schedule(optimizer, kind=schedule.kind, total_steps=total,
-                                               warmup_steps=schedule.warmup_steps, min_lr_ratio=schedule.min_lr_ratio)
+    return lambda optimizer: build_lr_schedule(optimizer, schedule, total_steps=total)
 
 
 @dataclass

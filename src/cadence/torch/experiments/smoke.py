@@ -45,8 +45,9 @@ from typing import Any, Literal
 import cadence
 from cadence import layout
 from cadence.config import ExperimentConfig, config_from_dict, load_config, save_config
-from cadence.errors import ConfigError
-from cadence.summaries.progress import format_size, format_value
+from cadence.errors import ConfigError, one_line
+from cadence.summaries.progress import format_value
+from cadence.units import format_size
 from cadence.torch.experiments.smoke_checks import (
     SmokeCheckError,
     check_export,
@@ -176,7 +177,7 @@ def _run_stage(name: str, fn: Callable[[], str]) -> StageResult:
         detail = fn()
     except Exception as exc:  # noqa: BLE001 -- a stage's failure is the report's content; Ctrl-C is not
         tb = None if isinstance(exc, (SmokeCheckError, ConfigError)) else user_traceback(exc)
-        return StageResult(name, "failed", time.perf_counter() - start, error=_one_line(exc), traceback=tb,
+        return StageResult(name, "failed", time.perf_counter() - start, error=one_line(exc, all_lines=True), traceback=tb,
                            exception=exc)
     return StageResult(name, "ok", time.perf_counter() - start, detail=detail)
 
@@ -339,11 +340,6 @@ class _Smoke:
             for target in targets:  # the model stays in eval mode until the comparisons are done
                 done += check_export(*target)
         return ", ".join(done)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())  # multi-line messages (config errors) on one line
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 _CADENCE_DIR = Path(cadence.__file__).resolve().parent

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from cadence.config.schema import EXPORT_FORMATS
-from cadence.errors import CadenceError
+from cadence.errors import CadenceError, one_line
 from cadence.torch.checkpoint_io.state import MODEL_FILE, model_to_safetensors
 from cadence.torch.task.export_specs import ExportSpec, dim_bounds
 
@@ -253,11 +253,6 @@ def describe_dynamic_dims(shapes: tuple[Any, ...] | None) -> list[dict[str, dict
     return out
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def _display_name(model: nn.Module) -> str:
     """The class name of ``model``; a wrapped plain callable's own name."""
     if isinstance(model, _CallableModule):
@@ -282,12 +277,12 @@ def _capture(model: nn.Module, inputs: tuple[Any, ...], spec: ExportSpec) -> tup
                 raise ExportError(
                     f"torch.export.export failed for {_display_name(model)} with the declared dynamic dimensions "
                     f"{describe_dynamic_dims(dynamic if not isinstance(model, _CallableModule) else dynamic[0])}: "
-                    f"{_first_line(e)} (a dimension the model computes with as a constant must stay static)"
+                    f"{one_line(e)} (a dimension the model computes with as a constant must stay static)"
                 ) from e
             log.warning(
                 "torch.export with a dynamic batch dimension failed (%s); exporting with static "
                 "shapes: the exported model accepts only the example inputs' shapes",
-                _first_line(e),
+                one_line(e),
             )
     try:
         return torch.export.export(model, inputs), None

@@ -20,7 +20,7 @@ from cadence.torch.data.batch import move_to_device
 from cadence.torch.components.compile import compile_model
 from cadence.torch.runtime.context import Context
 from cadence.torch.components.precision import resolve_precision
-from cadence.torch.components.ema import EMA_FILE, SHARDED_KEY as EMA_KEY, EMASettings, ModelEMA
+from cadence.torch.components.ema import EMA_FILE, SHARDED_KEY as EMA_KEY, ModelEMA
 from cadence.torch.loop.evaluator import TorchEvaluator
 from cadence.torch.checkpoint_io.state import (
     MODEL_FILE,
@@ -47,7 +47,8 @@ from cadence.summaries.throughput import LoopWork
 from cadence.runtime.watchdog import unwatched
 
 if TYPE_CHECKING:
-    from cadence.config.schema import CompileConfig
+    from cadence.config.components.compile import CompileConfig
+    from cadence.config.components.ema import EMAConfig
 
 log = logging.getLogger(__name__)
 
@@ -672,7 +673,7 @@ def build_runners(
     evaluate: bool = True,
     strategy: str = "ddp",
     lr_schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
-    ema: EMASettings | None = None,
+    ema: EMAConfig | None = None,
     peak_tflops: float | None = None,
     log_throughput: bool = True,
     compile_config: CompileConfig | None = None,
@@ -742,7 +743,7 @@ def build_runners(
             precision=precision,
             grad_accum_steps=grad_accum_steps,
             grad_clip_norm=grad_clip_norm,
-            ema=ModelEMA.from_settings(wrapped, ema) if ema is not None else None,
+            ema=ModelEMA(wrapped, ema) if ema is not None else None,
             peak_tflops=peak_tflops,
             log_throughput=log_throughput,
         )
@@ -752,6 +753,6 @@ def build_runners(
         if trainer is not None:
             evaluated = trainer.ema
         else:
-            evaluated = ModelEMA.from_settings(model, ema) if ema is not None else None
+            evaluated = ModelEMA(model, ema) if ema is not None else None
         evaluator = TorchEvaluator(task, model, ctx=ctx, precision=precision, global_step_fn=step_fn, ema=evaluated)
     return trainer, evaluator
