@@ -1,10 +1,12 @@
-"""The training loop: :class:`Controller` (Orbit's, with the differences the README lists).
+"""The training loop: :class:`Controller` (Orbit's, with the differences the guide's "coming from
+another tool" page lists).
 
 The loop alone; its parts have one job each: :mod:`cadence.checkpoint.session` (restore, save,
 FINAL, rollback), :mod:`cadence.loop.hooks` (callbacks), :mod:`cadence.loop.schedule` (intervals,
-segments, throttling), :mod:`cadence.loop.members` (the actions' and callbacks' parts),
-:mod:`cadence.sidecar.continuous` (continuous evaluation), :mod:`cadence.extensions` (what the
-roles, actions and callbacks may use and be). No framework is imported.
+segments, throttling), :mod:`cadence.loop.reports` (summaries, rates, progress),
+:mod:`cadence.loop.members` (the actions' and callbacks' parts), :mod:`cadence.sidecar.continuous`
+(continuous evaluation), :mod:`cadence.extensions` (what the roles, actions and callbacks may use
+and be). No framework is imported.
 """
 
 from __future__ import annotations
@@ -21,15 +23,14 @@ from cadence.extensions import (Action, Callback, Closeable, Evaluator, GathersC
                                 Trainer)
 from cadence.loop.hooks import CallbackHooks
 from cadence.loop.members import components, stateful_members
+from cadence.loop.reports import LoopReports
 from cadence.loop.sanity import sanity_check
 from cadence.loop.schedule import (EvalState, EvalThrottle, check_advance, check_interval, check_loop_settings, crossed,
                                    already_reached, loop_size, segment_target)
 from cadence.runtime.coordination import Coordinator, LocalCoordinator
 from cadence.runtime.watchdog import Heartbeat
 from cadence.sidecar.continuous import ContinuousEvaluation
-from cadence.summaries.progress import ProgressReporter, format_value
-from cadence.summaries.throughput import CountsWork, throughput_logs
-from cadence.summaries.manager import SummaryManager
+from cadence.summaries.progress import ProgressReporter
 
 logger = logging.getLogger("cadence")
 
@@ -55,9 +56,8 @@ class Controller:
       summary_dir, eval_summary_dir: where train / eval summaries go (TensorBoard events +
         ``metrics.jsonl``; a nested output's top-level keys get a subdirectory each, as in
         Orbit). ``None``: none; ``eval_summary_dir=None`` uses ``summary_dir``.
-      train_actions: callables run on each inner loop's output (with ``steps_per_second``, and the
-        rates of :func:`cadence.summaries.throughput.throughput_logs` when the trainer is
-        :class:`~cadence.summaries.throughput.CountsWork`: ``samples_per_second``, ...; the same elapsed time).
+      train_actions: callables run on each inner loop's output (with its rates:
+        :meth:`LoopReports.after_loop <cadence.loop.reports.LoopReports.after_loop>`).
       eval_actions: callables run on each evaluation's metrics.
       callbacks: :class:`~cadence.extensions.Callback` instances told about the run's events; those
         overriding ``on_train_step_end`` are called by the trainer after each step (it must be
@@ -83,10 +83,9 @@ class Controller:
 
     On construction the latest checkpoint is restored (model, optimizer, data position, RNG,
     actions' state); when there is none, the trainer's (or a lone evaluator's) ``initialize()``
-    runs if it is :class:`~cadence.extensions.Initializable`. With a trainer, the summaries a killed run
-    wrote past the restored step are dropped then (``metrics.jsonl`` records, and TensorBoard's
-    through a restart marker: :meth:`SummaryManager.resume_at <cadence.summaries.manager.SummaryManager.resume_at>`);
-    the eval ones only when this controller evaluates (a sidecar's stay).
+    runs if it is :class:`~cadence.extensions.Initializable`. With a trainer, what a killed run
+    summarized past the restored step is dropped (:meth:`LoopReports.resume_at
+    <cadence.loop.reports.LoopReports.resume_at>`).
 
     Raises:
       ValueError: neither trainer nor evaluator; bad ``steps_per_loop`` / intervals; with a
@@ -138,8 +137,8 @@ class Controller:
                                           shards=trainer if isinstance(trainer, WritesShards) else None)
         chief = self.coordinator.is_chief
         eval_dir = eval_summary_dir if eval_summary_dir is not None else summary_dir
-        self._train_summaries = SummaryManager(summary_dir, enabled=chief and summary_dir is not None)
-        self._eval_summaries = SummaryManager(eval_dir, enabled=chief and eval_dir is not None)
+        self._reports = LoopReports(summary_dir, eval_dir, chief=chief, summary_interval=summary_interval,
+                                    hooks=self._hooks)
         self._components = components((*self.train_actions, *self.eval_actions, *self.callbacks))
         self._step = 0  # global step of an evaluator-only controller (from its checkpoint)
         self._eval_state = EvalState()
@@ -155,13 +154,10 @@ class Controller:
                 self._heartbeat.enter("restore")
                 self.restored_step = self.restore(restore_step)
                 if trainer is not None:  # what a killed run summarized past the restored step is redone
-                    self._train_summaries.resume_at(self.global_step)
-                    if evaluator is not None and eval_dir != summary_dir:  # a sidecar's records stay
-                        self._eval_summaries.resume_at(self.global_step)
+                    self._reports.resume_at(self.global_step, evaluates=evaluator is not None)
         except BaseException:
             self._close(propagating=True)  # e.g. signal handlers installed by attach()
             raise
-
 
     @property
     def global_step(self) -> int:
@@ -226,7 +222,6 @@ class Controller:
         self.stop_reason = reason
         logger.info("stop requested at step %d: %s", self.global_step, reason)
 
-
     def train(self, steps: int | None = None, *, checkpoint_at_completion: bool = True) -> None:
         """Train until the global step reaches ``steps`` (absolute; a no-op when reached), in inner
         loops of ``steps_per_loop``. ``None``: until the data runs out (the trainer advancing fewer
@@ -271,14 +266,7 @@ class Controller:
             exhausted = check_advance(before, after, requested, until_exhausted=until_exhausted)
             if after == before:
                 return True
-            logs["steps_per_second"] = (after - before) / elapsed if elapsed > 0 else float("inf")
-            if isinstance(trainer, CountsWork):  # samples/s, tokens/s, MFU: over the same elapsed time
-                logs.update(throughput_logs(trainer.loop_work(), elapsed))
-            if self.summary_interval is None or crossed(before, after, self.summary_interval):
-                self._train_summaries.write_summaries(after, logs)
-                self._train_summaries.flush()
-                self._hooks.train_logs(logs, after)
-            progress.update(after, {k: v for k, v in logs.items() if k != "steps_per_second"})
+            self._reports.after_loop(trainer, before, after, logs, elapsed, progress)
             with self._session.commit_on_error(lambda: self.global_step, self.checkpoint_objects,
                                                self.prepare_checkpoint, "a train action"):
                 self._run_actions(self.train_actions, logs)
@@ -313,10 +301,7 @@ class Controller:
         step = self.global_step
         self._heartbeat.enter("actions", step)
         self._eval_state.last_eval_step = step
-        self._eval_summaries.write_summaries(step, metrics)
-        self._eval_summaries.flush()
-        shown = "  ".join(f"{k}={format_value(v)}" for k, v in metrics.items() if isinstance(v, (int, float)))
-        logger.info("eval at step %d (%.1fs): %s", step, elapsed, shown)
+        self._reports.after_evaluation(step, metrics, elapsed)
         self._run_actions(self.eval_actions, metrics)
         self._hooks.eval_end(metrics, step)
         return metrics
@@ -331,20 +316,14 @@ class Controller:
         poll_interval: float | None = None,
     ) -> dict[str, Any] | None:
         """Evaluate checkpoints as they are committed; the last evaluation's metrics (None: none).
-
-        Orbit's contract, run by the sidecar's loop (:class:`~cadence.sidecar.continuous.ContinuousEvaluation`)
-        with its defaults (``None``): ``mode="every"`` evaluates each checkpoint in step order
-        (``"latest"``: the newest, as Orbit), one that fails to load is retried, then skipped. After
-        ``timeout`` s without a new checkpoint ``timeout_fn()`` decides: True (or none) stops, False
-        waits on; ``None`` waits for ever. It also stops after the final checkpoint (``FINAL``).
-        Raises ValueError without an evaluator or a checkpoint manager.
-        """
+        Orbit's contract, run by :class:`~cadence.sidecar.continuous.ContinuousEvaluation` (which
+        documents ``mode``, ``timeout``, ``timeout_fn`` and ``poll_interval``; ``None``: its
+        defaults). Raises ValueError without an evaluator or a checkpoint manager."""
         self._require(self.evaluator, "evaluator", "evaluate_continuously")
         self._require(self.checkpoint_manager, "checkpoint_manager", "evaluate_continuously")
         result = ContinuousEvaluation(self, steps=steps, timeout=timeout, timeout_fn=timeout_fn, mode=mode,
                                       poll_interval=poll_interval).run()
         return result.last_metrics
-
 
     def train_and_evaluate(
         self,
@@ -370,19 +349,14 @@ class Controller:
             actions check the metrics (:func:`~cadence.loop.sanity.sanity_check`; SanityCheckError).
             0: no sanity check.
 
-        An error of an evaluation (or of an action) after steps that no checkpoint holds commits
-        them first, with the state before that evaluation, so a resumed run evaluates again
-        (single-process runs; see :meth:`CheckpointSession.commit_on_error
-        <cadence.checkpoint.session.CheckpointSession.commit_on_error>`).
-
-        Each segment ends with an evaluation, *then* the checkpoint due at that step, so a
-        checkpoint at step N holds the eval actions' state after the evaluation at N; a run
-        resumed at an evaluation step whose evaluation never ran evaluates first. At the end
-        (target reached, data exhausted, or a stop) the final checkpoint is saved and ``FINAL``
-        written; a complete run is evaluated once: one already evaluated at ``train_steps`` or past it
-        trains and evaluates nothing (a warning when past it) and returns the metrics recorded then
-        (``eval`` summaries' ``metrics.jsonl``, nested keys flattened; ``{}`` without them).
-        Callbacks as in :meth:`train`.
+        Each segment ends with an evaluation, *then* the checkpoint due at that step (which so
+        holds the eval actions' state after it); a run resumed at an evaluation step whose
+        evaluation never ran evaluates first; an evaluation's error after steps no checkpoint holds
+        commits them first, with the state before it (:meth:`CheckpointSession.commit_on_error
+        <cadence.checkpoint.session.CheckpointSession.commit_on_error>`). At the end (target, data
+        exhausted, a stop) the final checkpoint and ``FINAL`` are written. A run already evaluated
+        at ``train_steps`` or past it does nothing (a warning when past) and returns the metrics
+        recorded then (``{}`` without them). Callbacks as in :meth:`train`.
         """
         self._require(self.trainer, "trainer", "train_and_evaluate")
         evaluator = self._require(self.evaluator, "evaluator", "train_and_evaluate")
@@ -422,8 +396,7 @@ class Controller:
             if self.last_eval_step != self.global_step:
                 output = evaluate()
             self._complete()
-            return output if output is not None else self._eval_summaries.recorded(self.global_step)
-
+            return output if output is not None else self._reports.recorded(self.global_step)
 
     def _require(self, value: _T | None, role: str, method: str) -> _T:
         if value is None:
@@ -469,7 +442,7 @@ class Controller:
 
     def _close(self, propagating: bool) -> None:
         closeables = [o for o in self._components if isinstance(o, Closeable) and not isinstance(o, Callback)]
-        self._hooks.close_run(self._session.close, self._train_summaries.close, self._eval_summaries.close,
+        self._hooks.close_run(self._session.close, self._reports.train.close, self._reports.eval.close,
                               *(o.close for o in closeables), propagating=propagating)
 
     def __enter__(self) -> Controller:
