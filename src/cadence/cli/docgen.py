@@ -209,7 +209,7 @@ def config_reference(root: type[BaseModel] | None = None) -> str:
     constraints, description), generated from the models only."""
     sections = config_sections(root)
     out = [
-        HEADER.format(source="the pydantic models in src/cadence/config/schema.py"),
+        HEADER.format(source="the pydantic models that src/cadence/config/schema.py assembles"),
         "# Config reference\n",
         (
             "An experiment is one YAML file, validated against these tables: an unknown or mistyped "
@@ -284,7 +284,7 @@ def cli_reference(parser: argparse.ArgumentParser | None = None) -> str:
     for p in (parser, *(sub for _, _, sub in subs)):
         _fixed_width(p)
     out = [
-        HEADER.format(source="the argparse parser in src/cadence/cli.py"),
+        HEADER.format(source="the argparse parser in src/cadence/cli/parser.py"),
         "# CLI reference\n",
         (
             "Exit status: 0 success; 1 a run failed (the message says why); 2 bad input (a config, "
