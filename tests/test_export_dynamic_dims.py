@@ -15,7 +15,7 @@ from cadence.torch import ExportSignature, ExportSpec, export_model, export_mode
 from cadence.torch.export.api import ExportError, export_task_model
 from cadence.torch.export.formats import check_spec
 
-from cadence.torch.experiments.experiment import load_task_class
+from cadence.torch.experiments.task_loader import load_task_class
 
 CharLMTask = load_task_class(f"{Path(__file__).resolve().parents[1] / 'examples' / 'charlm' / 'task.py'}:CharLMTask")
 
