@@ -11,7 +11,7 @@ from cadence.errors import ConfigError
 from cadence.lifecycle import RunContext
 from cadence.torch.checkpoint_io.state import unwrap_model
 from cadence.torch.components.ema import ModelEMA, applied
-from cadence.torch.export.formats import check_spec
+from cadence.torch.export.dynamic_shapes import check_spec
 from cadence.torch.export.formats import TRACED_FORMATS
 from cadence.torch.export.signatures import check_signatures, has_export_signatures
 from cadence.torch.parallel import sharding
