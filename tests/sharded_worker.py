@@ -78,7 +78,7 @@ def restore(checkpoints: str, out: str) -> None:
     from cadence.checkpoint import CheckpointManager
     from cadence.torch import Context
     from cadence.torch.runtime.distributed import current_coordinator, shutdown_distributed
-    from cadence.torch.loop.trainer import build_runners
+    from cadence.torch.experiments.runners import build_runners
 
     ctx = Context.create(device="cpu", seed=0)  # under torchrun with M > 1: initialises the process group
     coordinator = current_coordinator()
@@ -117,7 +117,7 @@ def failed_write(out_dir: str) -> None:
     from cadence.errors import CheckpointError
     from cadence.torch import Context
     from cadence.torch.runtime.distributed import current_coordinator, shutdown_distributed
-    from cadence.torch.loop.trainer import build_runners
+    from cadence.torch.experiments.runners import build_runners
 
     ctx = Context.create(device="cpu", seed=0)
     coordinator = current_coordinator()

@@ -93,7 +93,7 @@ def check_snapshot_staging(device: str) -> None:
     from cadence.checkpoint.files import MemoryWriter
     from cadence.torch import Context
     from cadence.torch.checkpoint_io.state import unwrap_model
-    from cadence.torch.loop.trainer import build_runners
+    from cadence.torch import build_runners
     from cadence.torch.runtime.rng import seed_everything
     from tasks import TinyTask
 

@@ -454,7 +454,8 @@ def config_with(tmp_path: Path, callbacks) -> Path:
 
 def test_config_builds_the_task_callbacks_then_the_configured_ones(tmp_path, monkeypatch):
     from cadence.config import load_config
-    from cadence.torch.experiments.experiment import build_callbacks, build_task
+    from cadence.torch.experiments.callbacks import build_callbacks
+    from cadence.torch.experiments.task_loader import build_task
 
     monkeypatch.chdir(tmp_path)  # a relative file path resolves against the config file's directory
     cfg = load_config(config_with(tmp_path, [
@@ -489,7 +490,8 @@ def test_no_callbacks_section_means_none(tmp_path):
 ])
 def test_bad_callback_specs_name_the_field(tmp_path, entry, message):
     from cadence.config import load_config
-    from cadence.torch.experiments.experiment import build_callbacks, build_task
+    from cadence.torch.experiments.callbacks import build_callbacks
+    from cadence.torch.experiments.task_loader import build_task
 
     cfg = load_config(config_with(tmp_path, [entry]))
     with pytest.raises(ConfigError, match=message):

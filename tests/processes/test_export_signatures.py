@@ -26,7 +26,9 @@ from cadence.torch import (
     load_exported,
     read_signatures,
 )
-from cadence.torch.experiments.experiment import ModelExporter, load_task_class, run_training
+from cadence.torch.experiments.experiment import run_training
+from cadence.torch.experiments.exporting import ModelExporter
+from cadence.torch.experiments.task_loader import load_task_class
 from cadence.torch.export.api import read_export_metadata
 from cadence.torch.export.formats import FILES, ExportError
 from cadence.torch.export.signatures import check_signatures

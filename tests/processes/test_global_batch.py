@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from cadence.errors import ConfigError
 from cadence.torch import Context
-from cadence.torch.experiments.experiment import load_task_class
+from cadence.torch.experiments.task_loader import load_task_class
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits"

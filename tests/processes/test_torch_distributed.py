@@ -27,7 +27,7 @@ from cadence.runtime.coordination import LocalCoordinator
 from cadence.torch import Context, ResumableLoader, ResumableSampler, TorchTrainer
 from cadence.torch.runtime.rng import seed_everything
 from cadence.torch.runtime.distributed import init_distributed, rank_env, shutdown_distributed
-from cadence.torch.loop.trainer import _rank_seed
+from cadence.torch.runtime.rng import rank_seed
 from cli_run import torchrun_command
 from dist_worker import IdsTask
 
@@ -237,14 +237,14 @@ def test_elastic_rng_states_in_process(caplog):
     state["rng"] = state["rng"] * 2  # as if saved by 2 ranks
     state["global_step"] = 7
     new_rank = _trainer(Context(rank=2, world_size=3, seed=4))
-    with caplog.at_level(logging.WARNING, logger="cadence.torch.loop.trainer"):
+    with caplog.at_level(logging.WARNING, logger="cadence.torch.loop.trainer_checkpoint"):
         new_rank.load_checkpoint(files, state)
     assert "none for rank 2 of 3" in caplog.text
     got = torch.rand(3)
-    seed_everything(_rank_seed(4, 2, 7))
+    seed_everything(rank_seed(4, 2, 7))
     assert torch.equal(got, torch.rand(3))
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="cadence.torch.loop.trainer"):
+    with caplog.at_level(logging.WARNING, logger="cadence.torch.loop.trainer_checkpoint"):
         _trainer(Context()).load_checkpoint(files, state)
     assert "that of rank 1 is not used" in caplog.text
 
@@ -382,7 +382,7 @@ def test_elastic_resume_2_to_1_and_2_to_3_restores_the_saved_ranks_and_seeds_the
     assert three[1]["warnings"] == []  # rank 0 says once that the world size changed
     assert len(three[0]["warnings"]) == 1 and "not promised to be bit-identical" in three[0]["warnings"][0]
     assert any("none for rank 2 of 3" in m for m in three[2]["warnings"])
-    seed_everything(_rank_seed(5, 2, 3))  # (seed, rank, global step)
+    seed_everything(rank_seed(5, 2, 3))  # (seed, rank, global step)
     assert three[2]["randoms"] == [*torch.rand(3).tolist(), random.random(), float(np.random.rand())]
     assert three[0]["params"] == three[1]["params"] == three[2]["params"]
 

@@ -231,7 +231,8 @@ def test_a_checkpoint_without_an_ema_starts_it_from_its_weights_and_ema_off_igno
 
 def test_an_export_with_signatures_holds_the_ema_weights_under_the_same_names(tmp_path):
     from cadence.torch import load_exported
-    from cadence.torch.experiments.experiment import ModelExporter, load_task_class
+    from cadence.torch.experiments.exporting import ModelExporter
+    from cadence.torch.experiments.task_loader import load_task_class
 
     task = load_task_class(f"{HERE / 'signature_tasks.py'}:SignatureTask")()
     model = task.build_model()

@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 from cadence.torch import ExportSignature, ExportSpec, export_model, export_model_signatures, load_exported
-from cadence.torch.export.api import ExportError, export_task_model
-from cadence.torch.export.formats import check_spec
+from cadence.torch.export.api import export_task_model
+from cadence.torch.export.dynamic_shapes import check_spec
+from cadence.torch.export.formats import ExportError
 
-from cadence.torch.experiments.experiment import load_task_class
+from cadence.torch.experiments.task_loader import load_task_class
 
 CharLMTask = load_task_class(f"{Path(__file__).resolve().parents[2] / 'examples' / 'charlm' / 'task.py'}:CharLMTask")
 

@@ -18,6 +18,8 @@ import cadence
 from cadence.errors import CadenceError
 from cadence.torch import FORMATS, ExportModel, Task, export_model, load_exported
 from cadence.torch.export import formats as export_formats
+from cadence.torch.export import writers as export_writers
+from cadence.torch.export.capture import cpu_copy
 from cadence.torch.export.formats import ExportDependencyError, ExportError
 from cadence.torch.export.api import (
     read_export_metadata,
@@ -228,7 +230,7 @@ def test_failed_export_publishes_nothing_and_keeps_the_previous(tmp_path, monkey
     def boom(job, stage):
         raise ExportError("trace failed")
 
-    monkeypatch.setitem(export_formats._WRITERS, "torchscript", boom)
+    monkeypatch.setitem(export_writers.WRITERS, "torchscript", boom)
     with pytest.raises(ExportError, match="trace failed"):
         export_model(mlp(), directory, ["safetensors", "torchscript"], example_inputs=batch("mlp", 2))
     assert os.listdir(tmp_path / "export") == ["5"]  # no temp dir left behind
@@ -298,7 +300,7 @@ def test_static_fallback_when_batch_cannot_be_dynamic(tmp_path, caplog):
 def test_cpu_copy_is_independent():
     model = build("conv")
     model.head.weight.requires_grad_(False)
-    copy = export_formats._cpu_copy(model)
+    copy = cpu_copy(model)
     assert all(a is not b for a, b in zip(model.parameters(), copy.parameters()))
     assert [p.requires_grad for p in copy.parameters()] == [p.requires_grad for p in model.parameters()]
     x = batch("conv", 3)

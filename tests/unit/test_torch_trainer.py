@@ -280,7 +280,7 @@ def test_resume_by_replay_without_state_dict(caplog):
     reader, state = save(trainer)
     assert state["data"] == {"kind": "replay", "batches": 5}
     resumed, _ = make(ListData(dropout=0.3), seed=5)
-    with caplog.at_level(logging.WARNING, logger="cadence.torch.loop.trainer"):
+    with caplog.at_level(logging.WARNING, logger="cadence.torch.loop.train_data"):
         resumed.load_checkpoint(reader, state)
     assert "replaying 5 batches" in caplog.text
     resumed.train(2)

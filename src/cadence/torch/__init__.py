@@ -19,16 +19,20 @@ from cadence.torch.components.precision import Precision, resolve_precision
 from cadence.torch.export.signatures import export_model_signatures, read_signatures
 from cadence.torch.task.export_specs import ExportSignature
 from cadence.torch.task.task import Task
-from cadence.torch.loop.trainer import TorchTrainer, build_runners
+from cadence.torch.loop.trainer import TorchTrainer
+from cadence.torch.experiments.runners import build_runners
 
-_EXPERIMENT = ("Run", "build_run", "build_sidecar", "build_task", "load_task_class", "run_evaluation", "run_sidecar",
-               "run_training")
+_EXPERIMENT = ("build_sidecar", "run_evaluation", "run_sidecar", "run_training")
+_RUN = ("Run", "build_run")
+_TASK_LOADER = ("build_task", "load_task_class")
 _SMOKE = ("SmokeReport", "StageResult", "run_smoke")
 
 # The config-driven entry points, imported on first use.
 __getattr__ = lazy_attributes(
     __name__,
     {**dict.fromkeys(_EXPERIMENT, "cadence.torch.experiments.experiment"),
+     **dict.fromkeys(_RUN, "cadence.torch.experiments.run"),
+     **dict.fromkeys(_TASK_LOADER, "cadence.torch.experiments.task_loader"),
      **dict.fromkeys(_SMOKE, "cadence.torch.experiments.smoke"),
      "train_and_evaluate": "cadence.torch.experiments.roles"},
     (),
@@ -62,5 +66,7 @@ __all__ = [
     "shutdown_distributed",
     "train_and_evaluate",
     *_EXPERIMENT,
+    *_RUN,
+    *_TASK_LOADER,
     *_SMOKE,
 ]

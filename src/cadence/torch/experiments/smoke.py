@@ -6,7 +6,7 @@ and Lightning's ``fast_dev_run``: a minimal run of every part of the life cycle,
 
 * ``config``     the config resolves (written as ``config.yaml`` and read back equal), the task
                  class imports and instantiates;
-* ``build``      :func:`~cadence.torch.experiments.experiment.build_run` builds the runners: model,
+* ``build``      :func:`~cadence.torch.experiments.run.build_run` builds the runners: model,
                  optimizer, LR scheduler, the configured actions and callbacks, the train inputs;
 * ``train``      ``steps`` optimizer steps, each with a finite loss;
 * ``evaluate``   one evaluation of at most :data:`EVAL_BATCHES` batches returns metrics;
@@ -16,7 +16,7 @@ and Lightning's ``fast_dev_run``: a minimal run of every part of the life cycle,
                  scheduler and grad-scaler state and the global step equal the saved ones, and the
                  model's outputs on ``Task.example_inputs()`` (when defined) match;
 * ``export``     the configured ``export.formats`` are written through
-                 :class:`~cadence.torch.experiments.experiment.ModelExporter` (the code path of a real run)
+                 :class:`~cadence.torch.experiments.exporting.ModelExporter` (the code path of a real run)
                  and loaded back with :func:`~cadence.torch.export.api.load_exported`; their outputs on
                  the example inputs match the live model's (``safetensors``: its tensors match).
                  Without an ``export:`` section the stage passes as "no exports configured".
@@ -206,7 +206,7 @@ class _Smoke:
     # -- stages ------------------------------------------------------------------------------
 
     def stage_config(self) -> str:
-        from cadence.torch.experiments.experiment import build_task
+        from cadence.torch.experiments.task_loader import build_task
 
         data = self.source.to_dict()  # task.class made absolute: the run does not depend on the cwd
         data["model_dir"] = self.model_dir
@@ -239,7 +239,7 @@ class _Smoke:
         return f"{type(task).__name__} from {self.cfg.task.class_path}"
 
     def stage_build(self) -> str:
-        from cadence.torch.experiments.experiment import build_run
+        from cadence.torch.experiments.run import build_run
 
         self.run = build_run(self.cfg, progress=False)
         trainer = self.run.controller.trainer
@@ -289,7 +289,7 @@ class _Smoke:
         return f"ckpt-{self.step}: {info['files']} files, {format_size(info['size'])}, {MANIFEST_NAME} written"
 
     def stage_restore(self) -> str:
-        from cadence.torch.experiments.experiment import build_run
+        from cadence.torch.experiments.run import build_run
 
         live = self.run.controller.trainer
         self.restored = build_run(self.restore_cfg, progress=False)
@@ -328,7 +328,7 @@ class _Smoke:
         return f"step {self.step} restored by a new run: {', '.join(checked)} equal"
 
     def stage_export(self) -> str:
-        from cadence.torch.experiments.experiment import ModelExporter
+        from cadence.torch.experiments.exporting import ModelExporter
 
         if self.cfg.export is None:
             return "no exports configured (no export: section in the config)"

@@ -58,7 +58,7 @@ def export_targets(task: Any, model: nn.Module, directory: str) -> Generator[tup
     """What to check in the export at ``directory``: ``(label, export dir, live callable, its example
     inputs or None, the module whose state dict the safetensors artefact holds)``; one per signature
     (``Task.export_signatures``, rebuilt here on a CPU copy of the model as the export did), else one."""
-    from cadence.torch.export.formats import METADATA_FILE, SIGNATURES_FILE
+    from cadence.torch.export.metadata import METADATA_FILE, SIGNATURES_FILE
     from cadence.torch.export.signatures import read_signatures
     from cadence.torch.task.export_specs import ExportSignature
 

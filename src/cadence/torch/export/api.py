@@ -1,10 +1,13 @@
 """Inference export: the API (:func:`export_model`, :func:`load_exported`, the :class:`ExportModel`
 action) over one artefact per format in a directory, plus ``metadata.json``.
 
-The pieces live beside this module, and their names are re-exported here:
+The pieces live beside this module:
 
-* :mod:`cadence.torch.export.formats` -- the formats (:data:`FORMATS`) and how one model becomes
-  their artefacts and ``metadata.json``;
+* :mod:`cadence.torch.export.formats` -- the formats (:data:`FORMATS`), their checks and errors;
+* :mod:`cadence.torch.export.capture` and :mod:`cadence.torch.export.dynamic_shapes` -- the model
+  a format traces (on CPU, in eval mode), its ``torch.export`` program and dynamic dimensions;
+* :mod:`cadence.torch.export.writers` and :mod:`cadence.torch.export.metadata` -- how one model
+  becomes the formats' artefacts and ``metadata.json``;
 * :mod:`cadence.torch.export.staging` -- staging and publishing an export directory (atomically
   on local disks, metadata last elsewhere);
 * :mod:`cadence.torch.export.signatures` -- *signatures* (:class:`ExportSignature`,
@@ -27,28 +30,22 @@ from torch import nn
 
 from cadence.extensions import RunContext
 from cadence.storage import Storage
+from cadence.torch.components.compile import eager_forward
+from cadence.torch.export.capture import ExportJob, cpu_copy, modes_restored, on_cpu
 from cadence.torch.export.formats import (
     FILES,
-    METADATA_FILE,
-    SIGNATURES_FILE,
     ExportError,
-    _caller_metadata,
-    _check_formats,
-    _cpu_copy,
-    _Job,
-    _missing_inputs_error,
-    _modes_restored,
-    _on_cpu,
-    _quiet_jit,
-    _require_modules,
-    _require_onnx,
-    _traced,
-    _write_export,
+    check_formats,
+    missing_inputs_error,
+    require_modules,
+    require_onnx,
+    traced_formats,
 )
-from cadence.torch.task.export_specs import ExportSpec, as_inputs
-from cadence.torch.components.compile import eager_forward
-from cadence.torch.export.staging import _staging, _user_path
+from cadence.torch.export.metadata import METADATA_FILE, SIGNATURES_FILE, caller_metadata
 from cadence.torch.export.signatures import export_model_signatures, has_export_signatures, read_signatures
+from cadence.torch.export.staging import stage_and_publish, user_path
+from cadence.torch.export.writers import quiet_jit, write_export
+from cadence.torch.task.export_specs import ExportSpec, as_inputs
 from cadence.torch.checkpoint_io.state import state_dict_from_safetensors, unwrap_model
 from cadence.torch.task.task import Task
 
@@ -85,21 +82,21 @@ def export_model(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"export_model needs an nn.Module, got {type(model).__name__}")
-    formats = _check_formats(formats)
+    formats = check_formats(formats)
     inputs = as_inputs(example_inputs)
-    if inputs is None and _traced(formats):
-        raise _missing_inputs_error(formats)
+    if inputs is None and traced_formats(formats):
+        raise missing_inputs_error(formats)
     if "onnx" in formats:
-        _require_onnx()
-    extra = _caller_metadata(metadata)
+        require_onnx()
+    extra = caller_metadata(metadata)
     storage = Storage(directory)
     source = unwrap_model(model)
-    job = _Job(source, inputs, spec)
+    job = ExportJob(source, inputs, spec)
     # A forward compiled by trainer.compile is set aside: the formats trace (and copy) the module's own.
-    with eager_forward(source), _modes_restored([source]), _staging(storage) as stage:
-        _write_export(job, stage, formats, extra)
+    with eager_forward(source), modes_restored([source]), stage_and_publish(storage) as stage:
+        write_export(job, stage, formats, extra)
     log.info("exported %s to %s", ", ".join(formats), storage.url(storage.root))
-    return {fmt: _user_path(storage, directory, FILES[fmt]) for fmt in formats}
+    return {fmt: user_path(storage, directory, FILES[fmt]) for fmt in formats}
 
 
 def export_task_model(
@@ -125,7 +122,7 @@ def export_task_model(
     """
     if spec is None:
         spec = task.export_spec()
-    if example_inputs is None and _traced(_check_formats(formats)) and not has_export_signatures(task):
+    if example_inputs is None and traced_formats(check_formats(formats)) and not has_export_signatures(task):
         try:
             example_inputs = task.example_inputs()
         except NotImplementedError:
@@ -139,8 +136,8 @@ def export_task_model(
 
 def _export_signatures(task: Task, source: nn.Module, directory: str, formats: str | Sequence[str],
                        example_inputs: Any, metadata: Mapping[str, Any] | None, spec: ExportSpec) -> dict[str, str]:
-    cpu = source if _on_cpu(source) else _cpu_copy(source)
-    with _modes_restored([cpu]):
+    cpu = source if on_cpu(source) else cpu_copy(source)
+    with modes_restored([cpu]):
         cpu.eval()
         signatures = task.export_signatures(cpu)
         if not signatures:
@@ -174,7 +171,7 @@ def load_exported(directory: str, format: str) -> Any:
     ``onnx``: an ``onnxruntime.InferenceSession`` on the available providers. Raises
     :class:`ExportError` when the export is incomplete or lacks the format.
     """
-    (fmt,) = _check_formats((format,))
+    (fmt,) = check_formats((format,))
     storage = Storage(directory)
     meta = read_export_metadata(directory)
     if fmt not in meta.get("formats", {}):
@@ -189,12 +186,12 @@ def load_exported(directory: str, format: str) -> Any:
     source: Any = path if storage.atomic_rename else io.BytesIO(storage.read_bytes(path))
     if fmt == "torch_export":
         return torch.export.load(source).module()
-    with _quiet_jit():
+    with quiet_jit():
         return torch.jit.load(source, map_location="cpu")
 
 
 def _onnx_session(storage: Storage, path: str, meta: Mapping[str, Any]) -> Any:
-    _require_modules(("onnxruntime",), "loading an 'onnx' export")
+    require_modules(("onnxruntime",), "loading an 'onnx' export")
     import onnxruntime
 
     providers = onnxruntime.get_available_providers()
@@ -252,7 +249,7 @@ class ExportModel:
     ) -> None:
         if not isinstance(task_or_model, (Task, nn.Module)):
             raise TypeError(f"ExportModel needs a Task or an nn.Module, got {type(task_or_model).__name__}")
-        self.formats = _check_formats(formats)
+        self.formats = check_formats(formats)
         self.file_manager = file_manager
         self._task = task_or_model if isinstance(task_or_model, Task) else None
         self._module = task_or_model if isinstance(task_or_model, nn.Module) else None
@@ -261,14 +258,14 @@ class ExportModel:
         self._example_inputs = as_inputs(example_inputs)
         self._inputs_resolved = self._example_inputs is not None
         self._run: RunContext | None = None
-        if self._example_inputs is None and _traced(self.formats):
+        if self._example_inputs is None and traced_formats(self.formats):
             task_defines = self._task is not None and (
                 type(self._task).example_inputs is not Task.example_inputs or has_export_signatures(self._task)
             )
             if not task_defines:
-                raise _missing_inputs_error(self.formats)
+                raise missing_inputs_error(self.formats)
         if "onnx" in self.formats:
-            _require_onnx()
+            require_onnx()
 
     def attach(self, run: RunContext) -> None:
         """Called by the controller: the run's ``global_step`` goes into the metadata as ``step``,
@@ -295,7 +292,7 @@ class ExportModel:
             try:
                 self._example_inputs = as_inputs(self._task.example_inputs())
             except NotImplementedError:
-                if _traced(self.formats) and not has_export_signatures(self._task):
+                if traced_formats(self.formats) and not has_export_signatures(self._task):
                     raise  # with signatures, export_task_model checks each one's inputs
         return self._example_inputs
 

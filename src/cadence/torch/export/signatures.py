@@ -19,23 +19,12 @@ from typing import Any, Mapping, Sequence
 from torch import nn
 
 from cadence.storage import Storage
-from cadence.torch.export.formats import (
-    FILES,
-    METADATA_VERSION,
-    SIGNATURES_FILE,
-    ExportError,
-    _CallableModule,
-    _caller_metadata,
-    _check_formats,
-    check_spec,
-    _describe_input,
-    _Job,
-    _modes_restored,
-    _require_onnx,
-    _traced,
-    _write_export,
-)
-from cadence.torch.export.staging import _staging, _user_path
+from cadence.torch.export.capture import CallableModule, ExportJob, modes_restored
+from cadence.torch.export.dynamic_shapes import check_spec
+from cadence.torch.export.formats import FILES, ExportError, check_formats, require_onnx, traced_formats
+from cadence.torch.export.metadata import METADATA_VERSION, SIGNATURES_FILE, caller_metadata, describe_input
+from cadence.torch.export.staging import stage_and_publish, user_path
+from cadence.torch.export.writers import write_export
 from cadence.torch.checkpoint_io.state import unwrap_model
 from cadence.torch.task.export_specs import ExportSignature
 from cadence.torch.task.task import Task
@@ -48,7 +37,7 @@ _SIGNATURE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 def _signature_module(sig: ExportSignature, model: nn.Module | None) -> nn.Module:
     if isinstance(sig.module, nn.Module):
         return unwrap_model(sig.module)
-    return _CallableModule(sig.module, None if model is None else unwrap_model(model))
+    return CallableModule(sig.module, None if model is None else unwrap_model(model))
 
 
 def check_signatures(
@@ -61,7 +50,7 @@ def check_signatures(
     ``..`` or ``signatures.json``), a signature without example inputs when a format traces the
     model, or a spec that does not fit its example inputs; each error names the signature.
     """
-    formats = _check_formats(formats)
+    formats = check_formats(formats)
     if not isinstance(signatures, Mapping):
         got = type(signatures).__name__
         raise TypeError(f"export signatures must be a mapping of name to ExportSignature, got {got}")
@@ -74,14 +63,14 @@ def check_signatures(
             )
         if not isinstance(sig, ExportSignature):
             raise TypeError(f"export signature {name!r} must be an ExportSignature, got {type(sig).__name__}")
-        if sig.example_inputs is None and _traced(formats):
-            names = ", ".join(repr(f) for f in _traced(formats))
+        if sig.example_inputs is None and traced_formats(formats):
+            names = ", ".join(repr(f) for f in traced_formats(formats))
             raise ValueError(
                 f"export signature {name!r} has no example_inputs, and export format(s) {names} trace it: "
                 f"give ExportSignature(module, example_inputs=(tensor, ...)), batch dimension first "
                 f"with batch size >= 2"
             )
-        if sig.spec is not None and sig.example_inputs is not None and _traced(formats):
+        if sig.spec is not None and sig.example_inputs is not None and traced_formats(formats):
             try:
                 check_spec(sig.spec, sig.example_inputs)
             except ValueError as e:
@@ -116,21 +105,21 @@ def export_model_signatures(
     :class:`ExportError` (naming the signature) as :func:`export_model`. Nothing is published on
     failure.
     """
-    formats = _check_formats(formats)
+    formats = check_formats(formats)
     checked = check_signatures(signatures, formats)
     if not checked:
         raise ValueError("export_model_signatures: no signatures given (use export_model for one model)")
     if "onnx" in formats:
-        _require_onnx()
-    extra = _caller_metadata(metadata)
+        require_onnx()
+    extra = caller_metadata(metadata)
     storage = Storage(directory)
     modules = {name: _signature_module(sig, model) for name, sig in checked.items()}
-    jobs = {name: _Job(modules[name], checked[name].example_inputs, checked[name].spec) for name in checked}
-    with _modes_restored(list(modules.values())), _staging(storage) as stage:
+    jobs = {name: ExportJob(modules[name], checked[name].example_inputs, checked[name].spec) for name in checked}
+    with modes_restored(list(modules.values())), stage_and_publish(storage) as stage:
         for name, job in jobs.items():
             os.makedirs(os.path.join(stage, name))
             try:
-                _write_export(job, os.path.join(stage, name), formats, {**extra, "signature": name})
+                write_export(job, os.path.join(stage, name), formats, {**extra, "signature": name})
             except ExportError as e:
                 raise type(e)(f"export signature {name!r}: {e}") from e
         listing = {
@@ -139,7 +128,7 @@ def export_model_signatures(
                 name: {
                     "directory": name,
                     "model_class": job.model_class,
-                    "inputs": [_describe_input(x) for x in job._inputs] if job._inputs is not None else None,
+                    "inputs": [describe_input(x) for x in job.example_inputs] if job.example_inputs is not None else None,
                 }
                 for name, job in jobs.items()
             },
@@ -151,7 +140,7 @@ def export_model_signatures(
             json.dump(listing, f, indent=2)
     log.info("exported signatures %s as %s to %s", ", ".join(checked), ", ".join(formats), storage.url(storage.root))
     return {
-        name: {fmt: _user_path(storage, directory, f"{name}/{FILES[fmt]}") for fmt in formats} for name in checked
+        name: {fmt: user_path(storage, directory, f"{name}/{FILES[fmt]}") for fmt in formats} for name in checked
     }
 
 

@@ -16,7 +16,9 @@ import tempfile
 from typing import Iterator
 
 from cadence.storage import Storage
-from cadence.torch.export.formats import METADATA_FILE, SIGNATURES_FILE
+from cadence.torch.export.metadata import METADATA_FILE, SIGNATURES_FILE
+
+__all__ = ["stage_and_publish", "user_path"]
 
 
 def _temp_name(path: str, kind: str = "tmp") -> str:
@@ -72,7 +74,7 @@ def _upload(storage: Storage, local: str) -> None:
 
 
 @contextlib.contextmanager
-def _staging(storage: Storage) -> Iterator[str]:
+def stage_and_publish(storage: Storage) -> Iterator[str]:
     """A local directory to write the export into; published to ``storage.root`` on success."""
     if storage.atomic_rename:
         storage.makedirs(posixpath.dirname(storage.root))
@@ -90,7 +92,7 @@ def _staging(storage: Storage) -> Iterator[str]:
             _upload(storage, temp)
 
 
-def _user_path(storage: Storage, directory: str, name: str) -> str:
+def user_path(storage: Storage, directory: str, name: str) -> str:
     """``name`` in ``directory`` as the caller wrote it: a URL stays a URL, a local path is absolute."""
     if storage.atomic_rename:
         return storage.url(storage.join(name))

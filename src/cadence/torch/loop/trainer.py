@@ -2,55 +2,33 @@
 
 from __future__ import annotations
 
-import copy as copy_module
 import functools
-import hashlib
 import logging
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from cadence.checkpoint.background import Pending, Worker
 from cadence.checkpoint.protocol import CheckpointReader, CheckpointWriter, ShardTarget
-from cadence.extensions import Stateful, StepEnd
-from cadence.errors import CheckpointError, ConfigError
-from cadence.torch.data.batch import move_to_device
-from cadence.torch.components.compile import compile_model
-from cadence.torch.runtime.context import Context
+from cadence.extensions import StepEnd
+from cadence.summaries.throughput import LoopWork
+from cadence.torch.checkpoint_io.state import unwrap_model
+from cadence.torch.components.ema import ModelEMA
 from cadence.torch.components.precision import resolve_precision
-from cadence.torch.components.ema import EMA_FILE, SHARDED_KEY as EMA_KEY, ModelEMA
-from cadence.torch.loop.evaluator import TorchEvaluator
-from cadence.torch.checkpoint_io.state import (
-    MODEL_FILE,
-    OPTIMIZER_FILE,
-    OPTIMIZER_TENSORS_FILE,
-    load_model_safetensors,
-    SafetensorsPayload,
-    clone_tree,
-    staged,
-    load_torch_state,
-    save_torch_state,
-    unwrap_model,
-)
-from cadence.torch.runtime.rng import get_rng_state, seed_everything, set_rng_state
-from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
-from cadence.torch.checkpoint_io import tensor_tree
-from cadence.torch.data import state as data_state
+from cadence.torch.components.throughput import ThroughputMeter
+from cadence.torch.data.batch import move_to_device
+from cadence.torch.loop.train_data import TrainData
+from cadence.torch.loop.trainer_checkpoint import TrainerCheckpoint
+from cadence.torch.loop.trainer_snapshot import TrainerSnapshot
 from cadence.torch.parallel import sharding
-from cadence.torch.checkpoint_io.shard_writes import ShardWrites, files_of
+from cadence.torch.runtime.context import Context
+from cadence.torch.runtime.rng import rank_seed, seed_everything
 from cadence.torch.task.step_logs import FOLD, ScalarSum, add_extras, split_output
 from cadence.torch.task.task import Task
-from cadence.torch.components.throughput import ThroughputMeter
-from cadence.summaries.throughput import LoopWork
-from cadence.runtime.watchdog import unwatched
-
-if TYPE_CHECKING:
-    from cadence.config.components.compile import CompileConfig
-    from cadence.config.components.ema import EMAConfig
 
 log = logging.getLogger(__name__)
+
 
 class TorchTrainer:
     """Runs a :class:`Task`'s training steps; checkpoints everything exact resume needs.
@@ -58,7 +36,9 @@ class TorchTrainer:
     ``train_data`` defaults to ``task.build_inputs("train", ctx)``, built at the first
     :meth:`train`. Its position is checkpointed through its ``state_dict`` /
     ``load_state_dict`` when it has them; otherwise the number of batches consumed is saved and
-    a resume replays (draws and drops) that many batches, which is O(n) and logged.
+    a resume replays (draws and drops) that many batches, which is O(n) and logged
+    (:class:`~cadence.torch.loop.train_data.TrainData`). What a checkpoint holds is written and read
+    by :class:`~cadence.torch.loop.trainer_checkpoint.TrainerCheckpoint`.
 
     ``precision``: ``"32"``, ``"bf16"`` (autocast bfloat16) or ``"fp16"`` (autocast float16 and
     a gradient scaler); raises ``RuntimeError`` at construction if the device cannot run it.
@@ -120,17 +100,11 @@ class TorchTrainer:
         self.grad_scaler = self.precision.make_grad_scaler()
         self.grad_accum_steps = int(grad_accum_steps)
         self.grad_clip_norm = grad_clip_norm
-        self._train_data = train_data
+        self._data = TrainData(task, ctx, train_data)  # the input and its position (exact resume)
         self.ema = ema
         self._step_end: StepEnd | None = None
-        self._iterator: Iterator[Any] | None = None
         self._global_step = 0
-        self._batches_consumed = 0  # for replay when the data is not stateful
-        self._pending_data_state: dict[str, Any] | None = None
-        self._gathered_rng: list[dict[str, Any]] | None = None  # from prepare_checkpoint()
-        self._gathered_data: list[dict[str, Any] | None] | None = None  # ditto: every rank's data position
-        self._staging: TrainerSnapshot | None = None  # the last asynchronous snapshot (its tensors are reused)
-        self._shard_writes = ShardWrites(ctx.rank, ctx.world_size)  # a sharded model's checkpoints
+        self._checkpoint = TrainerCheckpoint(self, sharded=self._sharded)  # what checkpoints hold
         self._meter = ThroughputMeter(task, ctx, self.precision.name, peak_tflops,  # samples, tokens, FLOPs
                                       enabled=log_throughput)
 
@@ -144,10 +118,7 @@ class TorchTrainer:
     @property
     def train_data(self) -> Iterable[Any]:
         """The training input (built from the task on first use)."""
-        if self._train_data is None:
-            with unwatched(self.ctx.heartbeat):  # a slow build (a download) is no hang
-                self._train_data = self.task.build_inputs("train", self.ctx)
-        return self._train_data
+        return self._data.data
 
     def initialize(self) -> None:
         """Fresh start (no checkpoint): ``task.initialize(model)`` with the unwrapped model.
@@ -169,7 +140,7 @@ class TorchTrainer:
                     for tensor in [*module.parameters(), *module.buffers()]:
                         if not isinstance(tensor, DTensor):
                             torch.distributed.broadcast(tensor.data, src=0)
-            seed_everything(_rank_seed(self.ctx.seed, self.ctx.rank, 0))
+            seed_everything(rank_seed(self.ctx.seed, self.ctx.rank, 0))
         if self.ema is not None:
             self.ema.reset()  # from the initial weights (the same on every rank)
 
@@ -193,7 +164,7 @@ class TorchTrainer:
         if self.ema is not None and not self.ema.attached:
             raise RuntimeError("the trainer's EMA updates itself as a callback: pass trainer.ema in the "
                                "controller's callbacks (Controller(..., callbacks=[trainer.ema]))")
-        it = self._iterator if self._iterator is not None else self._start_iterator()
+        it = self._data.iterator()
         model, optimizer, scheduler, scaler = self.model, self.optimizer, self.lr_scheduler, self.grad_scaler
         task, device = self.task, self.ctx.device
         autocast = self.precision.autocast if self.precision.dtype is not None else None
@@ -292,7 +263,7 @@ class TorchTrainer:
                 if len(losses) >= FOLD:  # bound memory on very long loops: one on-device sum
                     losses[:] = [torch.stack(losses).float().sum()]
         finally:
-            self._batches_consumed += consumed
+            self._data.batches_consumed += consumed
             self._global_step += steps
 
         logs: dict[str, float] = {}
@@ -334,58 +305,13 @@ class TorchTrainer:
         loss = loss.detach()
         return (loss.reshape(()) if loss.dim() else loss), extras
 
-    # -- data ----------------------------------------------------------------------------------
-
-    def _start_iterator(self) -> Iterator[Any]:
-        data = self.train_data
-        pending, self._pending_data_state = self._pending_data_state, None
-        skip = 0
-        if pending is not None:
-            if pending.get("kind") == "stateful":
-                if not isinstance(data, Stateful):
-                    raise CheckpointError(
-                        "the checkpoint's data position was saved through the train data's state_dict, "
-                        f"but the train data ({type(data).__name__}) has no load_state_dict"
-                    )
-                data.load_state_dict(data_state.from_json(pending["state"]))
-            else:
-                skip = int(pending.get("batches", 0))
-        self._iterator = iter(data)
-        if skip:
-            log.warning(
-                "resuming the train data by replaying %d batches (O(n)); give the train data "
-                "state_dict/load_state_dict (e.g. cadence.torch.ResumableLoader) to resume in O(1)",
-                skip,
-            )
-            for i in range(skip):
-                try:
-                    next(self._iterator)
-                except StopIteration:
-                    log.warning("train data exhausted after replaying %d of %d batches", i, skip)
-                    break
-        self._batches_consumed = skip
-        return self._iterator
-
-    def _data_state(self) -> dict[str, Any] | None:
-        if self._iterator is None:
-            # Not iterated since construction / the last load: the position is the pending one.
-            return self._pending_data_state
-        data = self._train_data
-        if isinstance(data, Stateful):
-            return {"kind": "stateful", "state": data_state.to_json(data.state_dict())}
-        return {"kind": "replay", "batches": self._batches_consumed}
-
-    # -- checkpoints ---------------------------------------------------------------------------
+    # -- checkpoints (see :mod:`cadence.torch.loop.trainer_checkpoint`) -----------------------------
 
     def prepare_checkpoint(self) -> None:
         """Collective, on every rank before the chief's :meth:`save_checkpoint`: gather each
         rank's RNG state and train-data position (through ``ctx.coordinator``) for the chief to
         save."""
-        own = (get_rng_state(), self._data_state())
-        coord = self.ctx.coordinator
-        gathered = coord.all_gather(own) if coord is not None and self.ctx.world_size > 1 else [own]
-        self._gathered_rng = [rng for rng, _ in gathered]
-        self._gathered_data = [data for _, data in gathered]
+        self._checkpoint.prepare(self._data.state())
 
     # -- sharded checkpoints (WritesShards) ------------------------------------------------------
 
@@ -400,26 +326,12 @@ class TorchTrainer:
         torch.distributed.checkpoint and gather every rank's files for the chief's
         :meth:`save_checkpoint` (see :class:`~cadence.torch.checkpoint_io.shard_writes.ShardWrites`: with
         ``target.background``, from CPU copies on a background thread)."""
-        state = sharded_checkpoint.trainer_state(self.model, self.optimizer, self.lr_scheduler)
-        if self.ema is not None:
-            state[EMA_KEY] = self.ema.averaged_state()
-        self._shard_writes.write(state, target)
+        self._checkpoint.write_shards(target)
 
     def wait_for_shards(self) -> None:
         """Wait for this rank's background shard write; raise a failure of any rank (every rank
         raises the same :class:`CheckpointError`, once)."""
-        self._shard_writes.wait()
-
-    def _rng_states(self) -> list[dict[str, Any]]:
-        gathered, self._gathered_rng = self._gathered_rng, None  # used once: never a stale state
-        if gathered is not None:
-            return gathered
-        if self.ctx.world_size > 1:
-            log.warning(
-                "save_checkpoint without prepare_checkpoint() on all ranks: only rank %d's RNG state is "
-                "saved; the other ranks' RNG will be re-seeded on resume", self.ctx.rank,
-            )
-        return [get_rng_state()]
+        self._checkpoint.wait_for_shards()
 
     def save_checkpoint(self, writer: CheckpointWriter) -> dict[str, Any]:
         """Write ``model.safetensors`` and ``optimizer.safetensors`` (the optimizer, LR scheduler
@@ -433,7 +345,7 @@ class TorchTrainer:
         in global samples, the same on every rank. Called on the chief only. The files are
         streamed into the writer from the tensors' memory (no serialised copy is built).
         """
-        return self._capture(copy=False).save_checkpoint(writer)
+        return self._checkpoint.capture(self._global_step, self._data.state, copy=False).save_checkpoint(writer)
 
     def snapshot_checkpoint(self) -> TrainerSnapshot:
         """What :meth:`save_checkpoint` would write, copied now (tensors copied to CPU memory), for
@@ -442,35 +354,7 @@ class TorchTrainer:
         The copy goes into the previous snapshot's tensors once that one has been written, so
         from the second save on no memory is allocated: a CPU copy of the state stays resident
         between asynchronous saves (as with torch.distributed.checkpoint's async staging)."""
-        previous = self._staging if self._staging is not None and self._staging.written else None
-        self._staging = self._capture(copy=True, reuse=previous)
-        return self._staging
-
-    def _capture(self, *, copy: bool, reuse: TrainerSnapshot | None = None) -> TrainerSnapshot:
-        ranks_data, self._gathered_data = self._gathered_data, None  # used once, like the RNG states
-        own = ranks_data[self.ctx.rank] if ranks_data is not None else self._data_state()  # not read twice
-        state = {"global_step": self._global_step, "rng": self._rng_states(), "data": copy_module.deepcopy(own)}
-        if ranks_data is not None and any(d != state["data"] for d in ranks_data):
-            state["rank_data"] = ranks_data  # per-rank loader states (a StatefulDataLoader's own shard)
-        if self._sharded:
-            return TrainerSnapshot(None, {}, state, shards=self._shard_writes.take())
-        torch_state = {
-            "optimizer": self.optimizer.state_dict(),
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-        }
-        model = SafetensorsPayload.from_state_dict(
-            unwrap_model(self.model).state_dict(), copy=copy, reuse=reuse.model if reuse is not None else None
-        )
-        if copy:
-            torch_state = clone_tree(torch_state, reuse.torch_state if reuse is not None else None)
-        ema = None
-        if self.ema is not None:
-            ema = self.ema.payload(copy=copy, reuse=reuse.ema if reuse is not None else None)
-        snapshot = TrainerSnapshot(model, torch_state, state, ema=ema)
-        if copy:  # CUDA tensors were copied to pinned memory without blocking: the writer waits for them
-            snapshot.ready = staged({p.device for p in self.model.parameters()} | {self.ctx.device})
-        return snapshot
+        return self._checkpoint.snapshot(self._global_step, self._data.state)
 
     def load_checkpoint(
         self,
@@ -494,265 +378,12 @@ class TorchTrainer:
         """
         state = dict(state or {})
         source = reader.path
-        if sharded_checkpoint.is_sharded_checkpoint(reader.names()):
-            # Collective (DCP) when a process group is up: every rank reads the chunks of its shards.
-            sharded_checkpoint.load_trainer_state(source, self.model, self.optimizer, self.lr_scheduler,
-                                                  storage_options=reader.storage_options)
-            if self.grad_scaler is not None:
-                log.warning("%s: a sharded checkpoint holds no grad-scaler state: the fp16 loss scale starts afresh",
-                            source)
-        else:
-            self._load_files(reader, source)
-        if self.ema is not None:
-            self.ema.load_checkpoint(reader)
+        self._checkpoint.load(reader, source)
         self._global_step = int(state.get("global_step", reader.step))
         if restore_data:
-            # Data position: applied when iteration (re)starts, so a running iterator is dropped.
-            self._iterator = None
-            self._batches_consumed = 0
-            self._pending_data_state = self._rank_data_state(state, source)
-            # Build the data and restart its iteration now, before the RNG is restored: whatever
-            # randomness that draws (a random split, a DataLoader's seed) cannot shift the stream.
-            self._start_iterator()
+            # Data position: applied when iteration (re)starts, so a running iterator is dropped. The data
+            # is built and its iteration restarted now, before the RNG is restored: whatever randomness
+            # that draws (a random split, a DataLoader's seed) cannot shift the stream.
+            self._data.restore(self._checkpoint.rank_data_state(state, source))
         if restore_rng and state.get("rng") is not None:
-            self._restore_rng(state["rng"], source)
-
-    def _load_files(self, reader: CheckpointReader, source: str) -> None:
-        """Restore the model, optimizer, scheduler and grad scaler from a (not sharded)
-        checkpoint's ``model.safetensors`` and ``optimizer.safetensors`` / ``optimizer.pt``."""
-        model_source = f"{source}/{MODEL_FILE}" if source else MODEL_FILE
-        if self._sharded:  # each rank keeps its shards of the full tensors
-            load_model_safetensors(self.model, reader.view(MODEL_FILE), source=model_source,
-                                   load=functools.partial(sharding.load_full_model, self.model))
-        else:
-            load_model_safetensors(self.model, reader.view(MODEL_FILE), source=model_source)
-        opt_name = OPTIMIZER_TENSORS_FILE if OPTIMIZER_TENSORS_FILE in reader.names() else OPTIMIZER_FILE
-        opt_source = f"{source}/{opt_name}" if source else opt_name
-        if opt_name == OPTIMIZER_TENSORS_FILE:
-            opt_state = tensor_tree.load_tree(reader.view(opt_name), source=opt_source, map_location=self.ctx.device)
-        else:
-            opt_state = load_torch_state(reader.read(opt_name), name=opt_name, source=source,
-                                         map_location=self.ctx.device)
-        if not isinstance(opt_state, Mapping) or "optimizer" not in opt_state:
-            raise CheckpointError(f"{opt_source}: expected a dict with 'optimizer'")
-        try:
-            if self._sharded:
-                sharding.load_full_optimizer(self.model, self.optimizer, opt_state["optimizer"])
-            else:
-                self.optimizer.load_state_dict(opt_state["optimizer"])
-        except (ValueError, KeyError, RuntimeError, TypeError) as e:
-            raise CheckpointError(f"{opt_source}: optimizer state does not match: {e}") from e
-        sched_state = opt_state.get("lr_scheduler")
-        if self.lr_scheduler is not None and sched_state is not None:
-            self.lr_scheduler.load_state_dict(sched_state)
-        elif (self.lr_scheduler is None) != (sched_state is None):
-            log.warning("%s: LR scheduler present in %s but not in %s: not restored", source,
-                        "the checkpoint" if sched_state is not None else "the trainer",
-                        "the trainer" if sched_state is not None else "the checkpoint")
-        scaler_state = opt_state.get("grad_scaler")
-        if self.grad_scaler is not None and scaler_state:
-            self.grad_scaler.load_state_dict(scaler_state)
-        elif self.grad_scaler is not None:
-            log.warning("%s: no grad-scaler state in the checkpoint: the fp16 loss scale starts afresh", source)
-
-    def _rank_data_state(self, state: Mapping[str, Any], source: str) -> Any:
-        """This rank's data position: its own when the ranks' differ (``rank_data``: a loader
-        whose state is per rank, such as torchdata's ``StatefulDataLoader``), else ``data``."""
-        ranks = state.get("rank_data")
-        if not isinstance(ranks, list) or not ranks:
-            return state.get("data")
-        rank, world_size = self.ctx.rank, self.ctx.world_size
-        if len(ranks) != world_size and rank == 0:
-            log.warning(
-                "%s: the train data's position is per rank (its loader's own state, e.g. a StatefulDataLoader) and was "
-                "saved by %d rank(s), resumed on %d: each rank continues from the saved state of the rank with its "
-                "number (or rank 0's), so samples may be repeated or skipped; a cadence.torch.ResumableLoader keeps "
-                "its position in global samples across world sizes", source or "checkpoint", len(ranks), world_size,
-            )
-        return ranks[rank] if rank < len(ranks) else state.get("data")
-
-    def _restore_rng(self, saved: Any, source: str) -> None:
-        states = [saved] if isinstance(saved, Mapping) else list(saved)  # a dict: before per-rank states
-        rank, world_size = self.ctx.rank, self.ctx.world_size
-        if rank < len(states):
-            set_rng_state(states[rank])
-        else:
-            seed = _rank_seed(self.ctx.seed, rank, self._global_step)
-            log.warning(
-                "%s: the checkpoint holds the RNG states of %d rank(s), none for rank %d of %d (an elastic "
-                "resume): its RNG is seeded from (seed=%d, rank=%d, global_step=%d) instead",
-                source or "checkpoint", len(states), rank, world_size, self.ctx.seed, rank, self._global_step,
-            )
-            seed_everything(seed)
-        if rank == 0 and len(states) != world_size:
-            log.warning(
-                "%s: saved by %d rank(s), resumed on %d: the state is resharded and the data position kept (in "
-                "global samples with a resumable loader), but the run is not promised to be bit-identical to one "
-                "that kept %d rank(s)", source or "checkpoint", len(states), world_size, len(states),
-            )
-        if rank == 0 and len(states) > world_size:
-            unused = f"rank {world_size}" if len(states) == world_size + 1 else f"ranks {world_size}-{len(states) - 1}"
-            log.warning(
-                "%s: the checkpoint holds the RNG states of %d ranks, this job has %d: that of %s is not used "
-                "(an elastic resume)", source or "checkpoint", len(states), world_size, unused,
-            )
-
-
-class TrainerSnapshot:
-    """A :class:`TorchTrainer`'s checkpoint content captured at one moment: the model's tensors,
-    the optimizer / scheduler / grad-scaler state and the JSON state. ``save_checkpoint(writer)``
-    writes it (see :meth:`TorchTrainer.save_checkpoint`)."""
-
-    def __init__(self, model: SafetensorsPayload | None, torch_state: dict[str, Any], state: dict[str, Any],
-                 *, shards: Pending | None = None, ema: SafetensorsPayload | None = None) -> None:
-        self.model = model
-        self.ema = ema  # ema.safetensors (an EMA of the weights), or None
-        self.torch_state = torch_state
-        self.state = state
-        self.shards = shards  # a sharded checkpoint: the ranks' write of their files
-        self.written = False  # True once save_checkpoint is done with the tensors (then reusable)
-        self.ready: Any = None  # set for CUDA state: the device-to-host copies are done once it synchronizes
-
-    def save_checkpoint(self, writer: CheckpointWriter) -> dict[str, Any]:
-        """Write the model's file (then the EMA's) here and the optimizer's on a helper thread, at once
-        (writes, checksums and fsyncs release the GIL); return the JSON state. A sharded checkpoint: wait
-        for the ranks' write and add every rank's files."""
-        if self.shards is not None:
-            for rank, files in enumerate(files_of(self.shards, 0)):
-                writer.add_files(files, rank=rank)
-            self.written = True
-            return self.state
-        assert self.model is not None
-        try:
-            if self.ready is not None:
-                self.ready.synchronize()
-            optimizer = _FILE_WRITER.submit(self._write_optimizer, writer)
-            try:
-                with writer.open(MODEL_FILE) as f:
-                    self.model.write(f)
-                if self.ema is not None:
-                    with writer.open(EMA_FILE) as f:
-                        self.ema.write(f)
-            except BaseException:
-                optimizer.wait()  # done with the tensors; the model's error wins
-                raise
-            optimizer.result()
-        finally:
-            self.written = True
-        return self.state
-
-    def _write_optimizer(self, writer: CheckpointWriter) -> None:
-        try:
-            optimizer = tensor_tree.payload(self.torch_state)
-        except tensor_tree.NotFlat as e:
-            log.debug("optimizer state saved with torch.save: %s", e)
-            with writer.open(OPTIMIZER_FILE) as f:
-                save_torch_state(f, self.torch_state, OPTIMIZER_FILE)
-            return
-        with writer.open(OPTIMIZER_TENSORS_FILE) as f:
-            optimizer.write(f)
-
-
-_FILE_WRITER = Worker("cadence-write")  # writes a checkpoint's second file beside the first
-
-
-def _rank_seed(seed: int, rank: int, global_step: int) -> int:
-    """A seed for a rank that has no saved RNG state: the same for the same (seed, rank, step)."""
-    digest = hashlib.sha256(f"cadence-rng:{seed}:{rank}:{global_step}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") % 2**63
-
-
-def build_runners(
-    task: Task,
-    ctx: Context,
-    *,
-    precision: str = "32",
-    grad_accum_steps: int = 1,
-    grad_clip_norm: float | None = None,
-    train: bool = True,
-    evaluate: bool = True,
-    strategy: str = "ddp",
-    lr_schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
-    ema: EMAConfig | None = None,
-    peak_tflops: float | None = None,
-    log_throughput: bool = True,
-    compile_config: CompileConfig | None = None,
-) -> tuple[TorchTrainer | None, TorchEvaluator | None]:
-    """``(trainer, evaluator)`` sharing one model built by ``task.build_model()`` on ``ctx.device``.
-
-    The optimizer and LR scheduler are built only when ``train``; the evaluator reports the
-    trainer's global step. A role not asked for is ``None``. The trainer trains
-    ``ctx.wrap_model(model)`` (DistributedDataParallel when ``ctx.world_size > 1``: a
-    collective, every rank builds its runners at the same point); the evaluator runs the
-    unwrapped model (the same parameters).
-
-    ``strategy="fsdp"``: when training on several ranks, the model is sharded with FSDP2 instead
-    (:func:`cadence.torch.parallel.sharding.shard_model`, the units ``task.fsdp_units(model)`` names; a
-    collective), before the optimizer is built over its sharded parameters; the evaluator runs
-    the same sharded module. ``ValueError`` for an unknown strategy or ``precision="fp16"`` with
-    ``"fsdp"``.
-
-    ``lr_schedule``: builds the LR scheduler from the optimizer (the config's
-    ``trainer.lr_schedule``) when the task's ``build_lr_scheduler`` returns ``None``; a
-    :class:`~cadence.errors.ConfigError` when it returns a scheduler too.
-
-    ``ema``: keep an EMA of the weights (the config's ``trainer.ema``), one
-    :class:`~cadence.torch.components.ema.ModelEMA` over the (sharded) model shared by the trainer (which
-    updates and checkpoints it) and the evaluator (which evaluates it; alone, it loads it).
-
-    ``peak_tflops``: the device's peak TFLOP/s for the trainer's MFU (the config's
-    ``trainer.peak_tflops``; ``None``: a CUDA device's from the table, none on CPU).
-    ``log_throughput``: the trainer counts samples, tokens and FLOPs (``trainer.log_throughput``).
-
-    ``compile_config``: ``torch.compile`` the model's forward in place (the config's
-    ``trainer.compile``; :func:`cadence.torch.components.compile.compile_model`), before the DDP wrap, or, for
-    ``strategy="fsdp"`` on several ranks, each FSDP unit before it is sharded; the evaluator runs
-    the compiled model too. State-dict keys are the eager model's. ``None``: eager.
-    """
-    if not (train or evaluate):
-        raise ValueError("build_runners: nothing to build (train=False and evaluate=False)")
-    sharding.check_strategy(strategy, resolve_precision(precision, ctx.device).name)
-    model = task.build_model().to(ctx.device)
-    if compile_config is not None:
-        compile_model(task, model, compile_config, per_unit=train and strategy == "fsdp" and ctx.world_size > 1)
-    trainer = None
-    if train:
-        # DDP's parameters are the module's own tensors: the optimizer built on the module updates
-        # the wrapped model (and the task's build_optimizer may reach into the module's attributes).
-        # fully_shard replaces them by DTensor shards in place: the optimizer is built after it.
-        if strategy == "fsdp":
-            wrapped = sharding.shard_model(model, task.fsdp_units(model), ctx, resolve_precision(precision, ctx.device).name,
-                                           declared_by=f"{type(task).__name__}.fsdp_units")
-        else:
-            wrapped = ctx.wrap_model(model)
-        optimizer = task.build_optimizer(model)
-        scheduler = task.build_lr_scheduler(optimizer)
-        if lr_schedule is not None:
-            if scheduler is not None:
-                raise ConfigError(
-                    f"trainer.lr_schedule is set, and {type(task).__name__}.build_lr_scheduler() returns a "
-                    f"{type(scheduler).__name__} too: remove one of them"
-                )
-            scheduler = lr_schedule(optimizer)
-        trainer = TorchTrainer(
-            task,
-            wrapped,
-            optimizer,
-            scheduler,
-            ctx=ctx,
-            precision=precision,
-            grad_accum_steps=grad_accum_steps,
-            grad_clip_norm=grad_clip_norm,
-            ema=ModelEMA(wrapped, ema) if ema is not None else None,
-            peak_tflops=peak_tflops,
-            log_throughput=log_throughput,
-        )
-    evaluator = None
-    if evaluate:
-        step_fn = (lambda: trainer.global_step) if trainer is not None else None
-        if trainer is not None:
-            evaluated = trainer.ema
-        else:
-            evaluated = ModelEMA(model, ema) if ema is not None else None
-        evaluator = TorchEvaluator(task, model, ctx=ctx, precision=precision, global_step_fn=step_fn, ema=evaluated)
-    return trainer, evaluator
+            self._checkpoint.restore_rng(state["rng"], source, self._global_step)

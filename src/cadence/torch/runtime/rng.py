@@ -8,6 +8,7 @@ that must not move the RNGs (building a model copy, an evaluation).
 from __future__ import annotations
 
 import base64
+import hashlib
 import logging
 import random
 from typing import Any, Mapping
@@ -17,7 +18,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RNGSnapshot", "get_rng_state", "seed_everything", "set_rng_state"]
+__all__ = ["RNGSnapshot", "get_rng_state", "rank_seed", "seed_everything", "set_rng_state"]
 
 def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
@@ -79,6 +80,12 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def rank_seed(seed: int, rank: int, global_step: int) -> int:
+    """A seed for a rank that has no saved RNG state: the same for the same (seed, rank, step)."""
+    digest = hashlib.sha256(f"cadence-rng:{seed}:{rank}:{global_step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % 2**63
 
 
 class RNGSnapshot:

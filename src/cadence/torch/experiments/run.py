@@ -1,0 +1,163 @@
+"""One process's run of an experiment config: :func:`build_run` assembles the task, runners,
+actions, callbacks, checkpoint manager and controller (:class:`Run`), after taking the model dir's
+writer lease (:func:`acquire_writer_lease`) for a training run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cadence import layout
+from cadence.checkpoint import CheckpointManager
+from cadence.checkpoint.writer_lease import WriterLease
+from cadence.config import ExperimentConfig
+from cadence.errors import WriterLeaseHeldError
+from cadence.loop.controller import Controller
+from cadence.runtime.coordination import Coordinator, LocalCoordinator
+from cadence.runtime.watchdog import Heartbeat, Watchdog
+from cadence.torch.components.ema import ModelEMA
+from cadence.torch.experiments.actions import build_actions
+from cadence.torch.experiments.callbacks import build_callbacks, tracking_callbacks
+from cadence.torch.experiments.runners import build_runners_from_config
+from cadence.torch.runtime.context import Context
+from cadence.torch.task.task import Task
+
+__all__ = ["Run", "acquire_writer_lease", "build_run"]
+
+
+@dataclass
+class Run:
+    """Everything one process needs to train and/or evaluate an experiment."""
+
+    config: ExperimentConfig
+    task: Task
+    ctx: Context
+    controller: Controller
+    checkpoint_manager: CheckpointManager
+    model: Any
+    writer_lease: WriterLease | None = None
+    """The chief's writer lease on the model dir while it trains; None on other ranks and readers."""
+    watchdog: Watchdog | None = None
+    """This rank's hang watchdog while it trains (``trainer.hang_timeout``); None: off."""
+    ema: ModelEMA | None = None
+    """The EMA of the weights (``trainer.ema``): what is evaluated and exported; None: off."""
+
+    @property
+    def model_dir(self) -> str:
+        return self.config.require_model_dir()
+
+    def release(self) -> None:
+        """Stop the watchdog and release the writer lease (the next trainer of the model dir may
+        start at once); idempotent."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.writer_lease is not None:
+            self.writer_lease.release()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = True,
+              restore_step: int | None = None, progress: bool | None = None) -> Run:
+    """Seed, build the task, runners, actions and callbacks (:func:`build_callbacks`), and a
+    controller that restores the latest checkpoint.
+
+    ``train=False`` builds an evaluator-only run that reads checkpoints without changing the
+    model directory (``restore_step``: that checkpoint; ``None``: the latest); it runs no actions,
+    and its callbacks hear of the restore, the evaluation and the close only.
+
+    A training run's chief first takes the model dir's writer lease (:func:`acquire_writer_lease`;
+    :class:`~cadence.errors.WriterLeaseHeldError` when another trainer holds it), which
+    :attr:`Run.writer_lease` keeps until :meth:`Run.release` (``with run:``).
+    """
+    layout.check_model_dir(cfg.require_model_dir())
+    task, ctx, trainer, evaluator = build_runners_from_config(cfg, train=train, evaluate=evaluate)
+    if trainer is not None:  # the training input now: a bad batch size fails before the model dir is written
+        _ = trainer.train_data
+    lease = acquire_writer_lease(cfg, ctx.coordinator) if train else None
+    watchdog = None
+    if train and cfg.trainer.hang_timeout is not None:  # from before the restore (a collective that may hang)
+        ctx.heartbeat = Heartbeat()
+        watchdog = Watchdog(ctx.heartbeat, cfg.trainer.hang_timeout, rank=ctx.rank).start()
+    try:
+        run = _assemble_run(cfg, task, ctx, trainer, evaluator, lease, train=train, evaluate=evaluate,
+                            restore_step=restore_step, progress=progress)
+    except BaseException:
+        if watchdog is not None:
+            watchdog.stop()
+        if lease is not None:
+            lease.release()
+        raise
+    run.watchdog = watchdog
+    return run
+
+
+def acquire_writer_lease(cfg: ExperimentConfig, coordinator: Coordinator | None) -> WriterLease | None:
+    """The chief's writer lease on the model dir (None on the other ranks, which never commit).
+
+    A collective: the chief acquires; when it cannot, every rank raises the same
+    :class:`~cadence.errors.WriterLeaseHeldError`, so the whole job stops before writing anything.
+    """
+    coordinator = coordinator or LocalCoordinator()
+    lease, refusal = None, None
+    if coordinator.is_chief:
+        try:
+            lease = WriterLease.acquire(cfg.require_model_dir(), ttl=cfg.checkpoint.writer_lease_ttl)
+        except WriterLeaseHeldError as e:
+            refusal = str(e)
+    refusal = coordinator.broadcast(refusal)
+    if refusal is not None:
+        raise WriterLeaseHeldError(refusal)
+    return lease
+
+
+def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any, evaluator: Any,
+                  lease: WriterLease | None, *, train: bool, evaluate: bool, restore_step: int | None,
+                  progress: bool | None) -> Run:
+    model_dir = cfg.require_model_dir()
+    t = cfg.trainer
+    model = (trainer or evaluator).model
+    ema = (trainer or evaluator).ema
+    train_actions, eval_actions = (
+        build_actions(cfg, task, model, train=train, evaluate=evaluate, chief=ctx.is_chief, ema=ema)
+        if train else ([], [])
+    )
+    callbacks = build_callbacks(cfg, task)
+    if train:  # a one-off evaluation (cadence evaluate --checkpoint) logs into no tracker
+        export_on = cfg.export.on if cfg.export is not None else None
+        exports = export_on if export_on == "final" or (evaluate and export_on is not None) else None
+        callbacks += tracking_callbacks(cfg, ctx.is_chief, export=exports)
+    if train and ema is not None:  # updated after each step (after the user's callbacks: their positions stay)
+        callbacks.append(ema)
+    if train and cfg.profiler is not None:
+        from cadence.torch.components.profiling import build_step_profiler
+
+        callbacks.append(build_step_profiler(cfg.profiler, model_dir, ctx, train_steps=t.train_steps))
+    manager = CheckpointManager(  # one writer: the chief; the other ranks only read
+        layout.checkpoints_dir(model_dir), max_to_keep=t.max_to_keep,
+        keep_every_n_steps=t.keep_every_n_steps, writer=train and ctx.is_chief,
+        async_save=cfg.checkpoint.async_save and train, fence=lease, checksum=cfg.checkpoint.checksum,
+    )
+    controller = Controller(
+        trainer=trainer,
+        evaluator=evaluator,
+        checkpoint_manager=manager,
+        steps_per_loop=t.steps_per_loop if train else None,
+        checkpoint_interval=t.checkpoint_interval,
+        summary_interval=t.summary_interval,
+        summary_dir=layout.train_dir(model_dir) if train else None,
+        eval_summary_dir=layout.eval_dir(model_dir) if train else None,
+        train_actions=train_actions,
+        eval_actions=eval_actions,
+        callbacks=callbacks,
+        restore_step=restore_step,
+        progress=progress,
+        coordinator=ctx.coordinator,
+        heartbeat=ctx.heartbeat,
+    )
+    return Run(config=cfg, task=task, ctx=ctx, controller=controller, checkpoint_manager=manager, model=model,
+               writer_lease=lease, ema=ema)

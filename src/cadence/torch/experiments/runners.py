@@ -1,0 +1,156 @@
+"""Assembling the runners of a run: :func:`build_runners` builds the model, compiles it, wraps it
+(DDP) or shards it (FSDP2), and builds the optimizer, LR scheduler, EMA, trainer and evaluator;
+:func:`build_runners_from_config` does so as an experiment config says."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from cadence.config import ExperimentConfig
+from cadence.errors import ConfigError
+from cadence.torch.components.compile import compile_model
+from cadence.torch.components.ema import ModelEMA
+from cadence.torch.components.precision import resolve_precision
+from cadence.torch.loop.evaluator import TorchEvaluator
+from cadence.torch.loop.trainer import TorchTrainer
+from cadence.torch.parallel import sharding
+from cadence.torch.experiments.task_loader import build_task
+from cadence.torch.runtime.context import Context
+from cadence.torch.runtime.rng import seed_everything
+from cadence.torch.task.task import Task
+
+if TYPE_CHECKING:
+    from cadence.config.components.compile import CompileConfig
+    from cadence.config.components.ema import EMAConfig
+
+__all__ = ["build_runners", "build_runners_from_config"]
+
+
+def build_runners(
+    task: Task,
+    ctx: Context,
+    *,
+    precision: str = "32",
+    grad_accum_steps: int = 1,
+    grad_clip_norm: float | None = None,
+    train: bool = True,
+    evaluate: bool = True,
+    strategy: str = "ddp",
+    lr_schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
+    ema: EMAConfig | None = None,
+    peak_tflops: float | None = None,
+    log_throughput: bool = True,
+    compile_config: CompileConfig | None = None,
+) -> tuple[TorchTrainer | None, TorchEvaluator | None]:
+    """``(trainer, evaluator)`` sharing one model built by ``task.build_model()`` on ``ctx.device``.
+
+    The optimizer and LR scheduler are built only when ``train``; the evaluator reports the
+    trainer's global step. A role not asked for is ``None``. The trainer trains
+    ``ctx.wrap_model(model)`` (DistributedDataParallel when ``ctx.world_size > 1``: a
+    collective, every rank builds its runners at the same point); the evaluator runs the
+    unwrapped model (the same parameters).
+
+    ``strategy="fsdp"``: when training on several ranks, the model is sharded with FSDP2 instead
+    (:func:`cadence.torch.parallel.sharding.shard_model`, the units ``task.fsdp_units(model)`` names; a
+    collective), before the optimizer is built over its sharded parameters; the evaluator runs
+    the same sharded module. ``ValueError`` for an unknown strategy or ``precision="fp16"`` with
+    ``"fsdp"``.
+
+    ``lr_schedule``: builds the LR scheduler from the optimizer (the config's
+    ``trainer.lr_schedule``) when the task's ``build_lr_scheduler`` returns ``None``; a
+    :class:`~cadence.errors.ConfigError` when it returns a scheduler too.
+
+    ``ema``: keep an EMA of the weights (the config's ``trainer.ema``), one
+    :class:`~cadence.torch.components.ema.ModelEMA` over the (sharded) model shared by the trainer (which
+    updates and checkpoints it) and the evaluator (which evaluates it; alone, it loads it).
+
+    ``peak_tflops``: the device's peak TFLOP/s for the trainer's MFU (the config's
+    ``trainer.peak_tflops``; ``None``: a CUDA device's from the table, none on CPU).
+    ``log_throughput``: the trainer counts samples, tokens and FLOPs (``trainer.log_throughput``).
+
+    ``compile_config``: ``torch.compile`` the model's forward in place (the config's
+    ``trainer.compile``; :func:`cadence.torch.components.compile.compile_model`), before the DDP wrap, or, for
+    ``strategy="fsdp"`` on several ranks, each FSDP unit before it is sharded; the evaluator runs
+    the compiled model too. State-dict keys are the eager model's. ``None``: eager.
+    """
+    if not (train or evaluate):
+        raise ValueError("build_runners: nothing to build (train=False and evaluate=False)")
+    sharding.check_strategy(strategy, resolve_precision(precision, ctx.device).name)
+    model = task.build_model().to(ctx.device)
+    if compile_config is not None:
+        compile_model(task, model, compile_config, per_unit=train and strategy == "fsdp" and ctx.world_size > 1)
+    trainer = None
+    if train:
+        # DDP's parameters are the module's own tensors: the optimizer built on the module updates
+        # the wrapped model (and the task's build_optimizer may reach into the module's attributes).
+        # fully_shard replaces them by DTensor shards in place: the optimizer is built after it.
+        if strategy == "fsdp":
+            wrapped = sharding.shard_model(model, task.fsdp_units(model), ctx, resolve_precision(precision, ctx.device).name,
+                                           declared_by=f"{type(task).__name__}.fsdp_units")
+        else:
+            wrapped = ctx.wrap_model(model)
+        optimizer = task.build_optimizer(model)
+        scheduler = task.build_lr_scheduler(optimizer)
+        if lr_schedule is not None:
+            if scheduler is not None:
+                raise ConfigError(
+                    f"trainer.lr_schedule is set, and {type(task).__name__}.build_lr_scheduler() returns a "
+                    f"{type(scheduler).__name__} too: remove one of them"
+                )
+            scheduler = lr_schedule(optimizer)
+        trainer = TorchTrainer(
+            task,
+            wrapped,
+            optimizer,
+            scheduler,
+            ctx=ctx,
+            precision=precision,
+            grad_accum_steps=grad_accum_steps,
+            grad_clip_norm=grad_clip_norm,
+            ema=ModelEMA(wrapped, ema) if ema is not None else None,
+            peak_tflops=peak_tflops,
+            log_throughput=log_throughput,
+        )
+    evaluator = None
+    if evaluate:
+        step_fn = (lambda: trainer.global_step) if trainer is not None else None
+        if trainer is not None:
+            evaluated = trainer.ema
+        else:
+            evaluated = ModelEMA(model, ema) if ema is not None else None
+        evaluator = TorchEvaluator(task, model, ctx=ctx, precision=precision, global_step_fn=step_fn, ema=evaluated)
+    return trainer, evaluator
+
+
+def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: bool = True,
+                       device: str | None = None, precision: str | None = None,
+                       compile_model: bool = True) -> tuple[Task, Context, Any, Any]:
+    """Seed, build the configured task, its context and runners: ``(task, ctx, trainer, evaluator)``.
+
+    ``device`` / ``precision`` override ``trainer.device`` / ``trainer.precision``;
+    ``compile_model=False`` ignores ``trainer.compile`` (an export only loads and traces).
+    """
+    t = cfg.trainer
+    seed_everything(t.seed)
+    task = build_task(cfg)
+    ctx = Context.create(device=device or t.device, seed=t.seed)
+    trainer, evaluator = build_runners(
+        task, ctx, precision=precision or t.precision, grad_accum_steps=t.grad_accum_steps,
+        grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate, strategy=t.strategy,
+        lr_schedule=_lr_schedule(cfg), ema=t.ema,
+        peak_tflops=t.peak_tflops, log_throughput=t.log_throughput, compile_config=t.compile if compile_model else None,
+    )
+    return task, ctx, trainer, evaluator
+
+
+def _lr_schedule(cfg: ExperimentConfig) -> Callable[[Any], Any] | None:
+    """``trainer.lr_schedule`` as a function of the optimizer (None: not set)."""
+    schedule, total = cfg.trainer.lr_schedule, cfg.trainer.train_steps
+    if schedule is None:
+        return None
+    assert total is not None, "checked by the schema"
+    from cadence.torch.components.lr_schedule import build_lr_schedule
+
+    return lambda optimizer: build_lr_schedule(optimizer, schedule, total_steps=total)

@@ -1,0 +1,267 @@
+"""What a :class:`~cadence.torch.loop.trainer.TorchTrainer` writes into a checkpoint and reads back
+from one: :class:`TrainerCheckpoint`.
+
+Files: ``model.safetensors``, ``optimizer.safetensors`` (``optimizer.pt`` when the optimizer state
+holds a value the safetensors form does not represent), ``ema.safetensors`` with an EMA, or a
+sharded model's DCP shards (:mod:`cadence.torch.checkpoint_io.sharded`). JSON state: ``global_step``,
+``rng`` (every rank's RNG state, in rank order), ``data`` (the train data's position) and, when the
+ranks' positions differ, ``rank_data``.
+"""
+
+from __future__ import annotations
+
+import copy as copy_module
+import functools
+import logging
+from typing import Any, Callable, Mapping, Protocol
+
+import torch
+from torch import nn
+
+from cadence.checkpoint.protocol import CheckpointReader, ShardTarget
+from cadence.errors import CheckpointError
+from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
+from cadence.torch.checkpoint_io import tensor_tree
+from cadence.torch.checkpoint_io.shard_writes import ShardWrites
+from cadence.torch.checkpoint_io.state import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    OPTIMIZER_TENSORS_FILE,
+    SafetensorsPayload,
+    clone_tree,
+    load_model_safetensors,
+    load_torch_state,
+    staged,
+    unwrap_model,
+)
+from cadence.torch.components.ema import SHARDED_KEY as EMA_KEY, ModelEMA
+from cadence.torch.loop.trainer_snapshot import TrainerSnapshot
+from cadence.torch.parallel import sharding
+from cadence.torch.runtime.context import Context
+from cadence.torch.runtime.rng import get_rng_state, rank_seed, seed_everything, set_rng_state
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TrainerCheckpoint", "TrainerParts"]
+
+
+class TrainerParts(Protocol):
+    """The parts of a trainer that its checkpoints hold; read at every save and load (so a part
+    replaced on the trainer, e.g. ``trainer.lr_scheduler = None``, is the one saved)."""
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def lr_scheduler(self) -> Any: ...
+
+    @property
+    def grad_scaler(self) -> Any: ...
+
+    @property
+    def ema(self) -> ModelEMA | None: ...
+
+    @property
+    def ctx(self) -> Context: ...
+
+
+class TrainerCheckpoint:
+    """A trainer's checkpoint reads and writes over its ``parts``; ``sharded``: the model is
+    sharded by FSDP2 over several ranks (every rank writes its shards through
+    torch.distributed.checkpoint, see :class:`~cadence.torch.checkpoint_io.shard_writes.ShardWrites`).
+
+    Keeps what one save needs between its steps: the ranks' RNG states and data positions gathered
+    by :meth:`prepare` (used once), this rank's shard write, and the last asynchronous snapshot
+    (whose tensors the next one reuses)."""
+
+    def __init__(self, parts: TrainerParts, *, sharded: bool) -> None:
+        self._parts = parts
+        self._sharded = sharded
+        ctx = parts.ctx
+        self._gathered_rng: list[dict[str, Any]] | None = None  # from prepare()
+        self._gathered_data: list[dict[str, Any] | None] | None = None  # ditto: every rank's data position
+        self._staging: TrainerSnapshot | None = None  # the last asynchronous snapshot (its tensors are reused)
+        self._shard_writes = ShardWrites(ctx.rank, ctx.world_size)  # a sharded model's checkpoints
+
+    # -- saving ----------------------------------------------------------------------------------
+
+    def prepare(self, data_state: dict[str, Any] | None) -> None:
+        """Collective, on every rank before the chief's save: gather each rank's RNG state and
+        train-data position (``data_state``, this rank's) through ``ctx.coordinator``."""
+        ctx = self._parts.ctx
+        own = (get_rng_state(), data_state)
+        coord = ctx.coordinator
+        gathered = coord.all_gather(own) if coord is not None and ctx.world_size > 1 else [own]
+        self._gathered_rng = [rng for rng, _ in gathered]
+        self._gathered_data = [data for _, data in gathered]
+
+    def write_shards(self, target: ShardTarget) -> None:
+        """Collective: write this rank's shards of the model, optimizer, scheduler (and EMA) state
+        into ``target.directory`` and gather every rank's files for the chief's save."""
+        parts = self._parts
+        state = sharded_checkpoint.trainer_state(parts.model, parts.optimizer, parts.lr_scheduler)
+        if parts.ema is not None:
+            state[EMA_KEY] = parts.ema.averaged_state()
+        self._shard_writes.write(state, target)
+
+    def wait_for_shards(self) -> None:
+        """Wait for this rank's background shard write; raise a failure of any rank."""
+        self._shard_writes.wait()
+
+    def _rng_states(self) -> list[dict[str, Any]]:
+        gathered, self._gathered_rng = self._gathered_rng, None  # used once: never a stale state
+        if gathered is not None:
+            return gathered
+        ctx = self._parts.ctx
+        if ctx.world_size > 1:
+            log.warning(
+                "save_checkpoint without prepare_checkpoint() on all ranks: only rank %d's RNG state is "
+                "saved; the other ranks' RNG will be re-seeded on resume", ctx.rank,
+            )
+        return [get_rng_state()]
+
+    def capture(self, global_step: int, data_state: Callable[[], dict[str, Any] | None], *, copy: bool,
+                reuse: TrainerSnapshot | None = None) -> TrainerSnapshot:
+        """The checkpoint content now: the tensors as they are (``copy=False``: streamed from their
+        memory by a save that follows at once) or copied to CPU memory (``copy=True``; into
+        ``reuse``'s tensors when given). ``data_state``: this rank's data position, read only
+        when :meth:`prepare` gathered none."""
+        parts = self._parts
+        ranks_data, self._gathered_data = self._gathered_data, None  # used once, like the RNG states
+        own = ranks_data[parts.ctx.rank] if ranks_data is not None else data_state()  # not read twice
+        state = {"global_step": global_step, "rng": self._rng_states(), "data": copy_module.deepcopy(own)}
+        if ranks_data is not None and any(d != state["data"] for d in ranks_data):
+            state["rank_data"] = ranks_data  # per-rank loader states (a StatefulDataLoader's own shard)
+        if self._sharded:
+            return TrainerSnapshot(None, {}, state, shards=self._shard_writes.take())
+        torch_state = {
+            "optimizer": parts.optimizer.state_dict(),
+            "lr_scheduler": parts.lr_scheduler.state_dict() if parts.lr_scheduler is not None else None,
+            "grad_scaler": parts.grad_scaler.state_dict() if parts.grad_scaler is not None else None,
+        }
+        model = SafetensorsPayload.from_state_dict(
+            unwrap_model(parts.model).state_dict(), copy=copy, reuse=reuse.model if reuse is not None else None
+        )
+        if copy:
+            torch_state = clone_tree(torch_state, reuse.torch_state if reuse is not None else None)
+        ema = None
+        if parts.ema is not None:
+            ema = parts.ema.payload(copy=copy, reuse=reuse.ema if reuse is not None else None)
+        snapshot = TrainerSnapshot(model, torch_state, state, ema=ema)
+        if copy:  # CUDA tensors were copied to pinned memory without blocking: the writer waits for them
+            snapshot.ready = staged({p.device for p in parts.model.parameters()} | {parts.ctx.device})
+        return snapshot
+
+    def snapshot(self, global_step: int, data_state: Callable[[], dict[str, Any] | None]) -> TrainerSnapshot:
+        """:meth:`capture` with ``copy=True``, into the previous snapshot's tensors once that one
+        has been written (from the second asynchronous save on, no memory is allocated)."""
+        previous = self._staging if self._staging is not None and self._staging.written else None
+        self._staging = self.capture(global_step, data_state, copy=True, reuse=previous)
+        return self._staging
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    def load(self, reader: CheckpointReader, source: str) -> None:
+        """Restore the model, optimizer, scheduler, grad scaler and EMA from ``reader``'s files
+        (``source``: its path, for messages). A sharded checkpoint is read collectively (DCP)
+        when a process group is up: every rank reads the chunks of its shards."""
+        parts = self._parts
+        if sharded_checkpoint.is_sharded_checkpoint(reader.names()):
+            sharded_checkpoint.load_trainer_state(source, parts.model, parts.optimizer, parts.lr_scheduler,
+                                                  storage_options=reader.storage_options)
+            if parts.grad_scaler is not None:
+                log.warning("%s: a sharded checkpoint holds no grad-scaler state: the fp16 loss scale starts afresh",
+                            source)
+        else:
+            self._load_files(reader, source)
+        if parts.ema is not None:
+            parts.ema.load_checkpoint(reader)
+
+    def _load_files(self, reader: CheckpointReader, source: str) -> None:
+        """Restore the model, optimizer, scheduler and grad scaler from a (not sharded)
+        checkpoint's ``model.safetensors`` and ``optimizer.safetensors`` / ``optimizer.pt``."""
+        parts = self._parts
+        model, optimizer, lr_scheduler, grad_scaler = parts.model, parts.optimizer, parts.lr_scheduler, parts.grad_scaler
+        model_source = f"{source}/{MODEL_FILE}" if source else MODEL_FILE
+        if self._sharded:  # each rank keeps its shards of the full tensors
+            load_model_safetensors(model, reader.view(MODEL_FILE), source=model_source,
+                                   load=functools.partial(sharding.load_full_model, model))
+        else:
+            load_model_safetensors(model, reader.view(MODEL_FILE), source=model_source)
+        opt_name = OPTIMIZER_TENSORS_FILE if OPTIMIZER_TENSORS_FILE in reader.names() else OPTIMIZER_FILE
+        opt_source = f"{source}/{opt_name}" if source else opt_name
+        if opt_name == OPTIMIZER_TENSORS_FILE:
+            opt_state = tensor_tree.load_tree(reader.view(opt_name), source=opt_source, map_location=parts.ctx.device)
+        else:
+            opt_state = load_torch_state(reader.read(opt_name), name=opt_name, source=source,
+                                         map_location=parts.ctx.device)
+        if not isinstance(opt_state, Mapping) or "optimizer" not in opt_state:
+            raise CheckpointError(f"{opt_source}: expected a dict with 'optimizer'")
+        try:
+            if self._sharded:
+                sharding.load_full_optimizer(model, optimizer, opt_state["optimizer"])
+            else:
+                optimizer.load_state_dict(opt_state["optimizer"])
+        except (ValueError, KeyError, RuntimeError, TypeError) as e:
+            raise CheckpointError(f"{opt_source}: optimizer state does not match: {e}") from e
+        sched_state = opt_state.get("lr_scheduler")
+        if lr_scheduler is not None and sched_state is not None:
+            lr_scheduler.load_state_dict(sched_state)
+        elif (lr_scheduler is None) != (sched_state is None):
+            log.warning("%s: LR scheduler present in %s but not in %s: not restored", source,
+                        "the checkpoint" if sched_state is not None else "the trainer",
+                        "the trainer" if sched_state is not None else "the checkpoint")
+        scaler_state = opt_state.get("grad_scaler")
+        if grad_scaler is not None and scaler_state:
+            grad_scaler.load_state_dict(scaler_state)
+        elif grad_scaler is not None:
+            log.warning("%s: no grad-scaler state in the checkpoint: the fp16 loss scale starts afresh", source)
+
+    def rank_data_state(self, state: Mapping[str, Any], source: str) -> Any:
+        """This rank's data position in the JSON ``state``: its own when the ranks' differ
+        (``rank_data``: a loader whose state is per rank, such as torchdata's
+        ``StatefulDataLoader``), else ``data``."""
+        ranks = state.get("rank_data")
+        if not isinstance(ranks, list) or not ranks:
+            return state.get("data")
+        rank, world_size = self._parts.ctx.rank, self._parts.ctx.world_size
+        if len(ranks) != world_size and rank == 0:
+            log.warning(
+                "%s: the train data's position is per rank (its loader's own state, e.g. a StatefulDataLoader) and was "
+                "saved by %d rank(s), resumed on %d: each rank continues from the saved state of the rank with its "
+                "number (or rank 0's), so samples may be repeated or skipped; a cadence.torch.ResumableLoader keeps "
+                "its position in global samples across world sizes", source or "checkpoint", len(ranks), world_size,
+            )
+        return ranks[rank] if rank < len(ranks) else state.get("data")
+
+    def restore_rng(self, saved: Any, source: str, global_step: int) -> None:
+        """Restore this rank's RNG state from ``saved`` (the checkpoint's ``rng``); a rank with
+        none saved (an elastic resume) is seeded from ``(ctx.seed, rank, global_step)``, with a warning."""
+        ctx = self._parts.ctx
+        states = [saved] if isinstance(saved, Mapping) else list(saved)  # a dict: before per-rank states
+        rank, world_size = ctx.rank, ctx.world_size
+        if rank < len(states):
+            set_rng_state(states[rank])
+        else:
+            seed = rank_seed(ctx.seed, rank, global_step)
+            log.warning(
+                "%s: the checkpoint holds the RNG states of %d rank(s), none for rank %d of %d (an elastic "
+                "resume): its RNG is seeded from (seed=%d, rank=%d, global_step=%d) instead",
+                source or "checkpoint", len(states), rank, world_size, ctx.seed, rank, global_step,
+            )
+            seed_everything(seed)
+        if rank == 0 and len(states) != world_size:
+            log.warning(
+                "%s: saved by %d rank(s), resumed on %d: the state is resharded and the data position kept (in "
+                "global samples with a resumable loader), but the run is not promised to be bit-identical to one "
+                "that kept %d rank(s)", source or "checkpoint", len(states), world_size, len(states),
+            )
+        if rank == 0 and len(states) > world_size:
+            unused = f"rank {world_size}" if len(states) == world_size + 1 else f"ranks {world_size}-{len(states) - 1}"
+            log.warning(
+                "%s: the checkpoint holds the RNG states of %d ranks, this job has %d: that of %s is not used "
+                "(an elastic resume)", source or "checkpoint", len(states), world_size, unused,
+            )
