@@ -42,6 +42,15 @@ GPU_SKIP_REASON = "gpu tier: CUDA is not available on this machine"
 """The one reason every gpu-tier test is skipped with where ``torch.cuda.is_available()`` is False."""
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """A test file directly in tests/ is refused before anything runs, also by pytest-xdist's
+    controller (which collects nothing itself: a worker's collection error would only crash it)."""
+    stray = sorted(p.name for p in _HERE.glob("test_*.py"))
+    if stray:
+        raise pytest.UsageError(f"tests/{stray[0]}: a test file belongs in one of tests/{{{','.join(TIERS)}}}/"
+                                + (f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks each test with its folder's tier; a test outside the tier folders is an error (so a
     new file cannot escape ``make test-fast``'s selection unnoticed). Without CUDA the ``gpu``

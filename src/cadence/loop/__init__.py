@@ -1,1 +1,1 @@
-"""The training loop: the Controller, the runner protocols, schedules, callback dispatch and the sanity check."""
+"""The training loop: the Controller, its schedules, what it reports, callback dispatch and the sanity check."""

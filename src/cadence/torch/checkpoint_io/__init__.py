@@ -1,1 +1,2 @@
-"""What a checkpoint holds, as files: RNG and model state, safetensors, optimizer trees, sharded (DCP) state."""
+"""What a checkpoint holds, as files: model weights, optimizer trees, safetensors, sharded (DCP) state
+and the ranks' shard writes."""

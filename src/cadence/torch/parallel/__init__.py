@@ -1,1 +1,1 @@
-"""How ranks split the work: DDP and FSDP2 sharding over the units a Task names."""
+"""How ranks split a model: FSDP2 sharding over the units a Task names (DDP wrapping is the Context's)."""
