@@ -16,16 +16,17 @@ import time
 from typing import Any, Callable, Iterable, TypeVar
 
 from cadence.checkpoint.manager import CheckpointManager
-from cadence.checkpoint.protocol import Restorable, WritesShards
+from cadence.checkpoint.protocol import WritesShards
 from cadence.checkpoint.session import CheckpointSession
 from cadence.errors import StopTraining
-from cadence.extensions import (Action, Callback, Closeable, Evaluator, GathersCheckpoint, Initializable, RunAware,
+from cadence.extensions import (Action, Callback, Closeable, Evaluator, GathersCheckpoint, RunAware,
                                 Trainer)
 from cadence.loop.hooks import CallbackHooks
-from cadence.loop.members import components, stateful_members
+from cadence.loop.members import components
 from cadence.loop.reports import LoopReports
+from cadence.loop.run_state import RunState
 from cadence.loop.sanity import sanity_check
-from cadence.loop.schedule import (EvalState, EvalThrottle, check_advance, check_interval, check_loop_settings, crossed,
+from cadence.loop.schedule import (EvalThrottle, check_advance, check_interval, check_loop_settings, crossed,
                                    already_reached, loop_size, segment_target)
 from cadence.runtime.coordination import Coordinator, LocalCoordinator
 from cadence.runtime.watchdog import Heartbeat
@@ -76,10 +77,9 @@ class Controller:
         (``trainer.hang_timeout``); the runners beat it at each step. ``None``: nobody watches.
 
     Actions and callbacks take part through :mod:`cadence.extensions`' protocols: ``RunAware``
-    ones are attached to this controller (a ``RunContext``) once, before the restore, also when
-    wrapped in another action; ``Stateful`` ones are saved in every checkpoint
-    (``train_actions/<i>/<Class>``, ``eval_actions/...``, ``callbacks/...``; ``checkpoint_name``
-    replaces the class name); ``Closeable`` actions are closed by :meth:`close`.
+    ones are attached to this controller once, before the restore (wrapped ones too); ``Stateful``
+    ones are in every checkpoint (:class:`~cadence.loop.run_state.RunState`); ``Closeable``
+    actions are closed by :meth:`close`.
 
     On construction the latest checkpoint is restored (model, optimizer, data position, RNG,
     actions' state); when there is none, the trainer's (or a lone evaluator's) ``initialize()``
@@ -141,7 +141,8 @@ class Controller:
                                     hooks=self._hooks)
         self._components = components((*self.train_actions, *self.eval_actions, *self.callbacks))
         self._step = 0  # global step of an evaluator-only controller (from its checkpoint)
-        self._eval_state = EvalState()
+        self._state = RunState(self._session, trainer, evaluator, train_actions=self.train_actions,
+                               eval_actions=self.eval_actions, callbacks=self.callbacks)
         self._save_pending = False
         self._heartbeat = heartbeat if heartbeat is not None else Heartbeat()
         try:
@@ -167,30 +168,18 @@ class Controller:
     @property
     def last_eval_step(self) -> int | None:
         """The global step of the last evaluation (checkpointed); None before any."""
-        return self._eval_state.last_eval_step
+        return self._state.loop.last_eval_step
 
     def checkpoint_objects(self) -> dict[str, object]:
-        """What a checkpoint holds: the trainer (or lone evaluator), the controller's own state,
-        and (with a trainer) stateful actions and callbacks. An evaluator-only controller leaves
-        its actions' state alone: the checkpoint's action states belong to the training run."""
-        objects: dict[str, object] = {"controller": self._eval_state}
-        runner = self.trainer if self.trainer is not None else self.evaluator
-        if isinstance(runner, Restorable):
-            objects["trainer" if runner is self.trainer else "evaluator"] = runner
-        if self.trainer is not None:
-            objects.update(stateful_members(train_actions=self.train_actions, eval_actions=self.eval_actions,
-                                            callbacks=self.callbacks))
-        return objects
+        """What a checkpoint holds (:class:`~cadence.loop.run_state.RunState`)."""
+        return self._state.objects()
 
     def restore(self, step: int | None = None) -> int | None:
         """Restore checkpoint ``step`` (``None``: the latest); the restored step, then
         ``on_checkpoint_load``. With nothing to restore the runner's ``initialize()`` runs (if it
         is Initializable) and None is returned."""
-        restored = self._session.restore(self.checkpoint_objects(), step)
+        restored = self._state.restore(step)
         if restored is None:
-            runner = self.trainer if self.trainer is not None else self.evaluator
-            if isinstance(runner, Initializable):
-                runner.initialize()
             logger.info("no checkpoint restored: starting at step %d", self.global_step)
         else:
             self._step = restored
@@ -300,7 +289,7 @@ class Controller:
         elapsed = time.perf_counter() - start
         step = self.global_step
         self._heartbeat.enter("actions", step)
-        self._eval_state.last_eval_step = step
+        self._state.loop.last_eval_step = step
         self._reports.after_evaluation(step, metrics, elapsed)
         self._run_actions(self.eval_actions, metrics)
         self._hooks.eval_end(metrics, step)
@@ -370,14 +359,14 @@ class Controller:
 
         def evaluate() -> dict[str, Any]:
             throttle.evaluating()
-            with self._session.commit_on_error(lambda: self.global_step, self._objects_before_eval(),
+            with self._session.commit_on_error(lambda: self.global_step, self._state.before_evaluation(),
                                                self.prepare_checkpoint, "the evaluation"):
                 return self.evaluate(eval_steps)
 
         with self._hooks.training(on_preempted=self._session.wait_for_commits), \
                 self._progress(train_steps, enabled=not reached) as progress:
             output: dict[str, Any] | None = None
-            if self._eval_state.due_on_resume(self.global_step, eval_interval):
+            if self._state.loop.due_on_resume(self.global_step, eval_interval):
                 output = evaluate()
             over = reached or self.stop_reason is not None
             while not over:
@@ -409,15 +398,6 @@ class Controller:
                 action(output)
             except StopTraining as stop:
                 self.request_stop(stop.reason)
-
-    def _objects_before_eval(self) -> Callable[[], dict[str, object]]:
-        """What a checkpoint saved on an evaluation's error holds: the state of the loop, the eval
-        actions and the callbacks as before the evaluation, so a resumed run runs it again."""
-        if not self._session.commits_on_error:
-            return self.checkpoint_objects
-        before = self._session.frozen({"controller": self._eval_state, **stateful_members(
-            eval_actions=self.eval_actions, callbacks=self.callbacks)})
-        return lambda: {**self.checkpoint_objects(), **before}
 
     def _agree_on_stop(self) -> None:
         """Collective (several ranks): a stop asked for on any rank stops every rank."""
