@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import importlib.util
 import sys
 from functools import partial
 from pathlib import Path
@@ -53,13 +54,17 @@ def single_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def task_module():
-    sys.path.insert(0, str(CONFIG.parent))
+    # By its path, under a name of its own: another example's ``task`` module may already be imported
+    # in this process (the digits one, by an earlier test on the same xdist worker).
+    spec = importlib.util.spec_from_file_location("charlm_example_task", CONFIG.parent / "task.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
     try:
-        import task
+        spec.loader.exec_module(module)
+        yield module
     finally:
-        sys.path.remove(str(CONFIG.parent))
-    yield task
-    sys.modules.pop("task", None)
+        sys.modules.pop(spec.name, None)
 
 
 def test_the_corpus_is_deterministic_and_the_transformer_layers_are_the_fsdp_units(task_module):

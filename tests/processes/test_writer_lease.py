@@ -275,7 +275,8 @@ def one_line(stderr: str) -> str:
 
 
 def test_a_second_cadence_train_exits_2_naming_the_first(tmp_path):
-    config, run = write_config(tmp_path, steps=60, step_sleep=0.1), tmp_path / "run"
+    # ~30 s of training: the first trainer must outlive two refused starts of the CLI on a loaded machine
+    config, run = write_config(tmp_path, steps=200, step_sleep=0.15), tmp_path / "run"
     first = start_training(config, run)
     saved_config = (run / "config.yaml").read_bytes()
     second = cadence("train", str(config), "--model-dir", str(run))
@@ -290,7 +291,7 @@ def test_a_second_cadence_train_exits_2_naming_the_first(tmp_path):
     assert "Traceback" not in multi.stderr
     out, err = first.communicate(timeout=180)
     assert first.returncode == 0, err
-    assert json.loads((run / "checkpoints" / "FINAL").read_text())["step"] == 60
+    assert json.loads((run / "checkpoints" / "FINAL").read_text())["step"] == 200
     verified = cadence("ls", str(run), "--verify")
     assert verified.returncode == 0 and "CORRUPT" not in verified.stdout, verified.stdout
     assert current_lease(str(run)).released  # the finished trainer let it go
