@@ -13,8 +13,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-"""The environment of the processes: the caller's, one torch thread, this checkout's ``src``."""
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200"}
+"""The environment of the processes: the caller's, one torch thread, this checkout's ``src``, a
+console 200 columns wide (so that no log line a test looks for is wrapped)."""
 
 
 def run_cadence(*args: str, env: dict[str, str] | None = None, timeout: float = 300, check: bool = False,
