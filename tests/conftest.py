@@ -51,10 +51,30 @@ def pytest_configure(config: pytest.Config) -> None:
                                 + (f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""))
 
 
+HEAVY_FIRST = ("test_fsdp", "test_sharded_checkpoint", "test_torch_compile", "test_disk_full", "test_s3",
+               "test_distributed_training", "test_sweep", "test_elastic", "test_benchmarks_smoke",
+               "test_stateful_dataloader", "test_trackers", "test_cli", "test_torch_distributed",
+               "test_charlm_example", "test_sidecar_processes", "test_writer_lease")
+"""The process tier's modules that take longest (seconds of CPU, measured), longest first. pytest-xdist
+(``--dist loadscope``) hands modules to its workers in collection order, so these go first and the
+many short ones fill the end: no worker is left alone with a long module at the end of the run. A
+scheduling hint only: a stale list costs wall time, never a result."""
+
+
+def _schedule_order(item: pytest.Item) -> tuple[int, int]:
+    """The process tier's heavy modules (:data:`HEAVY_FIRST`, in order), then its others, then the unit
+    and gpu tiers; a stable sort keeps each module's tests in their own order."""
+    path = Path(item.path)
+    if path.parent.name != "processes":
+        return (2, 0)
+    return (0, HEAVY_FIRST.index(path.stem)) if path.stem in HEAVY_FIRST else (1, 0)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks each test with its folder's tier; a test outside the tier folders is an error (so a
     new file cannot escape ``make test-fast``'s selection unnoticed). Without CUDA the ``gpu``
-    tier is skipped with one reason."""
+    tier is skipped with one reason. The tests are then ordered for pytest-xdist, longest modules
+    first (:func:`_schedule_order`)."""
     cuda = None
     for item in items:
         try:
@@ -72,6 +92,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 cuda = torch.cuda.is_available()
             if not cuda:
                 item.add_marker(pytest.mark.skip(reason=GPU_SKIP_REASON))
+    items.sort(key=_schedule_order)
 
 
 # -- process-global state -------------------------------------------------------------------------

@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
+from cli_run import popen
 from fakes import MODEL_FILE, FakeTrainer
 
 from cadence import Callback, Controller, StopTraining
@@ -523,9 +523,9 @@ def start_training(tmp_path: Path, save_on_preemption: bool) -> tuple[subprocess
     }
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cadence", "train", str(config), "--model-dir", str(tmp_path / "run"), "--no-progress"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    proc = popen(
+        ["-m", "cadence", "train", str(config), "--model-dir", str(tmp_path / "run"), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     # Wait until both logs (the task's, then the config's) have seen a commit: the task's callback runs
     # first, so its line alone does not mean the config's has been written yet.

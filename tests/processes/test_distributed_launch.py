@@ -19,7 +19,7 @@ import yaml
 from cadence.cli.main import main
 from cadence.cli.parser import build_parser
 from cadence.cli.torchrun import torchrun_command
-from cli_run import run_torchrun
+from cli_run import popen, run_torchrun
 
 TASK = f"{Path(__file__).parents[1] / 'dist_worker.py'}:PidTask"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
@@ -112,8 +112,8 @@ def test_train_on_two_ranks(tmp_path):
 
 def test_a_killed_rank_ends_the_job_and_is_named(tmp_path):
     pids = tmp_path / "pids"
-    job = subprocess.Popen(
-        [sys.executable, "-m", "cadence", "train", str(config(tmp_path, pids, steps=100000, step_sleep=0.02)),
+    job = popen(
+        ["-m", "cadence", "train", str(config(tmp_path, pids, steps=100000, step_sleep=0.02)),
          "--model-dir", str(tmp_path / "run"), "--nproc", "2", "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
     )

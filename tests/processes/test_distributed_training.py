@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cadence.summaries.metrics_file import read_metrics
-from cli_run import ENV as RUN_ENV
+from cli_run import ENV as RUN_ENV, popen
 from cli_run import run_cadence
 from configs import write_config
 
@@ -58,8 +57,8 @@ def test_sigterm_to_a_non_zero_rank_commits_one_step_on_all_and_resumes_exactly(
     run = tmp_path / "run"
     pids = tmp_path / "pids"
     pids.mkdir()
-    job = subprocess.Popen(
-        [sys.executable, "-m", "cadence", "train", str(config), "--model-dir", str(run), "--nproc", "2",
+    job = popen(
+        ["-m", "cadence", "train", str(config), "--model-dir", str(run), "--nproc", "2",
          "--no-progress", "--set", "task.params.step_sleep=0.1", "--set", f"task.params.pid_dir={pids}",
          "--set", "trainer.checkpoint_interval=null"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_run import ENV, checkpoint_weights, same_weights
+from cli_run import checkpoint_weights, ENV, popen, same_weights
 from configs import write_config as tiny_config
 
 TASK = f"{Path(__file__).parents[1] / 'elastic_tasks.py'}:ElasticTask"
@@ -39,8 +39,8 @@ class Job:
         self.attempts = tmp_path / "attempts"
         self.log = tmp_path / "output.txt"
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cadence", "train", str(cfg), "--model-dir", str(self.model_dir), "--nproc", "2",
+            self.proc = popen(
+                ["-m", "cadence", "train", str(cfg), "--model-dir", str(self.model_dir), "--nproc", "2",
                  "--no-progress", *args],
                 stdout=out, stderr=subprocess.STDOUT, env={**ENV, "COLUMNS": "200"}, start_new_session=True)
 

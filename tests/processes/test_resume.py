@@ -7,14 +7,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from functools import partial
 from pathlib import Path
 
 import pytest
 
-from cli_run import run_cadence
+from cli_run import popen, run_cadence
 from configs import write_config as tiny_config
 
 TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:TinyTask"
@@ -52,11 +51,10 @@ def test_stopped_cleanly_then_resumed_is_bit_identical(tmp_path, uninterrupted):
 def test_killed_after_checkpoint_then_resumed_is_bit_identical(tmp_path, uninterrupted):
     config = write_config(tmp_path)
     run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cadence", "train", str(config), "--model-dir", str(run),
+    proc = popen(
+        ["-m", "cadence", "train", str(config), "--model-dir", str(run),
          "--set", "task.params.step_sleep=0.03"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     manifest = run / "checkpoints" / "ckpt-20" / "MANIFEST.json"
     deadline = time.monotonic() + 120
@@ -137,11 +135,10 @@ def test_model_dir_on_an_fsspec_store_trains_and_resumes(tmp_path):
 def test_sigterm_commits_the_current_step_exits_0_and_resumes_exactly(tmp_path, uninterrupted):
     config = write_config(tmp_path)
     run = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cadence", "train", str(config), "--model-dir", str(run),
+    proc = popen(
+        ["-m", "cadence", "train", str(config), "--model-dir", str(run),
          "--set", "task.params.step_sleep=0.05", "--set", "trainer.checkpoint_interval=null"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
     )
     metrics = run / "train" / "metrics.jsonl"
     deadline = time.monotonic() + 120

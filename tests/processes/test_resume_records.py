@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from cadence.checkpoint import CheckpointManager
 from cadence.storage import Storage
 from cadence.summaries.manager import SummaryManager
 from cadence.summaries.metrics_file import read_metrics, truncate_metrics
-from cli_run import run_cadence
+from cli_run import popen, run_cadence
 from fakes import FakeTrainer
 from configs import write_config as tiny_config
 
@@ -234,7 +233,7 @@ def test_a_run_killed_after_a_summary_past_its_checkpoint_records_each_step_once
     assert done.returncode == 0, done.stderr
 
     config, run = write_config(tmp_path / "b", step_sleep=0.1, **settings), tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "cadence", "train", str(config), "--model-dir", str(run),
+    proc = popen(["-m", "cadence", "train", str(config), "--model-dir", str(run),
                              "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
     deadline = time.monotonic() + 120
     try:

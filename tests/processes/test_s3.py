@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_run import ENV, ROOT, run_cadence
+from cli_run import ENV, popen, ROOT, run_cadence
 from s3_server import S3Server
 from configs import write_config as tiny_config
 
@@ -249,7 +249,7 @@ def test_sidecar_process_and_a_second_trainer_refused_by_the_writer_lease(tmp_pa
     config = write_config(tmp_path, task={"params": {"n": 256, "step_sleep": 0.15}},
                           trainer={"train_steps": 40, "checkpoint_interval": 4, "validation_interval": None},
                           sidecar={"mode": "every", "poll_interval": 0.1, "timeout": 120})
-    launch = subprocess.Popen([sys.executable, "-m", "cadence", "launch", str(config), "--sidecar", "--model-dir", url],
+    launch = popen(["-m", "cadence", "launch", str(config), "--sidecar", "--model-dir", url],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**ENV, **s3_server.env(), "COLUMNS": "200"})
     try:

@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import warnings
 from functools import partial
@@ -24,7 +23,7 @@ import yaml
 from safetensors.torch import load_file
 
 from cadence.summaries.metrics_file import read_metrics
-from cli_run import ENV as RUN_ENV
+from cli_run import ENV as RUN_ENV, popen
 from cli_run import checkpoint_weights, run_cadence, run_torchrun, same_weights
 from configs import write_config
 
@@ -139,8 +138,8 @@ def test_a_two_rank_job_killed_with_sigkill_resumes_bit_identical(tmp_path, stra
     pids = tmp_path / "pids"
     pids.mkdir()
     sets = [f"checkpoint.async_save={str(async_save).lower()}"]
-    job = subprocess.Popen(
-        [sys.executable, "-m", "cadence", "train", str(config), "--model-dir", str(run), "--nproc", "2",
+    job = popen(
+        ["-m", "cadence", "train", str(config), "--model-dir", str(run), "--nproc", "2",
          "--no-progress", *[a for s in [*sets, "task.params.step_sleep=0.1", f"task.params.pid_dir={pids}"]
                             for a in ("--set", s)]],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, start_new_session=True,

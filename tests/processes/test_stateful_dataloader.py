@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import torch
 import yaml
 
 from cadence.torch.data.state import from_json, to_json
-from cli_run import ENV, checkpoint_weights, run_cadence, same_weights
+from cli_run import checkpoint_weights, ENV, popen, run_cadence, same_weights
 
 TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:StatefulLoaderTask"
 STEPS = 24
@@ -44,7 +43,7 @@ def weights(run: Path) -> dict:
 
 def killed_after_first_checkpoint(cfg: Path, run: Path, *extra: str) -> None:
     """Start a run, SIGKILL its whole process group a few steps after ckpt-8 is committed."""
-    proc = subprocess.Popen([sys.executable, "-m", "cadence", "train", str(cfg), "--model-dir", str(run),
+    proc = popen(["-m", "cadence", "train", str(cfg), "--model-dir", str(run),
                              "--no-progress", "--set", "task.params.step_sleep=0.05", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
     manifest = run / "checkpoints" / "ckpt-8" / "MANIFEST.json"

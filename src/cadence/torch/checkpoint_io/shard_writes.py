@@ -12,7 +12,6 @@ import torch
 from cadence.checkpoint.background import Pending, Worker, yield_cpu
 from cadence.checkpoint.protocol import ShardTarget
 from cadence.errors import CheckpointError
-from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
 from cadence.torch.parallel import sharding
 
 __all__ = ["ShardFiles", "ShardWrites"]
@@ -45,6 +44,9 @@ class ShardWrites:
         self.wait()
         if self._group is None:
             self._group = sharding.checkpoint_group()
+        # DCP is imported for sharded checkpoints only (checkpoint_io/kinds.py)
+        from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
+
         if target.background:
             staged, self._stager = sharded_checkpoint.stage(state, self._stager)
             self._pending = _WORKER.submit(self._write_and_gather, staged, target, True)
@@ -76,6 +78,9 @@ class ShardWrites:
         this rank's failure, ``""`` when it only heard of another rank's."""
         if background:
             yield_cpu()
+        # DCP is imported for sharded checkpoints only (checkpoint_io/kinds.py)
+        from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
+
         files: dict[str, tuple[int, str]] | None = None
         error = None
         try:

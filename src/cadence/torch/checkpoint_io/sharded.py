@@ -47,6 +47,7 @@ from torch.futures import Future
 from cadence.checkpoint import checksum as checksum_lib
 from cadence.errors import CheckpointError, UnsafeCheckpointError
 from cadence.storage import Storage, local_path
+from cadence.torch.checkpoint_io.kinds import METADATA_FILE, is_sharded_checkpoint
 from cadence.torch.checkpoint_io.state import describe_key_mismatch
 
 __all__ = [
@@ -59,15 +60,6 @@ __all__ = [
     "trainer_state",
     "write_shards",
 ]
-
-METADATA_FILE = ".metadata"
-"""DCP's index file: its presence in a checkpoint's manifest makes the checkpoint sharded."""
-
-
-def is_sharded_checkpoint(names: list[str]) -> bool:
-    """Whether a checkpoint whose files are ``names`` holds DCP shards."""
-    return METADATA_FILE in names
-
 
 # -- the state ----------------------------------------------------------------------------------
 

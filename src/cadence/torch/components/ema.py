@@ -39,7 +39,7 @@ from cadence.checkpoint.protocol import CheckpointReader
 from cadence.config.components.ema import EMAConfig
 from cadence.errors import CheckpointError
 from cadence.extensions import Callback, RunContext
-from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
+from cadence.torch.checkpoint_io.kinds import is_sharded_checkpoint
 from cadence.torch.checkpoint_io.safetensors_io import SafetensorsPayload, safetensors_views
 from cadence.torch.checkpoint_io.state import describe_key_mismatch, unwrap_model
 
@@ -168,7 +168,10 @@ class ModelEMA(Callback):
         weights, with a warning. ``CheckpointError`` when the saved EMA does not match the model."""
         source = reader.path
         names = reader.names()
-        if sharded_checkpoint.is_sharded_checkpoint(names):
+        if is_sharded_checkpoint(names):
+            # DCP is imported for sharded checkpoints only (checkpoint_io/kinds.py)
+            from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
+
             found = sharded_checkpoint.load_extra_state(source, SHARDED_KEY, self._state,
                                                         storage_options=reader.storage_options)
         elif EMA_FILE in names:

@@ -20,7 +20,7 @@ from cadence.torch.runtime.context import Context
 from cadence.torch.components.ema import ModelEMA, raw_metrics
 from cadence.torch.components.metrics import TorchMetricsReducer, as_reducer
 from cadence.torch.components.precision import resolve_precision
-from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
+from cadence.torch.checkpoint_io.kinds import is_sharded_checkpoint
 from cadence.torch.parallel.sharding import unsharded
 from cadence.torch.checkpoint_io.state import MODEL_FILE, load_model_safetensors
 from cadence.torch.runtime.rng import RNGSnapshot
@@ -313,7 +313,10 @@ class TorchEvaluator:
         state of a sharded checkpoint, assembled from every rank's shards (in one process without
         a process group: the sidecar, ``cadence export``), and its EMA with ``ema``; remember the step."""
         source = reader.path
-        if sharded_checkpoint.is_sharded_checkpoint(reader.names()):
+        if is_sharded_checkpoint(reader.names()):
+            # DCP is imported for sharded checkpoints only (checkpoint_io/kinds.py)
+            from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
+
             sharded_checkpoint.load_model(source, self.model, storage_options=reader.storage_options)
         else:
             load_model_safetensors(self.model, reader.view(MODEL_FILE),

@@ -20,7 +20,7 @@ from torch import nn
 
 from cadence.checkpoint.protocol import CheckpointReader, ShardTarget
 from cadence.errors import CheckpointError
-from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
+from cadence.torch.checkpoint_io.kinds import is_sharded_checkpoint
 from cadence.torch.checkpoint_io import tensor_tree
 from cadence.torch.checkpoint_io.shard_writes import ShardWrites
 from cadence.torch.checkpoint_io.state import (
@@ -101,6 +101,9 @@ class TrainerCheckpoint:
     def write_shards(self, target: ShardTarget) -> None:
         """Collective: write this rank's shards of the model, optimizer, scheduler (and EMA) state
         into ``target.directory`` and gather every rank's files for the chief's save."""
+        # DCP is imported for sharded checkpoints only (checkpoint_io/kinds.py)
+        from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
+
         parts = self._parts
         state = sharded_checkpoint.trainer_state(parts.model, parts.optimizer, parts.lr_scheduler)
         if parts.ema is not None:
@@ -169,7 +172,10 @@ class TrainerCheckpoint:
         (``source``: its path, for messages). A sharded checkpoint is read collectively (DCP)
         when a process group is up: every rank reads the chunks of its shards."""
         parts = self._parts
-        if sharded_checkpoint.is_sharded_checkpoint(reader.names()):
+        if is_sharded_checkpoint(reader.names()):
+            # DCP is imported for sharded checkpoints only (checkpoint_io/kinds.py)
+            from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
+
             sharded_checkpoint.load_trainer_state(source, parts.model, parts.optimizer, parts.lr_scheduler,
                                                   storage_options=reader.storage_options)
             if parts.grad_scaler is not None:
