@@ -75,6 +75,8 @@ def test_a_corrupt_checkpoint_in_json_and_table(model_dir, tmp_path):
     shutil.copytree(model_dir, copy)
     weights = copy / "checkpoints" / "ckpt-20" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    unverified = run_cadence("ls", str(copy), "--json")  # the files are not read: nothing is marked
+    assert unverified.returncode == 0 and json.loads(unverified.stdout)["corrupt"] == 0
     listing = run_cadence("ls", str(copy), "--json", "--verify")
     assert listing.returncode == 1
     rows = {r["step"]: r for r in json.loads(listing.stdout)["checkpoints"]}
@@ -83,3 +85,18 @@ def test_a_corrupt_checkpoint_in_json_and_table(model_dir, tmp_path):
     table = run_cadence("ls", str(copy), "--verify", env={"COLUMNS": "80"})
     assert table.returncode == 1 and "step 20: CORRUPT: " in table.stdout
     assert all(len(line) <= 80 for line in table.stdout.splitlines()[1:5])
+
+
+def test_the_exit_status_is_1_exactly_when_a_checkpoint_is_marked_corrupt(model_dir, tmp_path):
+    """With or without --verify: an unreadable manifest is marked (and exits 1) either way; the
+    help says so."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(model_dir, copy)
+    (copy / "checkpoints" / "ckpt-20" / "MANIFEST.json").write_text("{not json")
+    for flags in ([], ["--verify"]):
+        proc = run_cadence("ls", str(copy), *flags, env={"COLUMNS": "120"})
+        assert proc.returncode == 1 and "step 20: CORRUPT: " in proc.stdout, (flags, proc.stdout + proc.stderr)
+    helped = run_cadence("ls", "--help", env={"COLUMNS": "200"})
+    assert "exit status is 1 when a checkpoint is marked CORRUPT" in " ".join(helped.stdout.split())

@@ -17,7 +17,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -27,7 +26,7 @@ import pytest
 
 from cadence.checkpoint.space import space_error
 from cadence.storage import Storage
-from cli_run import ENV as CLI_ENV, run_cadence
+from cli_run import ENV as CLI_ENV, popen, run_cadence
 from configs import write_config as tiny_config
 
 resource = pytest.importorskip("resource")  # POSIX only
@@ -136,6 +135,7 @@ def the_error(result: subprocess.CompletedProcess, directory: Path) -> str:
     assert "Traceback" not in result.stderr, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("cadence: failed:")]
     assert len(errors) == 1, result.stderr
+    assert "WARNING" not in result.stderr, result.stderr  # the one line stands alone (no lease-release warning)
     line = errors[0]
     assert f" in {directory}: " in line and FREE.search(line), line
     assert not list(directory.glob("*.tmp-*")), sorted(p.name for p in directory.iterdir())
@@ -261,7 +261,7 @@ def test_a_save_on_preemption_fails_with_one_line(tmp_path, disk, async_save):
     config, run = write_config(tmp_path / "config.yaml", steps=200, step_sleep=0.05), tmp_path / "run"
     checkpoints = run / "checkpoints"
     disk.shrink(checkpoints, ONE_CHECKPOINT)
-    proc = subprocess.Popen([sys.executable, "-m", "cadence", "train", str(config), "--model-dir", str(run),
+    proc = popen(["-m", "cadence", "train", str(config), "--model-dir", str(run),
                              "--no-progress", *async_flag(async_save)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     deadline = time.monotonic() + 120

@@ -17,7 +17,7 @@ import yaml
 
 from cadence.summaries.metrics_file import read_metrics
 from cli_run import ENV as RUN_ENV
-from cli_run import run_cadence
+from cli_run import popen, run_cadence
 
 ROOT = Path(__file__).resolve().parents[2]
 TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:TinyTask"
@@ -79,7 +79,7 @@ def test_sidecar_killed_and_restarted_evaluates_each_step_once_with_the_same_bes
     shutil.copytree(model_dir, reference)
 
     sidecar = [sys.executable, "-m", "cadence", "evaluate", str(config), "--model-dir", str(model_dir), "--continuous"]
-    proc = subprocess.Popen(sidecar, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    proc = popen(sidecar[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     log = model_dir / "eval" / "evaluations.jsonl"
     deadline = time.monotonic() + 120
     while (not log.exists() or len(evaluations(model_dir)) < 4) and time.monotonic() < deadline:
@@ -110,6 +110,24 @@ def test_dead_trainer_sidecar_exits_with_a_message(tmp_path):
     assert proc.returncode == 1
     assert "no new checkpoint" in proc.stderr and "no FINAL" in proc.stderr
     assert json.loads(proc.stdout)["stop_reason"] == "timeout"
+
+
+def test_launch_sidecar_records_every_checkpoint_when_the_trainer_outruns_it(tmp_path):
+    """Issue repro: digits saving every 50 steps with max_to_keep 1, and a sidecar that may hold back
+    only one pending checkpoint: the trainer commits faster than the sidecar evaluates, retention
+    deletes what the bounded lease lets go, and still every committed step has a record (evaluated,
+    or skipped with the reason), the final one evaluated."""
+    model_dir = tmp_path / "digits"
+    sets = ["trainer.checkpoint_interval=50", "trainer.max_to_keep=1", "trainer.train_steps=300",
+            "sidecar.max_pending=1", "trainer.validation_interval=null"]
+    proc = cadence("launch", str(ROOT / "examples" / "digits" / "config.yaml"), "--sidecar",
+                   "--model-dir", str(model_dir), *[a for s in sets for a in ("--set", s)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["step"]: r for r in evaluations(model_dir)}
+    assert sorted(rows) == [50, 100, 150, 200, 250, 300], rows
+    assert rows[300]["status"] == "evaluated"
+    assert all(r["status"] == "evaluated" or (r["status"] == "skipped" and "max_pending=1" in r["error"])
+               for r in rows.values()), rows
 
 
 def test_launch_sidecar_on_the_digits_example(tmp_path):

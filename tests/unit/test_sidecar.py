@@ -197,6 +197,33 @@ def test_max_pending_releases_the_oldest_and_records_them_skipped(tmp_path):
     assert "max_pending=2" in rows[0]["error"]
 
 
+def test_checkpoints_dropped_before_the_sidecar_saw_them_are_recorded_skipped(tmp_path):
+    """A trainer much faster than the sidecar's looks: between two of them it commits more than
+    max_pending checkpoints and retention (max_to_keep=1) deletes the oldest out of the lease's
+    bounded range. The writer notes them (``.leases/sidecar-eval.dropped``) and the sidecar records each as
+    skipped: every checkpoint is evaluated or recorded, none vanishes unseen."""
+    manager = CheckpointManager(str(tmp_path / "checkpoints"), max_to_keep=1)
+    controller = Controller(trainer=FakeTrainer(), checkpoint_manager=manager, steps_per_loop=2,
+                            checkpoint_interval=2, progress=False)
+    ev = FakeEvaluator()
+    sidecar = SidecarEvaluator(ev, str(tmp_path), max_pending=2, poll_interval=1.0, timeout=30)
+    thread = threading.Thread(target=lambda: setattr(sidecar, "result", sidecar.start()))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not Leases(str(tmp_path / "checkpoints")).active():
+        assert time.monotonic() < deadline, "the sidecar took no lease"
+        time.sleep(0.01)
+    controller.train(12)  # six checkpoints within one of the sidecar's polls
+    thread.join()
+    rows = {r["step"]: r for r in log_of(tmp_path)}
+    assert sorted(rows) == [2, 4, 6, 8, 10, 12]
+    assert ev.evaluated == [s for s in (10, 12) if rows[s]["status"] == "evaluated"] and 12 in ev.evaluated
+    unseen = [s for s, r in rows.items() if r["status"] == "skipped" and "before it was seen" in r["error"]]
+    assert unseen and set(unseen) <= {2, 4, 6, 8} and "max_pending=2" in rows[unseen[0]]["error"]
+    assert sidecar.result.skipped == sorted(s for s, r in rows.items() if r["status"] == "skipped")
+    assert set(unseen) <= set(Leases(str(tmp_path / "checkpoints")).dropped(sidecar.holder))  # the writer's note
+
+
 def test_best_checkpoint_export_from_the_sidecar(tmp_path):
     train(tmp_path)
     exporter = BestCheckpointExporter(str(tmp_path / "best"), "accuracy")

@@ -63,6 +63,7 @@ from typing import Any
 
 from cadence import layout
 from cadence.checkpoint.lease_file import clock_skew
+from cadence.checkpoint.space import space_cause
 from cadence.errors import WriterLeaseHeldError, WriterLeaseLostError
 from cadence.storage import Storage
 
@@ -357,7 +358,8 @@ class WriterLease:
 
     def release(self) -> None:
         """Stop renewing and mark the lease released (when still held); idempotent. A failure to
-        write is logged: the lease then expires on its own."""
+        write is logged (at DEBUG when the disk is full: the run's own error says so in its one
+        line): the lease then expires on its own."""
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
@@ -371,8 +373,9 @@ class WriterLease:
                 self._dir.storage.write_atomic(self._dir.path(self.token),
                                                replace(self._record, released=True, expires=time.time()).to_json())
             except Exception as e:  # noqa: BLE001 - it expires anyway
-                logger.warning("could not release the writer lease of %s (it expires within %gs): %s",
-                               self._dir.model_dir, self.ttl, e)
+                logger.log(logging.DEBUG if space_cause(e) is not None else logging.WARNING,
+                           "could not release the writer lease of %s (it expires within %gs): %s",
+                           self._dir.model_dir, self.ttl, e)
 
     def __enter__(self) -> WriterLease:
         return self

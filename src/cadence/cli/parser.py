@@ -101,11 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--keep", default=None, metavar="DIR",
                        help="use DIR (new or empty) as the model dir and keep it (default: a temp dir, removed)")
 
-    ls = sub.add_parser("ls", help="list a model dir's committed checkpoints (or a sweep dir's trials)")
+    ls = sub.add_parser("ls", help="list a model dir's committed checkpoints (or a sweep dir's trials); "
+                        "exit 1 when one is marked CORRUPT")
     ls.add_argument("model_dir", help="model directory (local path or fsspec URL)")
     ls.add_argument("--verify", action="store_true",
-                    help="read every checkpoint's files against its manifest and mark those that do not match "
-                         "(exit 1 if any)")
+                    help="also read every checkpoint's files against its manifest and mark those that do not "
+                         "match CORRUPT (without it, only a manifest that cannot be read is: the files are not "
+                         "read). Either way the exit status is 1 when a checkpoint is marked CORRUPT, else 0")
     ls.add_argument("--json", action="store_true",
                     help="print the listing as one JSON object (every checkpoint with its time, size, marks and "
                          "eval metrics; the best checkpoint) instead of a table")

@@ -1,5 +1,6 @@
 """The base of every config model (a section of the experiment config, a component's settings):
-unknown keys are errors, a commented-out section reads as empty, and a number outside a field's
+unknown keys are errors, a commented-out section reads as empty, no number is infinite or NaN
+(every duration is at most :data:`MAX_SECONDS`), and a number outside a field's
 bounds says so in the field's words (``decay must be > 0 and < 1, got 1.0``) whether the model is
 built from YAML or in code."""
 
@@ -13,7 +14,14 @@ from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-__all__ = ["ConfigModel"]
+__all__ = ["MAX_INT", "MAX_SECONDS", "ConfigModel"]
+
+MAX_INT = 2**63 - 1
+"""The largest integer a config takes (steps, sizes, counts are saved as int64)."""
+
+MAX_SECONDS = 366 * 24 * 3600.0
+"""The longest duration, interval or ttl a config takes, in seconds (a year): a longer one is a
+mistake, and far beyond it the clock arithmetic of leases and waits overflows (``1e300``)."""
 
 _BOUNDS: tuple[tuple[type, str, str, Any], ...] = (
     (Ge, "ge", ">=", lambda v, b: v >= b), (Gt, "gt", ">", lambda v, b: v > b),
@@ -25,7 +33,7 @@ _ERROR_TYPES = {"ge": "greater_than_equal", "gt": "greater_than", "le": "less_th
 class ConfigModel(BaseModel):
     """A config model: ``extra="forbid"``, fields by name or alias; see the module."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=(), allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -44,6 +52,8 @@ class ConfigModel(BaseModel):
         error type is kept, so a config file's message still reads ``expected ..., got ...``)."""
         if isinstance(value, bool) or not isinstance(value, (int, float)) or info.field_name is None:
             return value
+        if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+            raise PydanticCustomError("value_error", "an integer must fit in 64 bits (at most 2**63 - 1)")
         bounds = _bounds_of(cls, info.field_name)
         broken = next((kind for kind, _, bound, holds in bounds if not holds(value, bound)), None)
         if broken is None:

@@ -80,11 +80,13 @@ def suggest(word: str, choices: Sequence[str]) -> str | None:
 
 
 def display_path(loc: Sequence[Any]) -> str:
-    """A config location as users write it: ``trainer.recovery.max_trials``, ``callbacks[0].class``."""
+    """A config location as users write it: ``trainer.recovery.max_trials``, ``callbacks[0].class``
+    (a character that is not printable, in a key, written as its escape)."""
     path = ""
     for part in loc:
         index = isinstance(part, int) or (isinstance(part, str) and part.isdigit())
-        path += f"[{part}]" if index else (f".{part}" if path else str(part))
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(part))  # a key stays on its line
+        path += f"[{text}]" if index else (f".{text}" if path else text)
     return path
 
 

@@ -22,8 +22,11 @@ _KEY_PART = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
 
 
 def _origin(text: str, limit: int = 80) -> str:
-    """How messages name an override: ``--set key=value``, shortened past ``limit`` characters."""
-    return "--set " + (text if len(text) <= limit else text[: limit - 3] + "...")
+    """How messages name an override: ``--set key=value``, shortened past ``limit`` characters, a
+    character that is not printable (a newline, a control character) written as its escape so
+    that the message stays one line."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return "--set " + (shown if len(shown) <= limit else shown[: limit - 3] + "...")
 
 
 def parse_override(text: str) -> tuple[list[str | int], Any]:

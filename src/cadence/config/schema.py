@@ -21,7 +21,7 @@ from cadence.actions.export_files import DEFAULT_MAX_EXPORTS
 from cadence.checkpoint.checksum import DEFAULT_ALGORITHM, Algorithm
 from cadence.checkpoint.leases import DEFAULT_LEASE_TTL
 from cadence.checkpoint.writer_lease import DEFAULT_WRITER_LEASE_TTL
-from cadence.config.base import ConfigModel
+from cadence.config.base import MAX_SECONDS, ConfigModel
 from cadence.config.class_paths import CLASS_SPEC_FORM, check_class_spec, resolve_class_path
 from cadence.config.components.compile import CompileConfig
 from cadence.config.components.ema import EMAConfig
@@ -132,10 +132,11 @@ class SidecarConfig(ConfigModel):
         default="every", description="`every`: each committed checkpoint in step order; `latest`: jump to the newest."
     )
     timeout: float | None = Field(
-        default=3600.0, ge=0,
+        default=3600.0, ge=0, le=MAX_SECONDS,
         description="Stop after this many seconds without a new checkpoint (a dead trainer); `null`: wait for `FINAL`.",
     )
-    poll_interval: float = Field(default=0.5, gt=0, description="Seconds between looks for new checkpoints.")
+    poll_interval: float = Field(default=0.5, gt=0, le=MAX_SECONDS,
+                                 description="Seconds between looks for new checkpoints.")
     max_pending: int | None = Field(
         default=8, ge=1, strict=True,
         description="Unevaluated checkpoints protected from the trainer's retention; the oldest beyond it are skipped.",
@@ -144,7 +145,8 @@ class SidecarConfig(ConfigModel):
         default=None, ge=1, strict=True, description="Stop after this many evaluations in total; `null`: no limit."
     )
     lease_ttl: float = Field(
-        default=DEFAULT_LEASE_TTL, gt=0, description="Seconds a lease lives without renewal (a killed sidecar's lease ends then)."
+        default=DEFAULT_LEASE_TTL, gt=0, le=MAX_SECONDS,
+        description="Seconds a lease lives without renewal (a killed sidecar's lease ends then).",
     )
     name: str | None = Field(
         default=None, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$", max_length=64,
@@ -152,11 +154,11 @@ class SidecarConfig(ConfigModel):
         description="Write to `eval_<name>/` instead of `eval/` (several sidecars on one model dir).",
     )
     max_retries: int = Field(
-        default=3, ge=0, strict=True,
+        default=3, ge=0, le=30, strict=True,
         description="A committed checkpoint that fails to load is retried this many times, then recorded as failed.",
     )
     retry_backoff: float = Field(
-        default=0.5, gt=0, description="Seconds before the first retry; each further retry waits twice as long.",
+        default=0.5, gt=0, le=MAX_SECONDS, description="Seconds before the first retry; each further retry waits twice as long.",
     )
 
 
@@ -171,7 +173,7 @@ class CheckpointConfig(ConfigModel):
         ),
     )
     writer_lease_ttl: float = Field(
-        default=DEFAULT_WRITER_LEASE_TTL, gt=0, allow_inf_nan=False,
+        default=DEFAULT_WRITER_LEASE_TTL, gt=0, le=MAX_SECONDS, allow_inf_nan=False,
         description=("Seconds the trainer's writer lease on the model dir lives without renewal (renewed every "
                      "quarter of it): a trainer that dies on another host frees the model dir this long after; "
                      "keep it well above the hosts' clock skew."),
@@ -189,12 +191,12 @@ class EvalSpecConfig(ConfigModel):
     """tf.estimator's `EvalSpec` throttling of the in-process evaluations of `cadence train`."""
 
     throttle_secs: float = Field(
-        default=0.0, ge=0,
+        default=0.0, ge=0, le=MAX_SECONDS,
         description=("Skip an in-process evaluation due sooner than this after the previous one started "
                      "(never the final)."),
     )
     start_delay_secs: float = Field(
-        default=0.0, ge=0,
+        default=0.0, ge=0, le=MAX_SECONDS,
         description="Skip in-process evaluations due in the first this many seconds (never the final).",
     )
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, StrictBool, field_validator, model_validator
 
 from cadence.checkpoint.retention import DEFAULT_MAX_TO_KEEP
-from cadence.config.base import ConfigModel
+from cadence.config.base import MAX_SECONDS, ConfigModel
 from cadence.config.components.compile import COMPILE_FORM, CompileConfig, compile_shorthand
 from cadence.config.components.ema import EMAConfig
 from cadence.config.components.lr_schedule import LRScheduleConfig
@@ -159,7 +159,7 @@ class TrainerConfig(ConfigModel):
         description="Evaluate inside `cadence train`; `false`: only train (a sidecar evaluates the checkpoints).",
     )
     hang_timeout: float | None = Field(
-        default=None, gt=0, strict=True, allow_inf_nan=False,
+        default=None, gt=0, le=MAX_SECONDS, strict=True, allow_inf_nan=False,
         description=("Seconds without progress (no training step, evaluation batch or checkpoint) after which a "
                      "rank logs where it is stuck (phase, step, stacks) and exits 124, for the launcher to "
                      "restart the job from its last checkpoint (`cadence train --max-restarts`); longer than "

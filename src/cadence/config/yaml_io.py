@@ -59,26 +59,74 @@ def parse_yaml(text: str, source: str) -> tuple[Any, dict[Loc, int]]:
     """The document and the line of each mapping key (by key path).
 
     Raises:
-      ConfigError: invalid YAML; values nested deeper than :data:`MAX_DEPTH`; aliases that refer
-        to themselves or expand to more than :data:`MAX_VALUES` values.
+      ConfigError: invalid YAML, or a character YAML does not allow (a NUL byte), naming the line
+        and column; values nested deeper than :data:`MAX_DEPTH` (the line of the first level too
+        many); aliases that refer to themselves or expand to more than :data:`MAX_VALUES` values;
+        an integer too long for Python to read (more than 4300 digits), naming its key.
     """
-    if _flow_depth(text) > MAX_DEPTH:  # PyYAML's scanner is slow on deep flow collections: refuse first
-        raise ConfigError(f"{source}: values nested too deeply (at most {MAX_DEPTH} levels)")
-    loader = YamlLoader(text)
+    deep = _too_deep_at(text)
+    if deep is not None:  # PyYAML's scanner is slow on deep flow collections: refuse first
+        raise ConfigError(f"{source}: {_line_column(text, deep)}: values nested too deeply (at most {MAX_DEPTH} levels)")
+    lines: dict[Loc, int] = {}
+    loader = None
     try:
+        loader = YamlLoader(text)
         node = loader.get_single_node()
-        lines: dict[Loc, int] = {}
         if node is not None:
             check_expansion(node, source)
             _index_keys(node, (), lines, source)
         data = loader.construct_document(node) if node is not None else None
+    except yaml.reader.ReaderError as exc:
+        char = chr(exc.character) if isinstance(exc.character, int) else exc.character
+        key = _key_of_character(text, exc.position)
+        raise ConfigError(f"{source}: {_line_column(text, exc.position)}: {key + ': ' if key else ''}invalid YAML: "
+                          f"the character {char!r} is not allowed (a control character)") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(_format_yaml_error(exc, source)) from None
+        raise ConfigError(_format_yaml_error(exc, source, lines)) from None
     except RecursionError:  # the parser itself recurses once per level
         raise ConfigError(f"{source}: values nested too deeply (at most {MAX_DEPTH} levels)") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     return data, lines
+
+
+def _line_column(text: str, position: int) -> str:
+    """``line L, column C`` (from 1) of character ``position`` of ``text``."""
+    line = text.count("\n", 0, position) + 1
+    column = position - (text.rfind("\n", 0, position) + 1) + 1
+    return f"line {line}, column {column}"
+
+
+def _key_of_character(text: str, position: int) -> str | None:
+    """The key whose value holds the character YAML refused at ``position``, read from the text with
+    every such character blanked (None if that text is no valid YAML either)."""
+    printable = "".join(c if yaml.reader.Reader.NON_PRINTABLE.match(c) is None else " " for c in text)
+    lines: dict[Loc, int] = {}
+    loader = YamlLoader(printable)
+    try:
+        node = loader.get_single_node()
+        if node is not None:
+            _index_keys(node, (), lines, "")
+    except (yaml.YAMLError, ConfigError, RecursionError):
+        return None
+    finally:
+        loader.dispose()
+    return _key_at(lines, text.count("\n", 0, position) + 1)
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """YAML's int, with Python's limit on the digits of an int read from text (4300: a longer one
+    raises ``ValueError``) refused as invalid YAML at the value's line."""
+    try:
+        return yaml.SafeLoader.construct_yaml_int(loader, node)
+    except ValueError:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"an integer of {len(node.value):,} characters is too long (at most 4300 digits)",
+            node.start_mark) from None
+
+
+YamlLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 def check_expansion(root: yaml.Node, source: str) -> None:
@@ -111,12 +159,13 @@ def check_expansion(root: yaml.Node, source: str) -> None:
         stack.extend((child, depth + 1, False) for child in children)
 
 
-def _flow_depth(text: str) -> int:
-    """The deepest nesting of ``[`` / ``{`` in ``text``, outside quoted strings and comments."""
-    depth = deepest = 0
+def _too_deep_at(text: str) -> int | None:
+    """Where (the offset of the ``[`` / ``{``) ``text`` first nests flow collections deeper than
+    :data:`MAX_DEPTH`, outside quoted strings and comments; None if it never does."""
+    depth = 0
     quote = ""
     escaped = comment = False
-    for c in text:
+    for i, c in enumerate(text):
         if comment:
             comment = c != "\n"
         elif quote:
@@ -132,10 +181,11 @@ def _flow_depth(text: str) -> int:
             comment = True
         elif c in "[{":
             depth += 1
-            deepest = max(deepest, depth)
+            if depth > MAX_DEPTH:
+                return i
         elif c in "]}":
             depth = max(0, depth - 1)
-    return deepest
+    return None
 
 
 def _children(node: yaml.Node) -> list[yaml.Node]:
@@ -181,13 +231,22 @@ def _index_keys(
             _index_keys(item, (*loc, str(i)), lines, source, seen)
 
 
-def _format_yaml_error(exc: yaml.YAMLError, source: str) -> str:
+def _format_yaml_error(exc: yaml.YAMLError, source: str, lines: Mapping[Loc, int]) -> str:
+    """One line: the source, the line and column, the key whose value it is (when the keys were
+    read: :func:`_key_at`) and PyYAML's problem."""
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = getattr(exc, "problem", None) or str(exc)
     context = getattr(exc, "context", None)
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    key = _key_at(lines, mark.line + 1) if mark is not None else None
     detail = f"{problem} ({context})" if context else problem
-    return f"{source}: {where}invalid YAML: {detail}"
+    return f"{source}: {where}{key + ': ' if key else ''}invalid YAML: {detail}".replace("\n", " ")
+
+
+def _key_at(lines: Mapping[Loc, int], line: int) -> str | None:
+    """The dotted key path whose value is at ``line``: the last key on or before it."""
+    before = [(n, loc) for loc, n in lines.items() if n <= line]
+    return ".".join(max(before)[1]) if before else None
 
 
 def dump_yaml(data: Mapping[str, Any]) -> str:
