@@ -197,11 +197,11 @@ def test_max_pending_releases_the_oldest_and_records_them_skipped(tmp_path):
     assert "max_pending=2" in rows[0]["error"]
 
 
-def test_checkpoints_dropped_before_the_sidecar_saw_them_are_recorded_skipped(tmp_path):
+def test_checkpoints_deleted_before_the_sidecar_saw_them_are_recorded_skipped(tmp_path):
     """A trainer much faster than the sidecar's looks: between two of them it commits more than
     max_pending checkpoints and retention (max_to_keep=1) deletes the oldest out of the lease's
-    bounded range. The writer notes them (``.leases/sidecar-eval.dropped``) and the sidecar records each as
-    skipped: every checkpoint is evaluated or recorded, none vanishes unseen."""
+    bounded range. The writer notes what it deletes (``.leases/deleted-steps``) and the sidecar
+    records each one it never saw as skipped: every checkpoint is evaluated or recorded."""
     manager = CheckpointManager(str(tmp_path / "checkpoints"), max_to_keep=1)
     controller = Controller(trainer=FakeTrainer(), checkpoint_manager=manager, steps_per_loop=2,
                             checkpoint_interval=2, progress=False)
@@ -221,7 +221,20 @@ def test_checkpoints_dropped_before_the_sidecar_saw_them_are_recorded_skipped(tm
     unseen = [s for s, r in rows.items() if r["status"] == "skipped" and "before it was seen" in r["error"]]
     assert unseen and set(unseen) <= {2, 4, 6, 8} and "max_pending=2" in rows[unseen[0]]["error"]
     assert sidecar.result.skipped == sorted(s for s, r in rows.items() if r["status"] == "skipped")
-    assert set(unseen) <= set(Leases(str(tmp_path / "checkpoints")).dropped(sidecar.holder))  # the writer's note
+    assert set(unseen) <= set(Leases(str(tmp_path / "checkpoints")).deleted())  # the writer's note
+
+
+def test_a_sidecar_started_late_records_what_retention_deleted_before_it_as_skipped(tmp_path):
+    train(tmp_path, max_to_keep=2)  # 2..12: 2, 4, 6 and 8 deleted before any sidecar
+    ev = FakeEvaluator()
+    result = SidecarEvaluator(ev, str(tmp_path), poll_interval=0.01).start()
+    assert ev.evaluated == [10, 12] and result.skipped == [2, 4, 6, 8]
+    rows = log_of(tmp_path)
+    assert [(r["step"], r["status"]) for r in rows] == [(2, "skipped"), (4, "skipped"), (6, "skipped"),
+                                                        (8, "skipped"), (10, "evaluated"), (12, "evaluated")]
+    assert "deleted before this evaluator started" in rows[0]["error"]
+    again = SidecarEvaluator(FakeEvaluator(), str(tmp_path), poll_interval=0.01).start()  # nothing twice
+    assert again.skipped == [] and len(log_of(tmp_path)) == 6
 
 
 def test_best_checkpoint_export_from_the_sidecar(tmp_path):

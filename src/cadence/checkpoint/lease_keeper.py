@@ -105,11 +105,6 @@ class LeaseKeeper:
             self._thread.start()
         return self
 
-    def dropped(self) -> list[int]:
-        """The steps the writer deleted out of this holder's bounded range (see
-        :meth:`~cadence.checkpoint.leases.Leases.record_dropped`)."""
-        return self.leases.dropped(self.holder)
-
     def update(self, *, after: Any = _UNCHANGED, reading: Any = _UNCHANGED, max_pending: Any = _UNCHANGED) -> None:
         """Change what the lease protects (fields not passed are unchanged; pass None to clear
         one) and write it at once.

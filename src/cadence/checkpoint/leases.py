@@ -16,10 +16,12 @@ While unexpired -- judged by the **writer's** wall clock -- the lease protects f
   keep an unbounded number of checkpoints; the older ones are left to retention (the reader
   records them as skipped).
 
-A bounded range lets steps go that its reader may never have seen (a trainer that commits more
-than ``max_pending`` between two of the reader's looks). Before deleting such steps, the writer
-notes them in ``.leases/<holder>.dropped`` (``{"steps": [...]}``, :meth:`Leases.record_dropped`);
-the reader records them as skipped (:meth:`Leases.dropped`), so no checkpoint disappears unrecorded.
+Retention may still delete steps a reader never saw: those that leave a bounded range (a trainer
+that commits more than ``max_pending`` between two of the reader's looks), and those deleted before
+the reader started. So before it deletes, the writer appends the steps to ``.leases/deleted-steps``
+(``{"steps": [...]}``, the newest :data:`DELETED_KEPT`; :meth:`Leases.record_deleted`), and a reader
+records each one it has not dealt with as skipped (:meth:`Leases.deleted`): no checkpoint
+disappears unrecorded.
 
 ``after: -1`` protects every checkpoint (a reader that has evaluated nothing yet);
 ``after: null`` protects no range: a reader that only wants the newest checkpoint protects just
@@ -64,7 +66,6 @@ from cadence.checkpoint.lease_file import (
     LEASES_DIR,
     Lease,
     check_after,
-    check_holder,
     check_max_pending,
     check_reading,
     check_seconds,
@@ -79,8 +80,10 @@ logger = logging.getLogger("cadence.checkpoint")
 DEFAULT_LEASE_TTL = 60.0
 """Seconds a lease lives without renewal unless told (``sidecar.lease_ttl``'s default too)."""
 
-DROPPED_SUFFIX = ".dropped"
-"""``.leases/<holder>.dropped``: the steps retention deleted out of that holder's bounded range."""
+DELETED_FILE = "deleted-steps"
+"""``.leases/deleted-steps``: the steps retention deleted, newest last (not a lease file)."""
+DELETED_KEPT = 10_000
+"""How many deleted steps the note keeps (the newest)."""
 _TEMP = re.compile(r".+\.tmp-[0-9a-f]+")  # Storage.write_atomic's temp files
 _LEFTOVER_MIN_AGE = 60.0  # a temp or unparsable file younger than this may be a write in flight
 
@@ -139,10 +142,10 @@ class Leases:
         except FileNotFoundError:
             pass
 
-    def dropped(self, holder: str) -> list[int]:
-        """The steps the writer deleted out of ``holder``'s bounded range (:meth:`record_dropped`),
-        ascending; ``[]`` when there are none or the note cannot be read (a warning then)."""
-        path = self.storage.join(LEASES_DIR, check_holder(holder) + DROPPED_SUFFIX)
+    def deleted(self) -> list[int]:
+        """The steps the writer's retention deleted (:meth:`record_deleted`), ascending; ``[]`` when
+        there are none or the note cannot be read (a warning then)."""
+        path = self.storage.join(LEASES_DIR, DELETED_FILE)
         try:
             return _read_steps(self.storage.read_bytes(path))
         except FileNotFoundError:
@@ -153,29 +156,20 @@ class Leases:
 
     # -- writer side ---------------------------------------------------------------------------
 
-    def record_dropped(self, doomed: Iterable[int], now: float | None = None) -> None:
-        """Before retention deletes ``doomed``: for each unexpired lease whose range is bounded
-        (``max_pending``), note the doomed steps its range would hold without the bound (``> after``)
-        in ``.leases/<holder>.dropped``, so that its reader records them as skipped even when it
-        never saw them (a trainer that committed more than ``max_pending`` between two of its looks).
-        The note keeps only steps past the lease's ``after``. Storage errors propagate: the caller
-        then deletes nothing."""
-        doomed = list(doomed)
-        for lease in self.active(now):
-            if lease.after is None or lease.max_pending is None:
-                continue
-            steps = {step for step in doomed if step > lease.after}
-            if not steps:
-                continue
-            path = self.storage.join(LEASES_DIR, lease.holder + DROPPED_SUFFIX)
-            try:
-                steps |= {step for step in _read_steps(self.storage.read_bytes(path)) if step > lease.after}
-            except FileNotFoundError:
-                pass
-            except ValueError:  # a torn or foreign note: rewritten whole
-                pass
-            self.storage.write_atomic(path, (json.dumps({"steps": sorted(steps)}) + "\n").encode())
-
+    def record_deleted(self, doomed: Iterable[int]) -> None:
+        """Before retention deletes ``doomed``: add them to ``.leases/deleted-steps`` (the newest
+        :data:`DELETED_KEPT` are kept), so that readers record as skipped the ones they never saw.
+        Storage errors propagate: the caller then deletes nothing. An unreadable note is rewritten."""
+        doomed = set(doomed)
+        if not doomed:
+            return
+        path = self.storage.join(LEASES_DIR, DELETED_FILE)
+        try:
+            doomed |= set(_read_steps(self.storage.read_bytes(path)))
+        except (FileNotFoundError, ValueError):  # none yet, or torn by another tool: rewritten whole
+            pass
+        self.storage.makedirs(self.root)
+        self.storage.write_atomic(path, (json.dumps({"steps": sorted(doomed)[-DELETED_KEPT:]}) + "\n").encode())
 
     def read_all(self) -> list[Lease]:
         """Every lease on storage, expired or not, sorted by holder.
@@ -266,7 +260,7 @@ class Leases:
 
 
 def _read_steps(data: bytes) -> list[int]:
-    """The steps of a ``.dropped`` note; ``ValueError`` when it is not one."""
+    """The steps of the ``deleted-steps`` note; ``ValueError`` when it is not one."""
     note = json.loads(data)
     steps = note.get("steps") if isinstance(note, dict) else None
     if not isinstance(steps, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):

@@ -326,11 +326,11 @@ class CheckpointManager:
         )
         if doomed:
             self._require_writer("delete old checkpoints (retention)")
-            try:  # a bounded reader's range loses them: its reader records them as skipped
-                self.leases.record_dropped(doomed)
-            except Exception:  # noqa: BLE001 - unnoted, they would vanish unseen: delete nothing this time
-                logger.warning("could not note the checkpoints retention drops from the readers' leases in %s; "
-                               "skipping retention this time", self.leases, exc_info=True)
+            try:  # readers record the ones they never saw as skipped
+                self.leases.record_deleted(doomed)
+            except Exception:  # noqa: BLE001 - unnoted, they could vanish unseen: delete nothing this time
+                logger.warning("could not note the checkpoints retention deletes in %s; skipping retention "
+                               "this time", self.leases, exc_info=True)
                 return
         for step in doomed:
             try:

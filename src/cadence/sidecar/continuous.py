@@ -245,18 +245,20 @@ class ContinuousEvaluation:
     def _release_excess(self, waiting: list[int], watcher: CheckpointWatcher, seen: set[int], done: set[int],
                         result: SidecarResult) -> list[int]:
         """Record as skipped the checkpoints retention may delete or has deleted: the oldest of
-        ``waiting`` beyond ``max_pending``, seen ones already gone, and those the writer deleted out
-        of the lease's bounded range before they were ever seen (its ``.dropped`` note). Returns them."""
+        ``waiting`` beyond ``max_pending``, seen ones already gone, and those the writer deleted
+        before they were ever seen (its ``deleted-steps`` note: they left the lease's bounded range,
+        or were deleted before this reader started). Returns them."""
         present = set(self.manager.steps())
         gone = sorted(seen - done - present)
         assert self.keeper is not None
-        dropped = sorted(set(self.keeper.dropped()) - done - present - set(gone))
+        unseen = sorted(set(self.keeper.leases.deleted()) - done - present - set(gone))
         excess = []
         if self.max_pending is not None and len(waiting) > self.max_pending:
             excess = waiting[: len(waiting) - self.max_pending]
         reasons = dict.fromkeys(gone, "deleted by the trainer's retention before it could be evaluated")
-        reasons.update(dict.fromkeys(dropped, "deleted by the trainer's retention before it was seen: more than "
-                                              f"max_pending={self.max_pending} checkpoints were waiting"))
+        reasons.update(dict.fromkeys(unseen, "deleted by the trainer's retention before it was seen (more than "
+                                             f"max_pending={self.max_pending} checkpoints were waiting, or it "
+                                             "was deleted before this evaluator started)"))
         reasons.update(dict.fromkeys(excess, f"more than max_pending={self.max_pending} checkpoints were waiting"))
         for step in sorted(reasons):
             logger.warning("%s: skipping checkpoint %d: %s", self.name, step, reasons[step])
