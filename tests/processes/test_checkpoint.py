@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cadence.checkpoint.leases import Leases
 from cadence.checkpoint import CheckpointManager, Storage
 from cadence.checkpoint.retention import kept_every_n, steps_to_delete
 from cadence.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
@@ -516,7 +517,9 @@ def test_max_to_keep(ckdir: str, max_to_keep: int | None, expected: list[int]) -
     for step in (10, 20, 30, 40, 50):
         save_n(manager, step)
     assert manager.steps() == expected
-    assert sorted(os.listdir(ckdir)) == [f"ckpt-{s}" for s in sorted(expected, key=str)]
+    assert sorted(os.listdir(ckdir)) == [".leases"] * (len(expected) < 5) + [f"ckpt-{s}" for s in sorted(expected, key=str)]
+    if len(expected) < 5:  # retention noted what it deleted, for readers that never saw it
+        assert Leases(ckdir).deleted() == [s for s in (10, 20, 30, 40, 50) if s not in expected]
 
 
 def test_just_saved_checkpoint_is_never_deleted(ckdir: str) -> None:
@@ -594,7 +597,8 @@ def test_memory_store_round_trip_and_retention(memdir: str) -> None:
     assert path.startswith("memory://") and path.endswith("/checkpoints/ckpt-3")
     assert renames == []  # files went straight into ckpt-N/
     assert manager.steps() == [2, 3]
-    assert manager.storage.listdir(manager.storage.root) == ["ckpt-2", "ckpt-3"]
+    assert manager.storage.listdir(manager.storage.root) == [".leases", "ckpt-2", "ckpt-3"]  # .leases: the note
+    assert Leases(memdir).deleted() == [1]
 
     blob, counter = Blob(), Counter()
     assert CheckpointManager(memdir, writer=False).restore({"blob": blob, "counter": counter}) == 3

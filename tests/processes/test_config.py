@@ -584,8 +584,8 @@ def test_sibling_fields_get_messages_of_the_same_shape() -> None:
         messages.append(str(caught.value))
     assert messages == [
         "--set trainer.seed=abc: trainer.seed: expected an integer from 0 to 2**32 - 1, got 'abc'",
-        "--set eval_spec.throttle_secs=abc: eval_spec.throttle_secs: expected a number >= 0, got 'abc'",
-        "--set sidecar.lease_ttl=abc: sidecar.lease_ttl: expected a number > 0, got 'abc'",
+        "--set eval_spec.throttle_secs=abc: eval_spec.throttle_secs: expected a number from 0 to 31622400, got 'abc'",
+        "--set sidecar.lease_ttl=abc: sidecar.lease_ttl: expected a number > 0 and <= 31622400, got 'abc'",
     ]
 
 

@@ -88,6 +88,8 @@ class SaveCheckpointIfPreempted:
         self._saving = True
         try:
             path = run.save_checkpoint()
+            if run.checkpoint_manager is not None:
+                run.checkpoint_manager.wait()  # an asynchronous save: committed before it is said to be
         finally:
             self._saving = False
         logger.warning("received %s: committed checkpoint %s at step %d", name, path, run.global_step)

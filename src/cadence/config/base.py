@@ -19,7 +19,7 @@ __all__ = ["MAX_INT", "MAX_SECONDS", "ConfigModel"]
 MAX_INT = 2**63 - 1
 """The largest integer a config takes (steps, sizes, counts are saved as int64)."""
 
-MAX_SECONDS = 366 * 24 * 3600.0
+MAX_SECONDS = 366 * 24 * 3600
 """The longest duration, interval or ttl a config takes, in seconds (a year): a longer one is a
 mistake, and far beyond it the clock arithmetic of leases and waits overflows (``1e300``)."""
 
@@ -52,11 +52,11 @@ class ConfigModel(BaseModel):
         error type is kept, so a config file's message still reads ``expected ..., got ...``)."""
         if isinstance(value, bool) or not isinstance(value, (int, float)) or info.field_name is None:
             return value
-        if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
-            raise PydanticCustomError("value_error", "an integer must fit in 64 bits (at most 2**63 - 1)")
         bounds = _bounds_of(cls, info.field_name)
         broken = next((kind for kind, _, bound, holds in bounds if not holds(value, bound)), None)
         if broken is None:
+            if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:  # within the field's own bounds
+                raise PydanticCustomError("value_error", "an integer must fit in 64 bits (at most 2**63 - 1)")
             return value
         words = " and ".join(f"{op} {bound}" for _, op, bound, _ in bounds)
         raise PydanticCustomError(_ERROR_TYPES[broken], f"{info.field_name} must be {words}, got {value!r}")
