@@ -49,8 +49,9 @@ def committed(model_dir: Path) -> list[int]:
 
 def test_churn_slow_sidecar_reads_every_checkpoint_and_none_deleted_under_it(tmp_path):
     # Steps slow enough that the sidecar evaluates (and releases) some checkpoints while the
-    # trainer still saves: retention then has evaluated checkpoints to delete.
-    config = write_config(tmp_path, max_to_keep=2, step_sleep=0.1)
+    # trainer still saves: retention then has evaluated checkpoints to delete. 30 steps of 0.3 s:
+    # under a loaded machine the sidecar's first evaluation can take ~6 s after its start.
+    config = write_config(tmp_path, max_to_keep=2, step_sleep=0.3)
     model_dir = tmp_path / "run"
     proc = cadence("launch", str(config), "--sidecar", "--model-dir", str(model_dir))
     assert proc.returncode == 0, proc.stdout + proc.stderr
