@@ -186,10 +186,14 @@ def popen(argv: list[str], env: dict[str, str] | None = None, cwd: str | os.Path
 
 
 def run_python(argv: list[str], env: dict[str, str] | None = None, timeout: float | None = None,
-               cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+               cwd: str | os.PathLike | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
     """``python ARGV...`` to completion, output captured as text (as ``subprocess.run(...,
     capture_output=True, text=True)``), forked from the zygote where it can be; ``env`` is the whole
-    environment (default :data:`ENV`); past ``timeout`` it is killed and ``TimeoutExpired`` raised."""
+    environment (default :data:`ENV`); past ``timeout`` it is killed and ``TimeoutExpired`` raised.
+    Other keywords (``preexec_fn``, ``input``...) go to ``subprocess.run``, in a fresh interpreter."""
+    if kwargs:
+        return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=ENV if env is None else env,
+                              timeout=timeout, cwd=cwd, **kwargs)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = popen(argv, env=env, cwd=cwd, stdout=out, stderr=err)
         try:
@@ -210,11 +214,7 @@ def run_cadence(*args: str, env: dict[str, str] | None = None, timeout: float = 
                 **kwargs: Any) -> subprocess.CompletedProcess:
     """``cadence ARGS...`` to completion, output captured as text; ``env`` adds to :data:`ENV`,
     ``check`` asserts exit status 0 (the message is the output), other keywords go to ``subprocess.run``."""
-    if kwargs.keys() - {"cwd"}:
-        proc = subprocess.run([sys.executable, "-m", "cadence", *args], capture_output=True, text=True,
-                              env={**ENV, **(env or {})}, timeout=timeout, **kwargs)
-    else:
-        proc = run_python(["-m", "cadence", *args], env={**ENV, **(env or {})}, timeout=timeout, **kwargs)
+    proc = run_python(["-m", "cadence", *args], env={**ENV, **(env or {})}, timeout=timeout, **kwargs)
     if check:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -230,11 +230,8 @@ def torchrun_command(nproc: int, *args: str, tee: int | None = None) -> list[str
 def run_torchrun(nproc: int, *args: str, env: dict[str, str] | None = None, timeout: float = 180,
                  tee: int | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
     """:func:`torchrun_command` to completion, output captured as text; ``env`` adds to :data:`ENV`."""
-    command = torchrun_command(nproc, *args, tee=tee)
-    if kwargs.keys() - {"cwd"}:
-        return subprocess.run(command, capture_output=True, text=True, env={**ENV, **(env or {})},
-                              timeout=timeout, **kwargs)
-    return run_python(command[1:], env={**ENV, **(env or {})}, timeout=timeout, **kwargs)
+    return run_python(torchrun_command(nproc, *args, tee=tee)[1:], env={**ENV, **(env or {})}, timeout=timeout,
+                      **kwargs)
 
 
 def checkpoint_weights(checkpoint: Path) -> dict[str, Any]:

@@ -79,13 +79,19 @@ def suggest(word: str, choices: Sequence[str]) -> str | None:
     return matches[0] if matches else None
 
 
+def printable(text: str) -> str:
+    """``text`` with each character that is not printable (a newline, a control character) written
+    as its escape, so that a message quoting it stays on one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def display_path(loc: Sequence[Any]) -> str:
     """A config location as users write it: ``trainer.recovery.max_trials``, ``callbacks[0].class``
     (a character that is not printable, in a key, written as its escape)."""
     path = ""
     for part in loc:
         index = isinstance(part, int) or (isinstance(part, str) and part.isdigit())
-        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(part))  # a key stays on its line
+        text = printable(str(part))
         path += f"[{text}]" if index else (f".{text}" if path else text)
     return path
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from cadence.config.errors import display_path, field_info, field_names, short_repr, submodel, suggest
+from cadence.config.errors import display_path, field_info, field_names, printable, short_repr, submodel, suggest
 from cadence.config.schema import MOVED_KEYS, ExperimentConfig
 from cadence.config.yaml_io import Loc, load_value
 from cadence.errors import ConfigError
@@ -25,7 +25,7 @@ def _origin(text: str, limit: int = 80) -> str:
     """How messages name an override: ``--set key=value``, shortened past ``limit`` characters, a
     character that is not printable (a newline, a control character) written as its escape so
     that the message stays one line."""
-    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    shown = printable(text)
     return "--set " + (shown if len(shown) <= limit else shown[: limit - 3] + "...")
 
 
