@@ -4,19 +4,17 @@ sources first on the path. ``ROOT`` is the checkout, ``TESTS`` the folder of the
 (tasks, workers) that the processes load by path.
 
 The commands are forked from a :mod:`zygote` (a fork server that has imported torch and cadence once,
-one per pytest worker): each is a real process with its own pid, stdio, signals and exit status,
-without the ~4 s of CPU that importing torch costs a fresh interpreter. ``CADENCE_TEST_FORK=0`` starts
-every command as a fresh interpreter instead (as does an environment that changes what torch or
-Python read at start-up, see :data:`zygote.STARTUP_ENV_PREFIXES`).
+one per pytest worker), and so are the Python processes they start (torchrun's agent and ranks,
+``cadence launch``'s children, a sweep's trials): each is a real process with its own pid, stdio,
+signals and exit status, without the ~4 s of CPU that importing torch costs a fresh interpreter.
+``CADENCE_TEST_FORK=0`` starts every command as a fresh interpreter instead (as does an environment
+that changes what torch or Python read at start-up, see :data:`zygote.STARTUP_ENV_PREFIXES`).
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,80 +22,13 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
+import zygote
+
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200"}
 """The environment of the processes: the caller's, one torch thread, this checkout's ``src``, a
 console 200 columns wide (so that no log line a test looks for is wrapped)."""
-
-FORK = os.environ.get("CADENCE_TEST_FORK", "1") != "0"
-"""Whether commands are forked from the zygote (``CADENCE_TEST_FORK=0``: fresh interpreters)."""
-
-
-class ForkedProcess:
-    """A command forked by the :mod:`zygote`: the part of :class:`subprocess.Popen` the tests use
-    (``pid``, ``returncode``, ``stdout``/``stderr`` when piped, ``poll``, ``wait``, ``communicate``,
-    ``send_signal``, ``terminate``, ``kill``, a context manager)."""
-
-    def __init__(self, args: list[str], conn: socket.socket, pid: int,
-                 stdout: IO[Any] | None = None, stderr: IO[Any] | None = None) -> None:
-        self.args, self.pid, self.returncode = args, pid, None
-        self.stdout, self.stderr, self.stdin = stdout, stderr, None
-        self._conn = conn
-        self._lock = threading.Lock()
-
-    def _receive(self, timeout: float | None) -> int | None:
-        with self._lock:
-            if self.returncode is not None:
-                return self.returncode
-            self._conn.settimeout(timeout)
-            try:
-                data = self._conn.recv(4096)
-            except (TimeoutError, BlockingIOError):
-                return None
-            self.returncode = json.loads(data)["returncode"] if data else -signal.SIGKILL
-            self._conn.close()  # the zygote reaps the child now
-            return self.returncode
-
-    def poll(self) -> int | None:
-        return self._receive(0)
-
-    def wait(self, timeout: float | None = None) -> int:
-        code = self._receive(timeout)
-        if code is None:
-            raise subprocess.TimeoutExpired(self.args, timeout or 0)
-        return code
-
-    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
-        assert input is None, "a forked process has no stdin pipe"
-        out: dict[str, Any] = {}
-        readers = [threading.Thread(target=lambda n=n, f=f: out.__setitem__(n, f.read()), daemon=True)
-                   for n, f in (("stdout", self.stdout), ("stderr", self.stderr)) if f is not None]
-        for reader in readers:
-            reader.start()
-        self.wait(timeout)
-        for reader in readers:
-            reader.join()
-        return out.get("stdout"), out.get("stderr")
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # a zombie until the connection closes: the pid is never another's
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def __enter__(self) -> ForkedProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for stream in (self.stdout, self.stderr):
-            if stream is not None:
-                stream.close()
-        self.wait()
 
 
 class _Zygote:
@@ -108,7 +39,7 @@ class _Zygote:
         self._proc: subprocess.Popen | None = None
         self._path = ""
 
-    def _started(self) -> str:
+    def socket_path(self) -> str:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._path = os.path.join(tempfile.mkdtemp(prefix="cadence-zygote-"), "socket")
@@ -120,69 +51,19 @@ class _Zygote:
                 atexit.register(self._proc.stdin.close)  # type: ignore[union-attr]
             return self._path
 
-    def fork(self, argv: list[str], env: dict[str, str], cwd: str | os.PathLike | None,
-             stdio: tuple[int, int, int], new_session: bool) -> tuple[socket.socket, int]:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        conn.connect(self._started())
-        request = {"argv": argv, "env": env, "cwd": str(cwd or os.getcwd()), "new_session": new_session}
-        socket.send_fds(conn, [json.dumps(request).encode()], list(stdio))
-        return conn, json.loads(conn.recv(4096))["pid"]
 
-
-_ZYGOTE = _Zygote()
-
-
-def _forkable(argv: list[str], env: dict[str, str]) -> bool:
-    """Whether ``python ARGV`` with ``env`` can be forked from the zygote (see :mod:`zygote`)."""
-    from zygote import STARTUP_ENV_PREFIXES
-
-    if not FORK or not argv or (argv[0].startswith("-") and argv[0] not in ("-m", "-c")):
-        return False
-    changed = {k for k in env.keys() | ENV.keys() if env.get(k) != ENV.get(k)}
-    return not any(k.startswith(STARTUP_ENV_PREFIXES) for k in changed)
-
-
-def _fd(stream: Any, default: int, opened: list[int]) -> int:
-    if stream is None:
-        return default
-    if stream == subprocess.DEVNULL:
-        fd = os.open(os.devnull, os.O_RDWR)
-        opened.append(fd)
-        return fd
-    return stream if isinstance(stream, int) else stream.fileno()
+zygote.use(_Zygote().socket_path, ENV)
 
 
 def popen(argv: list[str], env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
           stdout: Any = None, stderr: Any = None, text: bool = False, start_new_session: bool = False,
-          ) -> ForkedProcess | subprocess.Popen:
+          stdin: Any = subprocess.DEVNULL, **kwargs: Any) -> subprocess.Popen:
     """``python ARGV...`` started as :class:`subprocess.Popen` would (``env`` is the whole environment,
-    default :data:`ENV`; ``stdout``/``stderr``: None, ``PIPE``, ``DEVNULL``, ``STDOUT`` or a file),
-    forked from the zygote where it can be (:class:`ForkedProcess`), else a fresh interpreter."""
-    env = dict(ENV if env is None else env)
-    if not _forkable(argv, env):
-        return subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, stdout=stdout, stderr=stderr,
-                                text=text, start_new_session=start_new_session)
-    opened: list[int] = []
-    readers: dict[str, IO[Any]] = {}
-    fds = []
-    for name, stream, default in (("stdout", stdout, 1), ("stderr", stderr, 2)):
-        if stream == subprocess.PIPE:
-            r, w = os.pipe()
-            opened.append(w)
-            readers[name] = open(r, "r" if text else "rb")  # noqa: SIM115 (the process's stream)
-            fds.append(w)
-        elif stream == subprocess.STDOUT:
-            fds.append(fds[0])
-        else:
-            fds.append(_fd(stream, default, opened))
-    stdin = os.open(os.devnull, os.O_RDONLY)
-    opened.append(stdin)
-    try:
-        conn, pid = _ZYGOTE.fork(argv, env, cwd, (stdin, fds[0], fds[1]), start_new_session)
-    finally:
-        for fd in opened:
-            os.close(fd)
-    return ForkedProcess([sys.executable, *argv], conn, pid, readers.get("stdout"), readers.get("stderr"))
+    default :data:`ENV`; stdin ``/dev/null`` unless given), forked from the zygote where it can be
+    (:class:`zygote.ZygotePopen`), else a fresh interpreter."""
+    return zygote.ZygotePopen([sys.executable, *argv], stdin=stdin, stdout=stdout, stderr=stderr,
+                              env=dict(ENV if env is None else env), cwd=cwd, text=text,
+                              start_new_session=start_new_session, **kwargs)
 
 
 def run_python(argv: list[str], env: dict[str, str] | None = None, timeout: float | None = None,
@@ -190,12 +71,10 @@ def run_python(argv: list[str], env: dict[str, str] | None = None, timeout: floa
     """``python ARGV...`` to completion, output captured as text (as ``subprocess.run(...,
     capture_output=True, text=True)``), forked from the zygote where it can be; ``env`` is the whole
     environment (default :data:`ENV`); past ``timeout`` it is killed and ``TimeoutExpired`` raised.
-    Other keywords (``preexec_fn``, ``input``...) go to ``subprocess.run``, in a fresh interpreter."""
-    if kwargs:
-        return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=ENV if env is None else env,
-                              timeout=timeout, cwd=cwd, **kwargs)
+    Other keywords go to :func:`popen`. The output goes through files, not pipes: a process it leaves
+    behind cannot hold the call up."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = popen(argv, env=env, cwd=cwd, stdout=out, stderr=err)
+        proc = popen(argv, env=env, cwd=cwd, stdout=out, stderr=err, **kwargs)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -232,6 +111,21 @@ def run_torchrun(nproc: int, *args: str, env: dict[str, str] | None = None, time
     """:func:`torchrun_command` to completion, output captured as text; ``env`` adds to :data:`ENV`."""
     return run_python(torchrun_command(nproc, *args, tee=tee)[1:], env={**ENV, **(env or {})}, timeout=timeout,
                       **kwargs)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def reaped(pid: int) -> bool:
+    """Whether ``pid`` has ended and been reaped: a zombie still answers ``kill(pid, 0)``, as the writer
+    lease's check of its holder does."""
+    return not Path(f"/proc/{pid}").exists()
 
 
 def checkpoint_weights(checkpoint: Path) -> dict[str, Any]:

@@ -25,6 +25,7 @@ class TinyTask(Task):
     """An 8-16-2 MLP with dropout (so RNG state matters) on a shuffled, resumable loader.
 
     ``step_sleep`` slows each step down so a test can kill the process mid-run.
+    ``hold_file``: while that file exists, each step waits (a test holds a run mid-way, then lets it go).
     ``eval_sleep`` slows each validation batch down (a slow sidecar).
     ``pid_dir`` gets a file ``rank<N>`` with each process's pid.
     ``poison_index`` puts a NaN into that training sample (and turns shuffling off, so the step
@@ -34,12 +35,13 @@ class TinyTask(Task):
 
     def __init__(self, step_sleep: float = 0.0, batch_size: int = 8, n: int = 200,
                  poison_index: int | None = None, eval_sleep: float = 0.0, pid_dir: str | None = None,
-                 hidden: int = 16) -> None:
+                 hidden: int = 16, hold_file: str | None = None) -> None:
         super().__init__()
         self.hidden = hidden
         if pid_dir is not None:  # lets a test signal one rank of a multi-process job
             Path(pid_dir, f"rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
         self.step_sleep = step_sleep
+        self.hold_file = hold_file
         self.eval_sleep = eval_sleep
         self.batch_size = batch_size
         self.train_set = synthetic(n, seed=1)
@@ -69,6 +71,8 @@ class TinyTask(Task):
     def train_step(self, model, batch):
         if self.step_sleep:
             time.sleep(self.step_sleep)
+        while self.hold_file is not None and os.path.exists(self.hold_file):
+            time.sleep(0.01)
         x, y = batch
         return F.cross_entropy(model(x), y)
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from cli_run import run_python
+from zygote import forking_children
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -43,8 +44,8 @@ def test_sharded_checkpoint_benchmark_quick(tmp_path, monkeypatch):
     out = tmp_path / "results" / "sharded.md"
     root = tmp_path / "ckpt"
     root.mkdir()
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "sharded_checkpoint.py"), "--quick", "--root", str(root),
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = run_python([str(BENCHMARKS / "sharded_checkpoint.py"), "--quick", "--root", str(root), "--out", str(out)],
+                      timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert list(root.iterdir()) == []  # every checkpoint written was deleted
     result = json.loads(out.with_suffix(".json").read_text())
@@ -73,7 +74,8 @@ def test_goodput_benchmark_quick(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import goodput
 
-    result = goodput.run(quick=True, root=str(tmp_path))
+    with forking_children():  # its cadence processes forked from the tests' zygote
+        result = goodput.run(quick=True, root=str(tmp_path))
     clean, faulty = result["clean"], result["faulty"]
     assert result["identical_weights"] and clean["restarts"] == 0 and clean["lost_steps"] == 0
     assert faulty["kills"] and faulty["restarts"] == len(faulty["kills"])

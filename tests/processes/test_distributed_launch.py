@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,10 +18,9 @@ import yaml
 from cadence.cli.main import main
 from cadence.cli.parser import build_parser
 from cadence.cli.torchrun import torchrun_command
-from cli_run import popen, run_torchrun
+from cli_run import ENV, popen, run_python, run_torchrun
 
 TASK = f"{Path(__file__).parents[1] / 'dist_worker.py'}:PidTask"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
 
 
 def config(tmp_path: Path, pid_dir: Path, steps: int = 24, **params) -> Path:
@@ -91,11 +89,9 @@ def test_nproc_inside_a_torchrun_worker_is_refused(tmp_path, capsys, monkeypatch
 
 def test_train_on_two_ranks(tmp_path):
     model_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "cadence", "train", str(config(tmp_path, tmp_path / "pids")), "--model-dir",
-         str(model_dir), "--nproc", "2"],
-        capture_output=True, text=True, env=ENV, timeout=180,
-    )
+    proc = run_python(
+        ["-m", "cadence", "train", str(config(tmp_path, tmp_path / "pids")), "--model-dir", str(model_dir),
+         "--nproc", "2"], timeout=180)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     lines = out.splitlines()
@@ -147,11 +143,9 @@ def test_a_killed_rank_ends_the_job_and_is_named(tmp_path):
 
 
 def test_a_rank_raising_ends_the_job_with_its_error_and_rank(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "cadence", "train", str(config(tmp_path, tmp_path / "pids", fail_rank=1)),
-         "--model-dir", str(tmp_path / "run"), "--nproc", "2", "--no-progress"],
-        capture_output=True, text=True, env=ENV, timeout=120,
-    )
+    proc = run_python(
+        ["-m", "cadence", "train", str(config(tmp_path, tmp_path / "pids", fail_rank=1)),
+         "--model-dir", str(tmp_path / "run"), "--nproc", "2", "--no-progress"], timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert re.search(r"^\[rank1\]:.*RuntimeError: planted failure on rank 1", out, re.M), out

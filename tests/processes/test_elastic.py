@@ -12,12 +12,11 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from cli_run import checkpoint_weights, ENV, popen, same_weights
+from cli_run import checkpoint_weights, ENV, popen, run_python, same_weights
 from configs import write_config as tiny_config
 
 TASK = f"{Path(__file__).parents[1] / 'elastic_tasks.py'}:ElasticTask"
@@ -108,9 +107,9 @@ class Job:
 def reference(tmp_path_factory) -> Path:
     """The model dir of an uninterrupted 2-rank run of the same experiment (every 8th step kept)."""
     tmp = tmp_path_factory.mktemp("reference")
-    proc = subprocess.run(
-        [sys.executable, "-m", "cadence", "train", str(config(tmp)), "--model-dir", str(tmp / "run"), "--nproc", "2",
-         "--no-progress"], capture_output=True, text=True, env=ENV, timeout=240)
+    proc = run_python(
+        ["-m", "cadence", "train", str(config(tmp)), "--model-dir", str(tmp / "run"), "--nproc", "2",
+         "--no-progress"], timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return tmp / "run"
 

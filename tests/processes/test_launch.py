@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from cadence.errors import ConfigError
+from cli_run import alive
 from cadence.cluster.launch import launch, launch_exit_code, sidecar_commands
 
 PY = sys.executable
@@ -28,6 +29,9 @@ SLEEPER = textwrap.dedent("""
     import os, signal, sys, time
     if "ignore-term" in sys.argv:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for arg in sys.argv[1:]:  # ready=PATH: the file is there once the handlers are
+        if arg.startswith("ready="):
+            open(arg[len("ready="):], "w").close()
     print("pid", os.getpid(), flush=True)
     time.sleep(60)
 """)
@@ -41,21 +45,6 @@ PARENT = textwrap.dedent("""
     if "exit" not in sys.argv:
         time.sleep(60)
 """)
-
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` is a live process (a zombie counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # pragma: no cover - no procfs
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
 
 
 def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
@@ -175,14 +164,19 @@ def test_bad_arguments() -> None:
 # --- stopping the others ---------------------------------------------------------------------
 
 
-def test_failure_stops_the_others_quickly(leftovers: list[int]) -> None:
+def test_failure_stops_the_others_quickly(leftovers: list[int], tmp_path: Path) -> None:
+    """The trainer fails once the others are up (``stubborn`` ignoring SIGTERM): they are stopped, the
+    one that ignores SIGTERM by SIGKILL after the grace time."""
     out = io.StringIO()
+    ready = [str(tmp_path / "sidecar"), str(tmp_path / "stubborn")]
+    fail = ("import os, sys, time\nwhile not all(map(os.path.exists, sys.argv[1:])): time.sleep(0.02)\n"
+            "print('boom', flush=True)\nraise SystemExit(2)")
     start = time.monotonic()
     codes = launch(
         {
-            "trainer": [PY, "-c", "import time; time.sleep(0.3); print('boom', flush=True); raise SystemExit(2)"],
-            "sidecar": [PY, "-c", SLEEPER],
-            "stubborn": [PY, "-c", SLEEPER, "ignore-term"],
+            "trainer": [PY, "-c", fail, *ready],
+            "sidecar": [PY, "-c", SLEEPER, f"ready={ready[0]}"],
+            "stubborn": [PY, "-c", SLEEPER, "ignore-term", f"ready={ready[1]}"],
         },
         stop_others_on_failure=["trainer"], grace_s=0.5, out=out,
     )

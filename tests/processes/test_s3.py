@@ -9,15 +9,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from cli_run import ENV, popen, ROOT, run_cadence
+from cli_run import ENV, popen, ROOT, run_cadence, run_python
 from s3_server import S3Server
+from zygote import forking_children
 from configs import write_config as tiny_config
 
 pytest.importorskip("s3fs")
@@ -229,8 +229,8 @@ def test_train_resume_best_export_ls_evaluate_report_on_s3(tmp_path: Path, url: 
     assert ls.stdout.count("verified") == 2
     # any s3fs option through fsspec's environment variables: here the endpoint
     env = {k: v for k, v in {**ENV, **s3_server.env()}.items() if not k.startswith("AWS_ENDPOINT_URL")}
-    ls = subprocess.run([sys.executable, "-m", "cadence", "ls", url], capture_output=True, text=True, timeout=120,
-                        env={**env, "FSSPEC_S3_ENDPOINT_URL": s3_server.endpoint, "COLUMNS": "200"})
+    ls = run_python(["-m", "cadence", "ls", url], timeout=120,
+                    env={**env, "FSSPEC_S3_ENDPOINT_URL": s3_server.endpoint, "COLUMNS": "200"})
     assert ls.returncode == 0 and "final, latest" in ls.stdout, ls.stderr
     ev = cadence("evaluate", str(config), "--model-dir", url, server=s3_server)
     assert ev.returncode == 0, ev.stderr
@@ -300,5 +300,6 @@ def test_kill_9_torture_on_s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPat
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import s3_torture
 
-    result = s3_torture.torture(s3_server.bucket, s3_server.env(), kills=3, steps=200, seed=1)
+    with forking_children():  # its cadence processes forked from the tests' zygote
+        result = s3_torture.torture(s3_server.bucket, s3_server.env(), kills=3, steps=200, seed=1)
     assert result["kills"] == 3 and result["bit_identical"] and result["metrics_identical"], result

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from cadence.summaries.metrics_file import read_metrics
 from cli_run import ENV as RUN_ENV, popen
-from cli_run import checkpoint_weights, run_cadence, run_torchrun, same_weights
+from cli_run import checkpoint_weights, reaped, run_cadence, run_torchrun, same_weights
 from configs import write_config
 
 HERE = Path(__file__).resolve().parents[1]
@@ -95,12 +95,6 @@ def saved_optimizer_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {key[len(prefix):]: value for key, value in template.items()}
 
 
-def gone(pid: int) -> bool:
-    """``pid`` has exited and been reaped (a zombie still counts as a running pid for ``kill(pid, 0)``,
-    as the writer lease's check of its holder does; init reaps the orphaned ranks)."""
-    return not Path(f"/proc/{pid}").exists()
-
-
 def verified(model_dir: Path, step: int) -> None:
     """Checkpoint ``step`` is committed and every file matches its manifest (raises otherwise)."""
     from cadence.checkpoint import CheckpointManager
@@ -160,7 +154,7 @@ def test_a_two_rank_job_killed_with_sigkill_resumes_bit_identical(tmp_path, stra
         os.killpg(job.pid, signal.SIGKILL)
         job.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while not all(gone(pid) for pid in ranks):
+        while not all(reaped(pid) for pid in ranks):
             assert time.monotonic() < deadline, "a rank outlived SIGKILL"
             time.sleep(0.02)
     finally:
@@ -168,7 +162,7 @@ def test_a_two_rank_job_killed_with_sigkill_resumes_bit_identical(tmp_path, stra
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
         for pid in ranks:
-            if not gone(pid):
+            if not reaped(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

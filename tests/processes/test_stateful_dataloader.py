@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from cadence.torch.data.state import from_json, to_json
-from cli_run import checkpoint_weights, ENV, popen, run_cadence, same_weights
+from cli_run import checkpoint_weights, ENV, popen, reaped, run_cadence, same_weights
 
 TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:StatefulLoaderTask"
 STEPS = 24
@@ -42,21 +42,30 @@ def weights(run: Path) -> dict:
 
 
 def killed_after_first_checkpoint(cfg: Path, run: Path, *extra: str) -> None:
-    """Start a run, SIGKILL its whole process group a few steps after ckpt-8 is committed."""
-    proc = popen(["-m", "cadence", "train", str(cfg), "--model-dir", str(run),
-                             "--no-progress", "--set", "task.params.step_sleep=0.05", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
+    """Start a run, SIGKILL its whole job a few steps after ckpt-8 is committed: cadence's process
+    group (the launcher too) and every rank (a torchrun rank has a session of its own)."""
+    pids = run.parent / "pids"
+    pids.mkdir(exist_ok=True)
+    proc = popen(["-m", "cadence", "train", str(cfg), "--model-dir", str(run), "--no-progress",
+                  "--set", "task.params.step_sleep=0.05", "--set", f"task.params.pid_dir={pids}", *extra],
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
     manifest = run / "checkpoints" / "ckpt-8" / "MANIFEST.json"
     deadline = time.monotonic() + 120
     while not manifest.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.2)  # a few steps past the checkpoint, mid-epoch: lost, and redone exactly
     os.killpg(proc.pid, signal.SIGKILL)
+    ranks = [int(p.read_text()) for p in pids.iterdir()]
+    for pid in ranks:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
     assert manifest.exists() and not (run / "checkpoints" / f"ckpt-{STEPS}").exists()
-    deadline = time.monotonic() + 10  # the killed ranks' processes are gone (the writer lease checks)
-    while time.monotonic() < deadline and subprocess.run(["pgrep", "-g", str(proc.pid)],
-                                                          capture_output=True).returncode == 0:
+    deadline = time.monotonic() + 30  # the killed ranks are gone (the writer lease checks)
+    while not all(map(reaped, ranks)):
+        assert time.monotonic() < deadline, "a rank outlived SIGKILL"
         time.sleep(0.05)
 
 

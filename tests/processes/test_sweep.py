@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from cadence.sweep.pruning import (OptunaTrial, PruneDecision, ReportToTrial, St
                                    read_decision, write_decision)
 from cadence.sweep.space import check_against_config, distributions, load_space  # noqa: E402
 from cadence.sweep.study import SweepDir, SweepLock  # noqa: E402
-from cli_run import ENV, ROOT, checkpoint_weights, run_cadence, same_weights  # noqa: E402
+from cli_run import ROOT, checkpoint_weights, popen, run_cadence, run_python, same_weights  # noqa: E402
 from fakes import FakeTrainer  # noqa: E402
 
 DIGITS = str(ROOT / "examples" / "digits" / "config.yaml")
@@ -469,9 +468,9 @@ pruner: {kind: none}
 def test_kill_9_of_the_sweep_then_the_same_command_resumes(tmp_path):
     space = write(tmp_path / "space.yaml", RESUME_SPACE)
     sweep_dir = tmp_path / "sweep"
-    args = [sys.executable, "-m", "cadence", "sweep", DIGITS, "--space", str(space), "--trials", "3", "--parallel", "2",
+    args = ["-m", "cadence", "sweep", DIGITS, "--space", str(space), "--trials", "3", "--parallel", "2",
             "--sweep-dir", str(sweep_dir), *FAST, "--set", "trainer.train_steps=300"]
-    sweep = subprocess.Popen(args, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sweep = popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     interrupted = None
     while interrupted is None and time.monotonic() < deadline and sweep.poll() is None:
@@ -486,7 +485,7 @@ def test_kill_9_of_the_sweep_then_the_same_command_resumes(tmp_path):
     sweep.communicate(timeout=30)
     finished_before = {p.parent.parent.name: p.stat().st_mtime_ns for p in sweep_dir.glob("trial-*/checkpoints/FINAL")}
 
-    proc = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=240)  # the same command
+    proc = run_python(args, timeout=240)  # the same command
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"trial {interrupted.name.split('-')[1]}: resumed from its checkpoints" in proc.stdout
     study = study_of(sweep_dir)

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,11 +27,10 @@ from cadence.torch import Context, ResumableLoader, ResumableSampler, TorchTrain
 from cadence.torch.runtime.rng import seed_everything
 from cadence.torch.runtime.distributed import init_distributed, rank_env, shutdown_distributed
 from cadence.torch.runtime.rng import rank_seed
-from cli_run import torchrun_command
+from cli_run import run_python, torchrun_command
 from dist_worker import IdsTask
 
 WORKER = str(Path(__file__).parents[1] / "dist_worker.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def run_ranks(nproc: int, scenario: str, out: Path, *args: str) -> list[dict]:
@@ -42,7 +40,7 @@ def run_ranks(nproc: int, scenario: str, out: Path, *args: str) -> list[dict]:
         cmd = [sys.executable, WORKER, scenario, str(out), *args]
     else:
         cmd = torchrun_command(nproc, WORKER, scenario, str(out), *args)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=ENV)
+    proc = run_python(cmd[1:], timeout=180)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return [json.loads((out / f"{scenario}-rank{r}.json").read_text()) for r in range(nproc)]
 

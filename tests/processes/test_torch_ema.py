@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from cadence.config.components.ema import EMAConfig
 from cadence.torch.components.ema import ModelEMA
 from cadence.torch.checkpoint_io.safetensors_io import safetensors_metadata, state_dict_from_safetensors
 from cadence.torch.checkpoint_io.sharded import read_model_state
-from cli_run import run_cadence, run_torchrun, same_weights
+from cli_run import popen, run_cadence, run_torchrun, same_weights
 from tasks import TinyTask
 from in_memory import save
 
@@ -362,11 +361,10 @@ def test_an_ema_run_resumed_from_a_checkpoint_ends_bit_identical(reference, tmp_
 def test_a_run_killed_with_sigkill_after_an_asynchronous_save_resumes_bit_identical(reference, tmp_path):
     config_file = write_config(tmp_path, "checkpoint.async_save=true")
     model_dir = tmp_path / "run"
-    job = subprocess.Popen(
-        [sys.executable, "-m", "cadence", "train", str(config_file), "--model-dir", str(model_dir), "--no-progress",
+    job = popen(
+        ["-m", "cadence", "train", str(config_file), "--model-dir", str(model_dir), "--no-progress",
          "--set", "task.params.step_sleep=0.05"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     try:
         manifest = ckpt(model_dir, 8) / "MANIFEST.json"

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from cadence.checkpoint import CheckpointManager, JSONState
 from cadence.checkpoint.writer_lease import WriterLease, check_free, current_lease, take_over
 from cadence.errors import WriterLeaseHeldError, WriterLeaseLostError
 from cadence.storage import Storage
-from cli_run import ENV, run_torchrun
+from cli_run import ENV, popen, run_torchrun
 from cli_run import run_cadence as cadence
 from configs import write_config as tiny_config
 
@@ -46,8 +45,8 @@ elif command == "release":
 
 def hold(model_dir: Path, ttl: float = 60.0, env: dict | None = None) -> tuple[subprocess.Popen, int]:
     """A process holding ``model_dir``'s writer lease; waits for a command on stdin."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(model_dir), str(ttl)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**ENV, **(env or {})})
+    proc = popen(["-c", HOLDER, str(model_dir), str(ttl)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, text=True, env={**ENV, **(env or {})})
     line = proc.stdout.readline()
     assert line.startswith("ready"), proc.stderr.read()
     return proc, int(line.split()[1])
@@ -142,8 +141,8 @@ except WriterLeaseHeldError as e:
 def test_of_processes_racing_for_a_free_lease_exactly_one_wins(tmp_path):
     for round_ in range(2):  # a first lease, then a released one: both are raced for
         go = tmp_path / f"go{round_}"
-        racers = [subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path / "m"), str(go)],
-                                   stdout=subprocess.PIPE, text=True, env=ENV) for _ in range(6)]
+        racers = [popen(["-c", RACER, str(tmp_path / "m"), str(go)], stdout=subprocess.PIPE, text=True)
+                  for _ in range(6)]
         time.sleep(2.0)  # all started and polling
         go.touch()
         outs = [r.communicate(timeout=60)[0] for r in racers]
@@ -253,15 +252,16 @@ def test_create_exclusive_creates_once(tmp_path):
 # ------------------------------------------------------------------ through the CLI
 
 
-def write_config(tmp_path: Path, steps: int = 40, step_sleep: float = 0.0) -> Path:
-    return tiny_config(tmp_path, TASK, params={"step_sleep": step_sleep}, trainer={
+def write_config(tmp_path: Path, steps: int = 40, step_sleep: float = 0.0, hold_file: Path | None = None) -> Path:
+    params = {"step_sleep": step_sleep, **({"hold_file": str(hold_file)} if hold_file else {})}
+    return tiny_config(tmp_path, TASK, params=params, trainer={
         "train_steps": steps, "steps_per_loop": 5, "checkpoint_interval": 10, "validation_interval": 20,
         "max_to_keep": 2, "seed": 3})
 
 
 def start_training(config: Path, model_dir: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "cadence", "train", str(config), "--model-dir", str(model_dir),
-                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = popen(["-m", "cadence", "train", str(config), "--model-dir", str(model_dir), "--no-progress"],
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     manifest = model_dir / "checkpoints" / "ckpt-10" / "MANIFEST.json"
     deadline = time.monotonic() + 120
     while not manifest.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -275,9 +275,11 @@ def one_line(stderr: str) -> str:
 
 
 def test_a_second_cadence_train_exits_2_naming_the_first(tmp_path):
-    # ~30 s of training: the first trainer must outlive two refused starts of the CLI on a loaded machine
-    config, run = write_config(tmp_path, steps=200, step_sleep=0.15), tmp_path / "run"
+    # the first trainer is held mid-way (TinyTask's hold_file) while the CLI is refused twice
+    hold = tmp_path / "hold"
+    config, run = write_config(tmp_path, steps=200, step_sleep=0.02, hold_file=hold), tmp_path / "run"
     first = start_training(config, run)
+    hold.touch()
     saved_config = (run / "config.yaml").read_bytes()
     second = cadence("train", str(config), "--model-dir", str(run))
     assert second.returncode == 2, second.stderr
@@ -289,6 +291,8 @@ def test_a_second_cadence_train_exits_2_naming_the_first(tmp_path):
     multi = cadence("train", str(config), "--model-dir", str(run), "--nproc", "2")
     assert multi.returncode == 2 and f"pid {first.pid}" in one_line(multi.stderr), multi.stderr
     assert "Traceback" not in multi.stderr
+    assert first.poll() is None
+    hold.unlink()
     out, err = first.communicate(timeout=180)
     assert first.returncode == 0, err
     assert json.loads((run / "checkpoints" / "FINAL").read_text())["step"] == 200
