@@ -205,6 +205,8 @@ def forking_children() -> Iterator[None]:
     :class:`ZygotePopen` does (for code the tests run in their own process that starts processes
     itself, a benchmark for example); the processes it starts are waited for inside the block."""
     saved = {name: subprocess.Popen.__dict__.get(name) for name in (*_POPEN, "_zygote_returncode", "_zygote")}
+    assert _Server.socket_path is not None
+    _Server.socket_path()  # the server started first, by the Popen it was started with
     _route_children()
     try:
         yield

@@ -301,5 +301,5 @@ def test_kill_9_torture_on_s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPat
     import s3_torture
 
     with forking_children():  # its cadence processes forked from the tests' zygote
-        result = s3_torture.torture(s3_server.bucket, s3_server.env(), kills=3, steps=200, seed=1)
+        result = s3_torture.torture(s3_server.bucket, s3_server.env(), kills=3, steps=100, seed=1)
     assert result["kills"] == 3 and result["bit_identical"] and result["metrics_identical"], result
