@@ -61,9 +61,13 @@ RUNTIME_ENV = ("PYTHONUNBUFFERED", "TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HAND
 """Keys with a start-up prefix that nothing reads at start-up (torchrun's, for its ranks) or that the
 child applies itself (``PYTHONUNBUFFERED``)."""
 
-PRELOAD = ("torch", "numpy", "cadence.cli.main", "cadence.torch.experiments", "cadence.torch.loop.trainer",
-           "cadence.torch.checkpoint_io.sharded", "torch.distributed.launcher.api")
-"""What the server imports before it forks (what nearly every ``cadence`` command imports, and torchrun)."""
+PRELOAD = ("torch", "numpy", "cadence", "torch._dynamo", "torch.distributed.launcher.api",
+           "torch.distributed.checkpoint", "tensorboard.summary.writer.event_file_writer",
+           "tensorboard.compat.proto.summary_pb2", "sklearn.datasets", "s3fs", "onnxscript", "optuna", "mlflow")
+"""What the server imports before it forks: torch, every module of cadence (but ``__main__``), and what
+cadence imports lazily that the tests' commands need (torch's compiler, which an optimizer imports, and
+its inductor; torchrun; DCP; TensorBoard's event writer; scikit-learn's datasets for the digits
+example; s3fs, ONNX, Optuna, MLflow). Each would cost every command that uses it its import."""
 
 MESSAGE = 1 << 20
 _DIE_WITH_PARENT = ("cadence.cluster.launch", "die_with_parent.<locals>.preexec")
@@ -238,9 +242,21 @@ def serve(path: str) -> None:
     import gc
     import importlib
 
+    import pkgutil
+
+    env = dict(os.environ)  # before the imports: some set variables (torch._dynamo TORCHINDUCTOR_CACHE_DIR...)
+    os.environ["JE_ARROW_MALLOC_CONF"] = "background_thread:false"  # pyarrow's jemalloc (under scikit-learn)
     for name in PRELOAD:
         importlib.import_module(name)
-    env = dict(os.environ)
+    cadence = sys.modules["cadence"]
+    for module in pkgutil.walk_packages(cadence.__path__, "cadence."):
+        if not module.name.endswith(".__main__"):
+            importlib.import_module(module.name)
+    from pathlib import Path
+
+    threads = sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
+    if len(threads) > 1:  # a child forked from a threaded process can deadlock on a lock a thread held
+        raise RuntimeError(f"the zygote must stay single-threaded, but its imports started threads: {threads}")
     gc.freeze()  # what is loaded now is never collected: a child's collections leave those pages shared
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
@@ -416,6 +432,8 @@ def _finish() -> None:
 def _run(argv: list[str]) -> None:
     """``python ARGV...``: ``-m MODULE``, ``-c CODE`` or a script path, with its arguments."""
     if argv[0] == "-m":
+        if not hasattr(sys.modules.get(argv[1]), "__path__"):  # a preloaded module (not a package, whose
+            sys.modules.pop(argv[1], None)  # __main__ runs) is run afresh, as a fresh interpreter would
         sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's file in argv[0]
         sys.path[0] = os.getcwd()
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
