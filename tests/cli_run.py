@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -126,6 +128,20 @@ def reaped(pid: int) -> bool:
     """Whether ``pid`` has ended and been reaped: a zombie still answers ``kill(pid, 0)``, as the writer
     lease's check of its holder does."""
     return not Path(f"/proc/{pid}").exists()
+
+
+def kill_job(job: subprocess.Popen, ranks: list[int], timeout: float = 30.0) -> None:
+    """The whole job at once, as a machine dies: SIGKILL to each of ``ranks`` (torchrun starts each in
+    a session of its own), then to ``job``'s process group (cadence and torchrun's agent); returns
+    once the job has exited and every rank is reaped (the writer lease checks its holder's pid)."""
+    for pid in ranks:
+        os.kill(pid, signal.SIGKILL)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while not all(reaped(pid) for pid in ranks):
+        assert time.monotonic() < deadline, "a rank outlived SIGKILL"
+        time.sleep(0.02)
 
 
 def checkpoint_weights(checkpoint: Path) -> dict[str, Any]:

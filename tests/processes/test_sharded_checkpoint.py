@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from cadence.summaries.metrics_file import read_metrics
 from cli_run import ENV as RUN_ENV, popen
-from cli_run import checkpoint_weights, reaped, run_cadence, run_torchrun, same_weights
+from cli_run import checkpoint_weights, kill_job, reaped, run_cadence, run_torchrun, same_weights
 from configs import write_config
 
 HERE = Path(__file__).resolve().parents[1]
@@ -147,16 +147,7 @@ def test_a_two_rank_job_killed_with_sigkill_resumes_bit_identical(tmp_path, stra
             time.sleep(0.01)
         time.sleep(0.25)  # a couple of steps past the checkpoint: lost, and redone exactly
         ranks = [int((pids / f"rank{r}").read_text()) for r in (0, 1)]
-        # The whole job at once, as a machine dies: both ranks (torchrun starts each in a session
-        # of its own), then cadence and torchrun's agent (the job's process group).
-        for pid in ranks:
-            os.kill(pid, signal.SIGKILL)
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while not all(reaped(pid) for pid in ranks):
-            assert time.monotonic() < deadline, "a rank outlived SIGKILL"
-            time.sleep(0.02)
+        kill_job(job, ranks)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)

@@ -5,8 +5,6 @@ resumes bit-identically, on one process and on two."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -16,7 +14,7 @@ import torch
 import yaml
 
 from cadence.torch.data.state import from_json, to_json
-from cli_run import checkpoint_weights, ENV, popen, reaped, run_cadence, same_weights
+from cli_run import checkpoint_weights, ENV, kill_job, popen, run_cadence, same_weights
 
 TASK = f"{Path(__file__).parents[1] / 'tasks.py'}:StatefulLoaderTask"
 STEPS = 24
@@ -54,19 +52,8 @@ def killed_after_first_checkpoint(cfg: Path, run: Path, *extra: str) -> None:
     while not manifest.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.2)  # a few steps past the checkpoint, mid-epoch: lost, and redone exactly
-    os.killpg(proc.pid, signal.SIGKILL)
-    ranks = [int(p.read_text()) for p in pids.iterdir()]
-    for pid in ranks:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
+    kill_job(proc, [int(p.read_text()) for p in pids.iterdir()])
     assert manifest.exists() and not (run / "checkpoints" / f"ckpt-{STEPS}").exists()
-    deadline = time.monotonic() + 30  # the killed ranks are gone (the writer lease checks)
-    while not all(map(reaped, ranks)):
-        assert time.monotonic() < deadline, "a rank outlived SIGKILL"
-        time.sleep(0.05)
 
 
 def test_the_state_of_a_stateful_dataloader_round_trips_through_json():
