@@ -224,6 +224,29 @@ def test_checkpoints_deleted_before_the_sidecar_saw_them_are_recorded_skipped(tm
     assert set(unseen) <= set(Leases(str(tmp_path / "checkpoints")).deleted())  # the writer's note
 
 
+def test_a_seen_checkpoint_retention_deleted_while_another_was_evaluated_is_skipped_naming_the_bound(tmp_path):
+    """Checkpoints 2 and 4 wait (max_pending=2); while the sidecar evaluates 2 the trainer commits 6,
+    8 and 10, so 4 leaves the lease's bounded range and retention deletes it: its record says why."""
+    manager = train(tmp_path, 4, max_to_keep=2)
+    controller = Controller(trainer=FakeTrainer(), checkpoint_manager=manager, steps_per_loop=2,
+                            checkpoint_interval=2, progress=False)
+    controller.restore()
+    ev = FakeEvaluator()
+    original = ev.evaluate
+
+    def evaluate_while_the_trainer_runs_on(n):
+        if ev.step == 2:
+            controller.train(10)
+        return original(n)
+
+    ev.evaluate = evaluate_while_the_trainer_runs_on
+    result = SidecarEvaluator(ev, str(tmp_path), max_pending=2, poll_interval=0.01).start()
+    rows = {r["step"]: r for r in log_of(tmp_path)}
+    assert ev.evaluated == [2, 8, 10] and result.skipped == [4, 6]
+    assert "before it could be evaluated" in rows[4]["error"] and "max_pending=2" in rows[4]["error"]
+    assert "before it was seen" in rows[6]["error"]
+
+
 def test_a_sidecar_started_late_records_what_retention_deleted_before_it_as_skipped(tmp_path):
     train(tmp_path, max_to_keep=2)  # 2..12: 2, 4, 6 and 8 deleted before any sidecar
     ev = FakeEvaluator()

@@ -255,7 +255,8 @@ class ContinuousEvaluation:
         excess = []
         if self.max_pending is not None and len(waiting) > self.max_pending:
             excess = waiting[: len(waiting) - self.max_pending]
-        reasons = dict.fromkeys(gone, "deleted by the trainer's retention before it could be evaluated")
+        reasons = dict.fromkeys(gone, "deleted by the trainer's retention before it could be evaluated"
+                                      + self._bound_note())
         reasons.update(dict.fromkeys(unseen, "deleted by the trainer's retention before it was seen (more than "
                                              f"max_pending={self.max_pending} checkpoints were waiting, or it "
                                              "was deleted before this evaluator started)"))
@@ -270,6 +271,12 @@ class ContinuousEvaluation:
             self._keep(after=excess[-1])
         return sorted(reasons)
 
+    def _bound_note(self) -> str:
+        """Why retention could delete a checkpoint this evaluator had seen: the lease's bound."""
+        if self.keeper is None or self.max_pending is None:
+            return ""
+        return f" (more than max_pending={self.max_pending} newer checkpoints were committed while it waited)"
+
     def _evaluate(self, step: int) -> dict[str, Any]:
         error: Exception | None = None
         for attempt in range(self.max_retries + 1):
@@ -278,7 +285,8 @@ class ContinuousEvaluation:
                 break
             except CheckpointError as e:
                 if step not in self.manager.steps():
-                    return self._new_record(step, "skipped", error=f"deleted before it could be read ({e})")
+                    return self._new_record(step, "skipped",
+                                            error=f"deleted before it could be read{self._bound_note()} ({e})")
                 error = e
             if attempt < self.max_retries:
                 delay = self.retry_backoff * 2**attempt
