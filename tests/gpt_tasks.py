@@ -10,6 +10,7 @@ Markov chain, so a model can learn it and a validation loss falls.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch import nn
@@ -95,13 +96,15 @@ class TinyGPTTask(Task):
     ``named_splits`` (default True): validation is ``{"train": a sample of the training data,
     "val": held-out data}``; False: the held-out data alone.
     ``fsdp_unit_classes``: the blocks (the root keeps the tied embedding and head together).
+    ``step_sleep`` slows each training step down (a test kills the run mid-way).
     """
 
     fsdp_unit_classes = (Block,)
 
     def __init__(self, batch_size: int = 8, block_size: int = 16, vocab: int = 32, lr: float = 3e-3,
-                 named_splits: bool = True, n_tokens: int = 4096) -> None:
+                 named_splits: bool = True, n_tokens: int = 4096, step_sleep: float = 0.0) -> None:
         super().__init__()
+        self.step_sleep = step_sleep
         self.batch_size, self.block_size, self.vocab, self.lr = batch_size, block_size, vocab, lr
         self.named_splits = named_splits
         self.train_set = windows(markov_tokens(n_tokens, vocab, seed=1), block_size)
@@ -130,6 +133,8 @@ class TinyGPTTask(Task):
         return batch[0].numel()
 
     def train_step(self, model, batch):
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
         x, y = batch
         _, loss = model(x, y)
         return loss

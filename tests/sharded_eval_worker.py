@@ -131,6 +131,23 @@ class Merging(Aggregating):
         return [t for state in states for t in state]
 
 
+HEAD = 301
+"""The samples of the "head" split of :class:`NamedSplits` (uneven on 2 and 3 ranks too)."""
+
+
+class NamedSplits(Merging):
+    """Validation in two named splits, ``{"all": the whole set, "head": its first HEAD samples}``:
+    reducers, batch-weighted means and merged aggregate_logs, per split."""
+
+    def build_metrics(self):
+        return ShardedTask.build_metrics(self)
+
+    def build_inputs(self, split, ctx):
+        data = make_data()
+        return {"all": DataLoader(shard(data, ctx.rank, ctx.world_size), batch_size=BATCH),
+                "head": DataLoader(shard(Subset(data, range(HEAD)), ctx.rank, ctx.world_size), batch_size=BATCH)}
+
+
 class FailingOnRank1(ShardedTask):
     def validation_step(self, model, batch):
         if dist.get_rank() == 1:
@@ -150,6 +167,7 @@ def scenarios(world_size: int) -> dict[str, Callable[[Context], Any]]:
         "limited": lambda ctx: _evaluate(ShardedTask(), ctx, num_steps=2),
         "merged_aggregate": lambda ctx: _evaluate(Merging(), ctx),
         "unmerged_aggregate": lambda ctx: _evaluate(Aggregating(), ctx),
+        "named_splits": lambda ctx: _evaluate(NamedSplits(), ctx),
     }
     if world_size > 1:
         out["failing_rank"] = lambda ctx: _evaluate(FailingOnRank1(), ctx)

@@ -51,6 +51,13 @@ class SmokeTask(Task):
         return {"loss": F.cross_entropy(logits, y), "accuracy": (logits.argmax(1) == y).float().mean()}
 
 
+class NoMetricsTask(SmokeTask):
+    """validation_step returns no metrics (an empty dict)."""
+
+    def validation_step(self, model, batch):
+        return {}
+
+
 class EvalFailsTask(SmokeTask):
     """validation_step expects float labels, and the validation data has integer ones."""
 

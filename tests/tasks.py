@@ -91,6 +91,19 @@ class NoExampleTask(TinyTask):
         return Task.example_inputs(self)
 
 
+class BadLossTask(TinyTask):
+    """``train_step`` returns the per-sample losses (not reduced), or with ``as_float`` a Python float."""
+
+    def __init__(self, as_float: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.as_float = as_float
+
+    def train_step(self, model, batch):
+        x, y = batch
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        return losses.mean().item() if self.as_float else losses
+
+
 class NoSchedulerTask(TinyTask):
     """TinyTask without an LR scheduler of its own (for ``trainer.lr_schedule``)."""
 

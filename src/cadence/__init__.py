@@ -18,7 +18,7 @@ _EXPORTS = {
     "Controller": "cadence.loop.controller",
     # what a user implements (cadence.extensions lists them all)
     **dict.fromkeys(
-        ("Action", "Callback", "ChecksOutputs", "Closeable", "Composite", "Evaluator", "GathersCheckpoint",
+        ("Action", "Callback", "ChecksOutputs", "Closeable", "Composite", "EndsTraining", "Evaluator", "GathersCheckpoint",
          "Initializable", "NamedInCheckpoint", "ReportsSteps", "RunAware", "RunContext", "Stateful", "Trainer"),
         "cadence.extensions"),
     "Tracker": "cadence.trackers.base",
@@ -78,6 +78,7 @@ if TYPE_CHECKING:  # pragma: no cover
         ChecksOutputs,
         Closeable,
         Composite,
+        EndsTraining,
         Evaluator,
         GathersCheckpoint,
         Initializable,

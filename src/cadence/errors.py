@@ -7,8 +7,8 @@ class CadenceError(Exception):
     """Base class of cadence's own errors.
 
     ``exit_code`` is the CLI's exit status when one ends a command: 1 (a failure), 2 for bad
-    input (:class:`ConfigError`, :class:`WriterLeaseHeldError`, :class:`SanityCheckError`):
-    nothing was started (or trained).
+    input (:class:`ConfigError`, :class:`WriterLeaseHeldError`, :class:`SanityCheckError`,
+    :class:`TrainStepOutputError`): nothing was started (or trained).
     """
 
     exit_code: int = 1
@@ -45,6 +45,14 @@ class ValidationOutputError(CadenceError, TypeError):
     of the wrong type; the message names it, what it returned and what is expected."""
 
 
+class TrainStepOutputError(CadenceError, TypeError):
+    """``Task.train_step`` returned something of the wrong type: no loss, a loss that is not a
+    scalar tensor with a gradient, or an extra log that is not a scalar. A mistake in the task's
+    code, found at its first step: bad input (exit 2), one line naming what it returned."""
+
+    exit_code = 2
+
+
 class SanityCheckError(CadenceError):
     """The sanity check before training (a few validation batches, then the eval actions'
     checks of their outputs; ``trainer.sanity_val_steps``) failed: nothing was trained."""
@@ -54,6 +62,13 @@ class SanityCheckError(CadenceError):
 
 class CheckpointError(CadenceError):
     """A checkpoint could not be written or read."""
+
+
+class NoCheckpointError(CheckpointError):
+    """There is no committed checkpoint where one was asked for (``cadence evaluate`` of a model dir
+    that has none): bad input, nothing was started."""
+
+    exit_code = 2
 
 
 class CorruptCheckpointError(CheckpointError):

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from cadence.checkpoint import CheckpointManager
     from cadence.runtime.coordination import Coordinator
 
-__all__ = ["Action", "Callback", "ChecksOutputs", "Closeable", "Composite", "Evaluator", "GathersCheckpoint",
+__all__ = ["Action", "Callback", "ChecksOutputs", "Closeable", "Composite", "EndsTraining", "Evaluator", "GathersCheckpoint",
            "Initializable", "Logs", "NamedInCheckpoint", "ReportsSteps", "RunAware", "RunContext", "Stateful",
            "StepEnd", "Trainer"]
 
@@ -115,6 +115,16 @@ class ReportsSteps(Protocol):
         """Call ``fn(global_step)`` after each optimizer step from now on (after the LR
         scheduler's step), on the training thread; ``None``: call nothing."""
         ...
+
+
+@runtime_checkable
+class EndsTraining(Protocol):
+    """A trainer whose input can end as configured (``trainer.max_epochs``): once
+    :attr:`training_ended` is true, a loop that advanced fewer steps than requested ends the run,
+    as with ``train_steps=None``, instead of failing."""
+
+    @property
+    def training_ended(self) -> bool: ...
 
 
 # -- what actions and callbacks may use and be ---------------------------------------------------

@@ -63,7 +63,7 @@ def test_evaluate_missing_checkpoint_is_a_clear_error(digits_run, tmp_path):
     assert proc.returncode == 1
     assert "123" in proc.stderr and "Traceback" not in proc.stderr
     proc = cadence("evaluate", str(DIGITS), "--model-dir", str(tmp_path / "empty"))
-    assert proc.returncode == 1 and "no committed checkpoint" in proc.stderr
+    assert proc.returncode == 2 and "no committed checkpoint" in proc.stderr and "--initial" in proc.stderr
 
 
 def test_ls_lists_checkpoints_with_eval_metrics(digits_run):
@@ -127,6 +127,18 @@ def test_bad_task_params_name_the_parameter(tmp_path):
                                     "trainer": {"train_steps": 5}}))
     proc = cadence("train", str(path), "--model-dir", str(tmp_path / "run"))
     assert proc.returncode == 2 and "bogus" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("as_float", "expected"), [
+    (False, "BadLossTask.train_step returned a loss of shape (8,); expected a scalar tensor (reduce it, e.g. loss.mean())"),
+    (True, "BadLossTask.train_step must return a loss tensor or a dict with 'loss', got float"),
+])
+def test_a_train_step_returning_a_bad_loss_is_one_line_and_exit_2(tmp_path, write_config, as_float, expected):
+    cfg = write_config(tmp_path, "BadLossTask", params={"as_float": as_float}, trainer={"sanity_val_steps": 0})
+    proc = cadence("--log-level", "WARNING", "train", str(cfg), "--model-dir", str(tmp_path / "run"), "--no-progress")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"cadence: error: {expected}"
+    assert not list((tmp_path / "run" / "checkpoints").iterdir())
 
 
 def test_best_checkpoint_is_the_most_accurate_evaluation(digits_run):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cadence.summaries.metrics_file import read_metrics
+from cadence.torch.checkpoint_io.sharded import read_model_state
 from cli_run import checkpoint_weights, run_cadence, run_torchrun, same_weights
 from configs import write_config
 
@@ -129,3 +130,18 @@ def test_fsdp_exports_the_gathered_model_equal_to_its_checkpoint(tmp_path, on):
     exported = checkpoint_weights(exports[-1])  # export/<on>/<step>/model.safetensors
     assert same_weights(exported, weights(run, step))  # the full model, gathered from the shards
     assert (exports[-1] / "model.pt2").exists()
+
+
+def test_a_weight_tied_gpt_with_an_ema_trains_resumes_and_exports_weights_that_keep_the_tie(tmp_path):
+    """Issue 27: the GPT's lm_head is its token embedding; sharded, resumed, consolidated and exported, the
+    full weights load with a plain load_state_dict(load_file(...)) and keep the tie (tied_weights_check.py)."""
+    from tied_weights_check import HEAD, WTE, check_tied_weights, gpt_config
+
+    config, run = gpt_config(tmp_path, strategy="fsdp"), tmp_path / "run"
+    train(config, run, "trainer.train_steps=8")
+    train(config, run)  # resumed from the sharded checkpoint at 8
+    assert (run / "checkpoints" / "ckpt-16" / "__1_0.distcp").exists()
+    for key in ("model", "ema"):  # the consolidated state holds both names, equal
+        state = read_model_state(str(run / "checkpoints" / "ckpt-16"), key=key)
+        assert torch.equal(state[HEAD], state[WTE]), key
+    check_tied_weights(run)

@@ -71,15 +71,20 @@ def test_two_processes_train_the_same_run_as_one(tmp_path):
             "--set", "trainer.best_checkpoint=null", "--set", "trainer.validation_interval=null",
             "--set", "trainer.sanity_val_steps=0", "--set", "task.params.dropout=0.0"]
     runs = {}
-    # "doubled": what --nproc 2 trained before, with a per-rank batch of 64 (a global batch of 128)
-    for name, extra in (("one", []), ("two", ["--nproc", "2"]), ("doubled", ["--set", "task.params.global_batch_size=128"])):
+    # "doubled": what --nproc 2 trained before, with a per-rank batch of 64 (a global batch of 128).
+    # "accum": 2 ranks of 16 samples, 2 micro-batches each (grad_accum_steps is per rank, not divided by
+    # the world size as nanoGPT's is): 16 x 2 x 2 = the 64 samples of each step of "one"
+    accum = ["--nproc", "2", "--set", "task.params.global_batch_size=32", "--set", "trainer.grad_accum_steps=2"]
+    for name, extra in (("one", []), ("two", ["--nproc", "2"]), ("doubled", ["--set", "task.params.global_batch_size=128"]),
+                        ("accum", accum)):
         model_dir = tmp_path / name
         proc = run_cadence("train", str(DIGITS / "config.yaml"), "--model-dir", str(model_dir), "--no-progress",
                            *sets, *extra)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         runs[name] = load_file(model_dir / "checkpoints" / "ckpt-30" / "model.safetensors")
     one, two, doubled = runs["one"], runs["two"], runs["doubled"]
-    assert one.keys() == two.keys()
+    assert one.keys() == two.keys() == runs["accum"].keys()
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(runs["accum"][key], one[key], rtol=1e-4, atol=1e-5)
     assert max(float((doubled[k] - one[k]).abs().max()) for k in one) > 1e-2  # the tolerance tells them apart

@@ -65,6 +65,19 @@ def test_digits_example_passes_and_leaves_nothing_behind(tmp_path):
     assert not [p.name for p in tmp.iterdir() if p.name.startswith("cadence-smoke-")]
 
 
+def test_weight_tied_gpt_returning_logits_and_none_passes_without_a_warning(tmp_path, write_config):
+    # forward(idx) returns (logits, None): the None is skipped where outputs are compared; the
+    # restore stage's new run finds the writer lease released, not taken over
+    cfg = write_config(tmp_path, "gpt_tasks.py:TinyGPTTask", params={"named_splits": False},
+                       export={"formats": ["safetensors", "torch_export"], "on": "final"})
+    proc = cadence("smoke", str(cfg))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = stage_lines(proc.stdout)
+    assert all(line.startswith("PASS") for line in lines.values()), proc.stdout
+    assert "outputs equal" in lines["restore"] and "torch_export outputs match" in lines["export"]
+    assert "WARNING" not in proc.stderr and "writer lease" not in proc.stderr, proc.stderr
+
+
 def test_failing_validation_step_fails_evaluate_and_skips_the_rest(tmp_path):
     proc = cadence("smoke", str(config_file(tmp_path, "EvalFailsTask")))
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -132,6 +145,13 @@ def test_run_smoke_passes_every_stage(tmp_path):
     assert report.stage("export").detail == "no exports configured (no export: section in the config)"
     assert all(s.seconds is not None and s.error is None for s in report.stages)
     assert not (tmp_path / "never").exists()
+
+
+def test_an_evaluation_without_metrics_fails_evaluate(tmp_path):
+    # the controller's steps_per_second (the stage evaluates 2 batches) is not a metric of the model
+    report = run_smoke(config_from_dict(config_data(tmp_path, "NoMetricsTask")))
+    assert report.statuses()["evaluate"] == "failed"
+    assert report.stage("evaluate").error == "SmokeCheckError: the evaluation returned no metrics"
 
 
 def test_build_model_raising_fails_build(tmp_path):

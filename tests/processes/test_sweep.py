@@ -174,6 +174,25 @@ def test_sweep_runs_trials_with_a_sidecar_when_asked_or_when_the_config_does_not
         assert argv[argv.index("--model-dir") + 1] == str(trial)
 
 
+def test_the_shipped_digits_space_runs_as_the_docs_write_it(tmp_path):
+    """examples/digits/space.yaml, the file the README's and the guide's sweep command name: 2 short trials."""
+    space = ROOT / "examples" / "digits" / "space.yaml"
+    command = f"cadence sweep examples/digits/config.yaml --space {space.relative_to(ROOT)} "
+    for page in (ROOT / "README.md", ROOT / "docs" / "guide" / "trackers-and-sweeps.md"):
+        assert command in page.read_text(), page
+    sweep_dir = tmp_path / "sweep"
+    proc = run_cadence("sweep", "examples/digits/config.yaml", "--space", str(space.relative_to(ROOT)),
+                       "--trials", "2", "--sweep-dir", str(sweep_dir), *FAST, "--set", "trainer.train_steps=50",
+                       cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trials = study_of(sweep_dir).get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 2
+    for t in trials:
+        assert 3.0e-4 <= t.params["task.params.lr"] <= 3.0e-2 and t.params["task.params.hidden"] in (32, 64, 128, 256)
+        assert load_config(sweep_dir / f"trial-{t.number}" / "config.yaml").task.params["hidden"] == \
+            t.params["task.params.hidden"]
+
+
 # -- the pruning actions, with a real sqlite study and the real Controller ------------------------
 
 

@@ -235,7 +235,7 @@ def test_mfu_with_peak_tflops_on_cpu_is_the_counted_flops_over_the_peak(tmp_path
         assert r["mfu"] == pytest.approx(achieved / 2e6, rel=1e-9)
     last_line = capsys.readouterr().err.strip().splitlines()[-1]
     mfu = records[-1]["mfu"]
-    assert f"MFU {mfu * 100:.1f}%" in last_line and " samples/s  " in last_line
+    assert f"MFU {mfu * 100:.3g}%" in last_line and " samples/s  " in last_line
     assert "samples_per_second=" not in last_line and "mfu=" not in last_line and "loss=" in last_line
 
 

@@ -48,7 +48,12 @@ def world(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected():
-    x, y = worker.make_data().tensors
+    return expected_of(worker.N)
+
+
+def expected_of(n: int) -> dict:
+    """The metrics of one process over the first ``n`` samples."""
+    x, y = (t[:n] for t in worker.make_data().tensors)
     with torch.no_grad():
         logits = worker.make_model()(x).squeeze(1).numpy()
     y = y.numpy()
@@ -134,6 +139,17 @@ def test_aggregate_logs_merged_across_ranks(world, expected):
     assert logs["count"] == expected["count"]
     assert abs(logs["median"] - expected["median"]) <= TOL
     assert abs(logs["accuracy"] - expected["accuracy"]) <= TOL  # plain scalars alongside
+
+
+def test_named_splits_are_each_exact_over_uneven_shards(world, expected):
+    n, ranks = world
+    logs = ok(ranks[0]["named_splits"])
+    assert list(logs) == ["all", "head"] and all(ok(r["named_splits"]) == logs for r in ranks)
+    for split, want in (("all", expected), ("head", expected_of(worker.HEAD))):
+        got = logs[split]
+        assert got["count"] == want["count"] and got["positives"] == want["positives"], (n, split)
+        for name in ("accuracy", "loss", "acc_mean", "auc", "max_score", "min_score", "median"):
+            assert abs(got[name] - want[name]) <= TOL, (n, split, name, got[name], want[name])
 
 
 def test_aggregate_logs_without_merge_is_a_clear_error(world, expected):

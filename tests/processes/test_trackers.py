@@ -202,8 +202,10 @@ def _config(tmp: Path, loggers: dict[str, Any], **trainer: Any) -> Path:
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     """Train to 16, resume to 24, then a sidecar named ``side`` evaluates every checkpoint; both
-    trackers on, one model dir."""
+    trackers on, one model dir; each run from an empty working directory, ``tmp/cwd``."""
     tmp = tmp_path_factory.mktemp("trackers")
+    cwd = tmp / "cwd"
+    cwd.mkdir()
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     config = _config(tmp, {"mlflow": {"tracking_uri": uri, "experiment": "tests"}, "wandb": {"project": "tests"}},
                      best_checkpoint={"metric": "accuracy"})
@@ -213,7 +215,7 @@ def pipeline(tmp_path_factory):
     for args in (("train", *common, "--no-progress"),
                  ("train", *common, "--no-progress", "--set", "trainer.train_steps=24"),
                  ("evaluate", *common, "--continuous", "--set", "sidecar.name=side", "--set", "sidecar.timeout=60")):
-        proc = run_cadence(*args, env=_env(tmp), cwd=tmp)
+        proc = run_cadence(*args, env=_env(tmp), cwd=cwd)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "failed and logs nothing more" not in proc.stdout + proc.stderr
         outputs.append(proc.stdout + proc.stderr)
@@ -251,6 +253,11 @@ def test_mlflow_holds_params_metrics_best_and_exports_of_one_run(pipeline):
     for step in (16, 24):  # the final export of each training process
         names = {a.path for a in client.list_artifacts(run.info.run_id, f"export/final/{step}")}
         assert names == {f"export/final/{step}/model.safetensors", f"export/final/{step}/metadata.json"}
+    # the artifacts are under the model dir (loggers.mlflow.artifact_location's default), not ./mlruns
+    artifacts = pipeline.model_dir / "trackers" / "mlflow" / run.info.run_id / "artifacts"
+    assert run.info.artifact_uri in (str(artifacts), artifacts.as_uri())
+    assert (artifacts / "export" / "final" / "24" / "model.safetensors").is_file()
+    assert list((pipeline.tmp / "cwd").iterdir()) == []  # the working directory is left untouched
 
 
 def wandb_records(path: str) -> list[Any]:

@@ -4,11 +4,12 @@ the real summary writer."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
-from cadence import CheckpointError, Controller, StopTraining
+from cadence import Callback, CheckpointError, Controller, StopTraining
 from cadence.checkpoint import CheckpointManager
 from cadence.summaries.metrics_file import read_metrics
 from fakes import MODEL_FILE, FakeTrainer
@@ -290,6 +291,34 @@ def test_evaluate_returns_metrics_runs_actions_and_writes_summary(tmp_path):
     assert [(r["step"], r["accuracy"]) for r in rows] == [(10, 10.0)]
 
 
+def test_evaluate_of_n_steps_gives_steps_per_second_as_orbit_but_not_to_the_eval_actions(tmp_path):
+    class Slow(FakeEvaluator):
+        def evaluate(self, num_steps):
+            time.sleep(0.05)
+            return super().evaluate(num_steps)
+
+    t = FakeTrainer()
+    rec, ended = Recorder(), Recorder()
+
+    class Ended(Callback):
+        def on_eval_end(self, run, metrics, step):
+            ended(metrics)
+
+    c = Controller(trainer=t, evaluator=Slow(t), steps_per_loop=5, eval_summary_dir=str(tmp_path / "eval"),
+                   eval_actions=[rec], callbacks=[Ended()], progress=False)
+    c.train(10)
+    start = time.perf_counter()
+    out = c.evaluate(3)
+    assert 0 < out["steps_per_second"] <= 3 / 0.05 and out["steps_per_second"] >= 3 / (time.perf_counter() - start)
+    assert out["accuracy"] == 10.0 and set(out) == {"accuracy", "steps_per_second"}
+    assert rec.outputs == [{"accuracy": 10.0}]  # Orbit adds it after the eval actions ran
+    assert ended.outputs == [out]
+    assert c.evaluate() == {"accuracy": 10.0}  # steps=-1: no rate (Orbit: "only log if steps has been specified")
+    c.close()
+    rows = read_metrics(str(tmp_path / "eval"))
+    assert [r["steps_per_second"] for r in rows if "steps_per_second" in r] == [out["steps_per_second"]]
+
+
 def test_evaluate_steps_validation():
     c = Controller(evaluator=FakeEvaluator(), progress=False)
     with pytest.raises(ValueError, match="steps must be -1"):
@@ -320,7 +349,7 @@ def test_train_and_evaluate_without_interval_evaluates_once_at_end(tmp_path):
     c = Controller(trainer=t, evaluator=ev, checkpoint_manager=m, steps_per_loop=4, progress=False)
     out = c.train_and_evaluate(train_steps=10, eval_steps=7)
     assert ev.calls == [(10, 7)]
-    assert out == {"accuracy": 10.0}
+    assert out["accuracy"] == 10.0 and set(out) == {"accuracy", "steps_per_second"}
     assert m.steps() == [10] and m.final_step() == 10
 
 
@@ -341,6 +370,31 @@ def test_train_and_evaluate_segments_at_absolute_multiples(tmp_path):
     Controller(trainer=t2, evaluator=ev2, steps_per_loop=4, progress=False).train_and_evaluate(
         train_steps=25, eval_interval=10)
     assert [s for s, _ in ev2.calls] == [20, 25]
+
+
+def test_eval_at_start_evaluates_step_0_once_for_the_summaries_and_callbacks_not_the_actions(tmp_path):
+    class Heard(Callback):
+        def __init__(self):
+            self.steps = []
+
+        def on_eval_end(self, run, metrics, step):
+            self.steps.append(step)
+
+    def run(train_steps):
+        t = FakeTrainer()
+        heard, action = Heard(), Recorder()
+        c = Controller(trainer=t, evaluator=FakeEvaluator(t), checkpoint_manager=manager(tmp_path), steps_per_loop=4,
+                       eval_summary_dir=str(tmp_path / "eval"), eval_actions=[action], callbacks=[heard], progress=False)
+        with c:
+            c.train_and_evaluate(train_steps=train_steps, eval_interval=4, eval_at_start=True)
+        return t, heard, action
+
+    t, heard, action = run(8)
+    assert heard.steps == [0, 4, 8] and t.requests == [4, 4]  # step 0: before the first step
+    assert [r["step"] for r in read_metrics(str(tmp_path / "eval"))] == [0, 4, 8]
+    assert action.outputs == [{"accuracy": 4.0}, {"accuracy": 8.0}]  # the baseline is no action's
+    t, heard, action = run(12)  # resumed at step 8: step 0 is not evaluated again
+    assert heard.steps == [12] and [r["step"] for r in read_metrics(str(tmp_path / "eval"))] == [0, 4, 8, 12]
 
 
 class CountingEvalAction:

@@ -35,6 +35,19 @@ def test_early_stopping_from_the_config_stops_the_run(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "eval")] == [10, 20]
 
 
+def test_eval_at_start_logs_the_baseline_that_early_stopping_does_not_count(tmp_path, caplog):
+    # as above, with the evaluation of step 0 first: logged, but the patience starts at step 10
+    stopping = {"metric": "loss", "patience": 1, "min_delta": 100.0, "higher_is_better": False}
+    run_training(config(tmp_path, trainer={"early_stopping": stopping, "eval_at_start": True}), progress=False)
+    assert json.loads((tmp_path / "run" / "checkpoints" / "FINAL").read_text())["step"] == 20
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "eval")] == [0, 10, 20]
+    # training only (a sidecar evaluates): said, and ignored
+    run_training(config(tmp_path / "alone", trainer={"eval_at_start": True, "train_steps": 5}), progress=False,
+                 in_process_validation=False)
+    assert "trainer.eval_at_start is ignored without in-process validation" in caplog.text
+    assert not (tmp_path / "alone" / "run" / "eval").exists()
+
+
 def test_export_on_final_and_every_eval(tmp_path):
     final = config(tmp_path, export={"formats": ["safetensors", "torchscript"], "on": "final"})
     run_training(final, progress=False)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 from rich.console import Console
 
+from cadence.loop.hooks import CallbackHooks
+from cadence.loop.reports import LoopReports
 from cadence.summaries import progress
 from cadence.summaries.progress import ProgressReporter, format_duration, format_logs, format_rate
+from cadence.summaries.throughput import LoopWork, format_throughput
 
 
 class FakeClock:
@@ -197,3 +201,46 @@ def test_terminal_mode_without_total() -> None:
         p.update(5)  # a rollback does not crash the bar
         p.update(20)
     assert "20/?" in buf.getvalue()
+
+
+class EightSamplesAStep:
+    """A trainer that says what its last loop processed (CountsWork): 8 samples a step."""
+
+    steps = 0
+
+    def loop_work(self) -> LoopWork:
+        return LoopWork(samples=8 * self.steps)
+
+
+def number(text: str) -> float:
+    return float(text[:-1]) * 1000 if text.endswith("k") else float(text)
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_every_rate_on_the_line_is_the_last_loops(clock: FakeClock, terminal: bool) -> None:
+    # loops of 10 steps in 0.8 s each, 3 s apart (evaluations and checkpoints between them): the line's
+    # steps/s is the loop's, as its samples/s is, so steps/s x 8 samples per step == samples/s
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=terminal, width=200, color_system=None)
+    reports = LoopReports(None, None, chief=True, summary_interval=None, hooks=CallbackHooks([], run=None))  # type: ignore[arg-type]
+    trainer = EightSamplesAStep()
+    with ProgressReporter(100, console=console, log_interval_s=0) as p:
+        for after in (10, 20):
+            trainer.steps = 10
+            clock.now += 3.0
+            reports.after_loop(trainer, after - 10, after, {"loss": 1.0}, 0.8, p)
+    shown = [line for line in buf.getvalue().splitlines() if "samples/s" in line]
+    assert shown
+    for line in shown:
+        steps = float(re.search(r"([\d.]+) steps/s", line)[1])  # type: ignore[index]
+        samples = number(re.search(r"([\d.]+k?) samples/s", line)[1])  # type: ignore[index]
+        assert (steps, samples) == (12.5, 100.0) and steps * 8 == samples
+    if not terminal:
+        assert shown[0] == "step 10/100 (10%)  12.5 steps/s  eta 0:00:07  100 samples/s  loss=1"
+        assert shown[-1] == "step 20/100 (20%)  12.5 steps/s  elapsed 0:00:06  100 samples/s  loss=1"
+
+
+def test_throughput_to_three_significant_digits() -> None:
+    assert format_throughput({"mfu": 0.00013}) == "MFU 0.013%"
+    assert format_throughput({"mfu": 0.000134567}) == "MFU 0.0135%"
+    assert format_throughput({"mfu": 0.41234, "samples_per_second": 1574.0}) == "1.57k samples/s  MFU 41.2%"

@@ -63,7 +63,7 @@ def test_every_leaf_kind_and_shared_tensors():
            "half": torch.ones(3, dtype=torch.float16), "empty": torch.zeros(0, 4), "scalar": torch.tensor(3)}
     back = load_tree(to_bytes(obj), source="x")
     assert same(obj, back)
-    assert back["t"] is back["again"]  # stored once, loaded once, still shared
+    assert back["t"] is back["again"]  # aliases: loaded once, still shared
 
 
 def test_loaded_tensors_own_their_memory():

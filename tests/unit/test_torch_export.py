@@ -20,7 +20,7 @@ from cadence.torch import FORMATS, ExportModel, Task, export_model, load_exporte
 from cadence.torch.export import formats as export_formats
 from cadence.torch.export import writers as export_writers
 from cadence.torch.export.capture import cpu_copy
-from cadence.torch.export.formats import ExportDependencyError, ExportError
+from cadence.torch.export.formats import ExportDependencyError, ExportError, ExportOutputError
 from cadence.torch.export.api import (
     read_export_metadata,
 )
@@ -212,6 +212,24 @@ def test_missing_onnx_packages_is_a_clean_error(tmp_path, monkeypatch):
     with pytest.raises(ExportDependencyError, match=r"onnxscript.*pip install 'cadence\[onnx\]'") as info:
         export_model(mlp(), str(tmp_path / "x"), "onnx", example_inputs=batch("mlp", 2))
     assert isinstance(info.value, ImportError) and isinstance(info.value, CadenceError)
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_torchscript_of_a_none_output_says_where_and_how_to_export_the_tensors(tmp_path):
+    class LogitsAndNone(nn.Module):  # nanoGPT's forward without targets: (logits, None)
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.head(x), None
+
+    with pytest.raises(ExportOutputError) as info:
+        export_model(LogitsAndNone(), str(tmp_path / "x"), ["torchscript"], example_inputs=(torch.zeros(2, 4),))
+    message = str(info.value)
+    assert "\n" not in message and info.value.__cause__ is None
+    assert "LogitsAndNone's forward returns None at output[1]" in message
+    assert "ExportSignature(lambda x: model(x)[0], example_inputs)" in message
     assert not os.path.exists(tmp_path / "x")
 
 

@@ -148,13 +148,15 @@ def test_lr_scheduler_steps_per_optimizer_step():
 
     trainer, _ = make(Halving(lr=0.8), grad_accum_steps=2)
     logs = trainer.train(3)
-    assert logs["learning_rate"] == pytest.approx(0.8 * 0.5**3)
+    assert logs["learning_rate"] == pytest.approx(0.8 * 0.5**2)  # the rate step 3 trained at
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.8 * 0.5**3)  # step 4's
 
 
 def test_exhausted_data_returns_fewer_steps_and_drops_partial_group():
-    trainer, _ = make(Regression(n=40, batch_size=8, epochs=1), grad_accum_steps=2)  # 5 batches: 2 steps
+    # 5 batches: 2 steps; one epoch (a re-iterable input runs out at max_epochs)
+    trainer, _ = make(Regression(n=40, batch_size=8, epochs=1), grad_accum_steps=2, max_epochs=1)
     logs = trainer.train(10)
-    assert trainer.global_step == 2 and "loss" in logs
+    assert trainer.global_step == 2 and "loss" in logs and trainer.training_ended
     assert all(p.grad is None for p in trainer.model.parameters())  # the dangling batch was not stepped
     assert "loss" not in trainer.train(10) and trainer.global_step == 2
 
@@ -438,6 +440,29 @@ def test_build_runners_shares_the_model():
     trainer.train(2)
     assert ev.global_step == 2
     assert build_runners(Regression(), Context(), evaluate=False)[1] is None
+
+
+def test_build_optimizer_gets_the_task_s_own_model_already_moved_to_the_device():
+    class Moved(nn.Linear):  # records the device cadence moves it to
+        moved_to: torch.device | None = None
+
+        def to(self, *args, **kwargs):
+            self.moved_to = torch.device(args[0] if args else kwargs["device"])
+            return super().to(*args, **kwargs)
+
+    seen = []
+
+    class ReadsTheDevice(Regression):
+        def build_model(self):
+            return Moved(4, 1)
+
+        def build_optimizer(self, model):
+            seen.append((model.moved_to, next(model.parameters()).device, type(model)))
+            return super().build_optimizer(model)
+
+    ctx = Context.create("cpu", seed=0)
+    trainer, _ = build_runners(ReadsTheDevice(), ctx)
+    assert seen == [(ctx.device, ctx.device, Moved)] and trainer is not None
 
 
 def test_task_defaults():

@@ -27,8 +27,14 @@ ExportFn = Callable[[int, Mapping[str, Any]], Any]
 
 
 def _jsonable(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON-representable scalar metrics (see :func:`cadence.summaries.scalars.json_value`)."""
-    values = {key: json_value(value) for key, value in metrics.items()}
+    """The JSON-representable scalar metrics (see :func:`cadence.summaries.scalars.json_value`),
+    nested ones (named splits) flattened to ``a/b`` keys as in ``metrics.jsonl``."""
+    values: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, Mapping):
+            values.update({f"{key}/{k}": v for k, v in _jsonable(value).items()})
+        else:
+            values[key] = json_value(value)
     return {k: v for k, v in values.items() if isinstance(v, (bool, int, float, str)) or v is None}
 
 

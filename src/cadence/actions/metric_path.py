@@ -35,25 +35,39 @@ class MetricNotFoundError(CadenceError, KeyError):
 
 
 def _flat_keys(output: Mapping[Any, Any], prefix: str = "") -> list[str]:
-    """Every key of ``output``, nested mappings flattened to ``a/b`` (as summaries write them)."""
+    """Every metric of ``output``: its keys, nested mappings (named splits) flattened to their
+    ``a/b`` keys (as summaries write them)."""
     keys: list[str] = []
     for key, value in output.items():
         name = f"{prefix}{key}"
-        keys.append(name)
         if isinstance(value, Mapping):
             keys.extend(_flat_keys(value, name + "/"))
+        else:
+            keys.append(name)
     return sorted(keys)
 
 
+def _find(node: Mapping[Any, Any], path: str) -> tuple[bool, Any]:
+    """``(True, value)`` of ``path`` in ``node``: the key itself, else a key ``head`` (the longest
+    first) of a nested mapping and the rest of the path in it (``"raw/val/loss"`` in
+    ``{"raw/val": {"loss": ...}}``); ``(False, None)`` when no such key is there."""
+    if path in node:
+        return True, node[path]
+    parts = path.split("/")
+    for i in range(len(parts) - 1, 0, -1):
+        head = "/".join(parts[:i])
+        if isinstance(node.get(head), Mapping):
+            found, value = _find(node[head], "/".join(parts[i:]))
+            if found:
+                return True, value
+    return False, None
+
+
 def _lookup(output: Mapping[str, Any], metric: str) -> Any:
-    if metric in output:
-        return output[metric]
-    node: Any = output
-    for part in metric.split("/"):
-        if not isinstance(node, Mapping) or part not in node:
-            raise MetricNotFoundError(metric, _flat_keys(output))
-        node = node[part]
-    return node
+    found, value = _find(output, metric)
+    if not found:
+        raise MetricNotFoundError(metric, _flat_keys(output))
+    return value
 
 
 def get_metric(output: Mapping[str, Any], metric: Metric) -> float:
@@ -62,8 +76,10 @@ def get_metric(output: Mapping[str, Any], metric: Metric) -> float:
     Args:
       output: a train loop's logs or an evaluation's metrics.
       metric: a key (``"accuracy"``); a nested key ``"a/b"``, which looks up
-        ``output["a"]["b"]`` -- unless ``output`` has the flat key ``"a/b"`` itself (summaries
-        flatten nested dicts that way), which then wins; or a callable ``output -> value``.
+        ``output["a"]["b"]`` (a named split's metric, ``"val/loss"``) -- unless ``output`` has the
+        flat key ``"a/b"`` itself (summaries flatten nested dicts that way), which then wins (at
+        every level: ``"raw/val/loss"`` finds ``output["raw/val"]["loss"]``); or a callable
+        ``output -> value``.
 
     Values with an ``.item()`` method (torch tensors, NumPy scalars and 1-element arrays) are
     converted with it, without importing their library.

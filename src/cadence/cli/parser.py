@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(evaluate, model_dir_required=True)
     evaluate.add_argument("--checkpoint", type=int, default=None, metavar="STEP",
                           help="the checkpoint's step (default: the latest committed)")
+    evaluate.add_argument("--initial", action="store_true",
+                          help="evaluate the initialized model (build_model, then Task.initialize; no checkpoint "
+                               "read) at step 0: the untrained baseline")
     evaluate.add_argument("--continuous", action="store_true",
                           help="run as the sidecar evaluator: evaluate checkpoints as the trainer commits them")
     evaluate.add_argument("--mode", choices=["every", "latest"], default=None,

@@ -20,7 +20,7 @@ from cadence import layout
 from cadence.cli.torchrun import end_distributed, env_rank, log_restart, train_with_torchrun, wants_torchrun
 from cadence.config.schema import ExperimentConfig
 from cadence.errors import ConfigError
-from cadence.summaries.progress import format_value
+from cadence.summaries.progress import format_logs
 from cadence.summaries.scalars import json_value
 
 logger = logging.getLogger("cadence")
@@ -84,7 +84,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         return _sidecar_done(metrics, console)
     if rank != 0:
         return 0
-    shown = "  ".join(f"{k}={format_value(v)}" for k, v in (metrics or {}).items()) or "trained (no in-process evaluation)"
+    shown = format_logs(metrics) or "trained (no in-process evaluation)"
     console.print(f"[bold]done[/bold]: {shown}")
     console.print(f"model dir: {cfg.model_dir}  (cadence ls {cfg.model_dir}; tensorboard --logdir {cfg.model_dir})")
     return 0
@@ -110,6 +110,8 @@ def cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     given = [flag for flag, value in sidecar_flags.items() if value is not None]
     if args.continuous and args.nproc is not None:
         raise ConfigError("--nproc and --continuous exclude each other (the sidecar is one process)")
+    if args.initial and (args.continuous or args.checkpoint is not None):
+        raise ConfigError("--initial evaluates no checkpoint: leave out --checkpoint and --continuous")
     if args.continuous:
         args.overrides += [f"{flag}={json.dumps(sidecar_flags[flag])}" for flag in given]
         return _cmd_sidecar(args, console)
@@ -124,7 +126,7 @@ def cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     from cadence.torch.experiments.experiment import run_evaluation
 
     try:
-        step, metrics = run_evaluation(cfg, args.checkpoint)
+        step, metrics = run_evaluation(cfg, args.checkpoint, initial=args.initial)
     except BaseException:
         end_distributed(ok=False)
         raise
@@ -156,6 +158,7 @@ def _evaluate_with_torchrun(args: argparse.Namespace, cfg: Any, console: Console
     for name in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts"):
         setattr(args, name, None)
     extra = ["--checkpoint", str(args.checkpoint)] if args.checkpoint is not None else []
+    extra += ["--initial"] if args.initial else []
     fd, result = tempfile.mkstemp(prefix="cadence-evaluate-", suffix=".json")
     os.close(fd)
     try:

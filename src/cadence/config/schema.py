@@ -213,6 +213,14 @@ class MLflowConfig(ConfigModel):
     experiment: str = Field(default="cadence", min_length=1, description="The experiment's name (created when missing).")
     run_name: str | None = Field(default=None, description="The run's name; `null`: the model dir's name.")
     tags: dict[str, str] = Field(default_factory=dict, description="Tags set on a new run.")
+    artifact_location: str | None = Field(
+        default=None,
+        description=("Where the experiment, when cadence creates it, keeps its runs' artifacts (MLflow's "
+                     "`artifact_location`, a path or URI; each run's go to `<location>/<run_id>/artifacts`); an "
+                     "existing experiment keeps its own. `null`: `MODEL_DIR/trackers/mlflow` of the model dir that "
+                     "creates it (a local model dir and tracking store), else the tracking server's or MLflow's "
+                     "default (which for a local store is `./mlruns` in the current directory)."),
+    )
 
 
 class WandbConfig(ConfigModel):
@@ -374,9 +382,11 @@ class ExperimentConfig(ConfigModel):
         schedule, steps = self.trainer.lr_schedule, self.trainer.train_steps
         if schedule is None:
             return self
+        if schedule.decay_steps is not None:  # the horizon, checked against warmup_steps by the schedule's model
+            return self
         if steps is None:
             raise ValueError(f"trainer.lr_schedule ({schedule.kind}) decays over trainer.train_steps, which is null: "
-                             "set trainer.train_steps")
+                             "set trainer.train_steps or trainer.lr_schedule.decay_steps")
         if schedule.warmup_steps > steps:
             raise ValueError(f"trainer.lr_schedule.warmup_steps ({schedule.warmup_steps}) is more than "
                              f"trainer.train_steps ({steps})")

@@ -62,7 +62,15 @@ class TrainerConfig(ConfigModel):
 
     train_steps: int | None = Field(
         default=None, ge=1, strict=True,
-        description="Total optimizer steps to train for; `null` trains until the training data is exhausted.",
+        description=("Total optimizer steps to train for; `null` trains until the training data ends: a one-shot "
+                     "iterator (a generator) runs out, or `max_epochs` are done."),
+    )
+    max_epochs: int | None = Field(
+        default=None, ge=1, strict=True,
+        description=("Epochs over a re-iterable train input (a `DataLoader`: iterated again, after `set_epoch(epoch)` "
+                     "on it or its sampler, whenever it runs out); training ends at the end of this many, or at "
+                     "`train_steps`, whichever comes first. `null`: no bound (then `train_steps` must be set for a "
+                     "re-iterable input). The epoch (from 0) is logged as `epoch`."),
     )
     steps_per_loop: int = Field(
         default=100, ge=1, strict=True,
@@ -76,6 +84,14 @@ class TrainerConfig(ConfigModel):
     validation_interval: int | None = Field(
         default=None, ge=1, strict=True,
         description="Validate every this many steps; `null` validates once, at the end of training.",
+    )
+    eval_at_start: StrictBool = Field(
+        default=False,
+        description=("Also validate at step 0, before the first step of a fresh run: the untrained (or "
+                     "`Task.initialize`d) weights, the baseline. Logged as any validation (summaries, trackers); "
+                     "the actions do not see it (no `best_checkpoint` of step 0, no `early_stopping` count). A resumed "
+                     "run does not repeat it; with a sidecar (no in-process validation) it is ignored with a "
+                     "warning: `cadence evaluate --initial` evaluates the initialized model."),
     )
     validation_steps: int = Field(
         default=-1, strict=True, json_schema_extra={"expected": VALIDATION_STEPS_FORM},
@@ -117,7 +133,14 @@ class TrainerConfig(ConfigModel):
                      "no difference."),
     )
     grad_accum_steps: int = Field(
-        default=1, ge=1, strict=True, description="Micro-batches whose gradients are accumulated into each optimizer step.",
+        default=1, ge=1, strict=True,
+        description=("Micro-batches whose gradients are accumulated into each optimizer step, on each process. Each "
+                     "micro-batch's loss is divided by it before `backward()` (the logged `loss` is the mean of the "
+                     "undivided ones), so a loss averaged over its batch gives the gradient of the mean over the "
+                     "step. Samples per step = per-rank batch x processes x `grad_accum_steps`: it is not divided "
+                     "by the number of processes (nanoGPT divides its accumulation by the world size); keep the "
+                     "samples per step under `--nproc N` with a global batch split over the ranks "
+                     "(`ctx.per_rank_batch`)."),
     )
     grad_clip_norm: float | None = Field(
         default=None, gt=0, strict=True, allow_inf_nan=False,
@@ -126,7 +149,7 @@ class TrainerConfig(ConfigModel):
     lr_schedule: LRScheduleConfig | None = Field(
         default=None,
         description=("A learning-rate schedule built by cadence, e.g. `{kind: warmup_cosine, warmup_steps: 100, "
-                     "min_lr_ratio: 0.1}`: decays over `train_steps` (which must be set); for a Task whose "
+                     "min_lr_ratio: 0.1}`: decays over its `decay_steps`, else `train_steps` (one must be set); for a Task whose "
                      "`build_lr_scheduler` returns `None` (giving both is an error). Its state is checkpointed "
                      "like any scheduler's. `null`: none."),
     )

@@ -19,8 +19,8 @@ from cadence.checkpoint.manager import CheckpointManager
 from cadence.checkpoint.protocol import WritesShards
 from cadence.checkpoint.session import CheckpointSession
 from cadence.errors import StopTraining
-from cadence.extensions import (Action, Callback, Closeable, Evaluator, GathersCheckpoint, RunAware,
-                                Trainer)
+from cadence.extensions import (Action, Callback, Closeable, EndsTraining, Evaluator, GathersCheckpoint,
+                                RunAware, Trainer)
 from cadence.loop.hooks import CallbackHooks
 from cadence.loop.members import components
 from cadence.loop.reports import LoopReports
@@ -237,9 +237,10 @@ class Controller:
 
         "Over" means the data ran out or an action asked to stop; reaching ``target`` is not.
         ``until_exhausted``: a trainer advancing fewer steps than requested means exhaustion
-        rather than an error. ``defer_save``: an interval checkpoint due at the last loop is left
-        to the caller (``_save_pending``), which saves it after the evaluation that follows, so
-        the eval actions' state is in it.
+        rather than an error; so it does once an :class:`~cadence.extensions.EndsTraining` trainer's
+        input has ended as configured (its epochs are done). ``defer_save``: an interval
+        checkpoint due at the last loop is left to the caller (``_save_pending``), which saves it
+        after the evaluation that follows, so the eval actions' state is in it.
         """
         trainer = self._require(self.trainer, "trainer", "train")
         while (target is None or self.global_step < target) and self.stop_reason is None:
@@ -252,7 +253,8 @@ class Controller:
             self._session.after_loop()  # an asynchronous save that failed surfaces here
             after = self.global_step
             self._heartbeat.enter("actions", after)
-            exhausted = check_advance(before, after, requested, until_exhausted=until_exhausted)
+            ended = until_exhausted or (isinstance(trainer, EndsTraining) and trainer.training_ended)
+            exhausted = check_advance(before, after, requested, until_exhausted=ended)
             if after == before:
                 return True
             self._reports.after_loop(trainer, before, after, logs, elapsed, progress)
@@ -278,8 +280,14 @@ class Controller:
 
         Writes eval summaries at the global step, runs the eval actions, then ``on_eval_end``. An
         eval action's stop sets :attr:`stop_reason` (a running ``train_and_evaluate`` ends
-        cleanly). Raises ValueError without an evaluator or for ``steps`` not -1 or >= 1.
+        cleanly). With ``steps`` > 0 the metrics (summaries, ``on_eval_end``, the return value)
+        also hold ``steps_per_second`` (``steps`` over the evaluator's time), as Orbit's do; the
+        eval actions never see it. Raises ValueError without an evaluator or for ``steps`` not -1
+        or >= 1.
         """
+        return self._evaluate(steps, run_actions=True)
+
+    def _evaluate(self, steps: int, *, run_actions: bool) -> dict[str, Any]:
         evaluator = self._require(self.evaluator, "evaluator", "evaluate")
         if not isinstance(steps, int) or isinstance(steps, bool) or (steps != -1 and steps < 1):
             raise ValueError(f"evaluate: steps must be -1 (all) or an int >= 1, got {steps!r}")
@@ -290,8 +298,11 @@ class Controller:
         step = self.global_step
         self._heartbeat.enter("actions", step)
         self._state.loop.last_eval_step = step
-        self._reports.after_evaluation(step, metrics, elapsed)
-        self._run_actions(self.eval_actions, metrics)
+        rate = {"steps_per_second": steps / elapsed if elapsed > 0 else float("inf")} if steps > 0 else {}
+        self._reports.after_evaluation(step, {**metrics, **rate}, elapsed)
+        if run_actions:
+            self._run_actions(self.eval_actions, metrics)
+        metrics.update(rate)  # as Orbit's: in the summaries and the output, not seen by the eval actions
         self._hooks.eval_end(metrics, step)
         return metrics
 
@@ -323,6 +334,7 @@ class Controller:
         throttle_secs: float = 0.0,
         start_delay_secs: float = 0.0,
         sanity_steps: int = 0,
+        eval_at_start: bool = False,
     ) -> dict[str, Any]:
         """Alternate training and evaluation; return the last evaluation's metrics.
 
@@ -337,6 +349,10 @@ class Controller:
           sanity_steps: first evaluate this many batches, without summaries, and let the eval
             actions check the metrics (:func:`~cadence.loop.sanity.sanity_check`; SanityCheckError).
             0: no sanity check.
+          eval_at_start: evaluate at step 0, before the first step, the untrained (or
+            ``initialize``d) weights: summaries and ``on_eval_end`` as any evaluation, but no eval
+            action sees it (a baseline: not a best checkpoint, nor early stopping's). A run
+            resumed past step 0 does not evaluate it again.
 
         Each segment ends with an evaluation, *then* the checkpoint due at that step (which so
         holds the eval actions' state after it); a run resumed at an evaluation step whose
@@ -357,25 +373,28 @@ class Controller:
             sanity_check(evaluator, self.eval_actions, sanity_steps)
         self._session.reopen_if_final(train_steps)
 
-        def evaluate() -> dict[str, Any]:
+        def evaluate(run_actions: bool = True) -> dict[str, Any]:
             throttle.evaluating()
             with self._session.commit_on_error(lambda: self.global_step, self._state.before_evaluation(),
                                                self.prepare_checkpoint, "the evaluation"):
-                return self.evaluate(eval_steps)
+                return self._evaluate(eval_steps, run_actions=run_actions)
 
         with self._hooks.training(on_preempted=self._session.wait_for_commits), \
                 self._progress(train_steps, enabled=not reached) as progress:
             output: dict[str, Any] | None = None
             if self._state.loop.due_on_resume(self.global_step, eval_interval):
                 output = evaluate()
+            elif eval_at_start and not reached and self.global_step == 0 and self.last_eval_step != 0:
+                output = evaluate(run_actions=False)
             over = reached or self.stop_reason is not None
             while not over:
                 target = segment_target(self.global_step, train_steps, eval_interval)
                 over = self._train_until(target, progress, until_exhausted=train_steps is None, defer_save=True)
                 over = over or (train_steps is not None and self.global_step >= train_steps)
-                if over or not throttle.skips():
+                fresh = self.last_eval_step != self.global_step  # not: the data ended right after an evaluation
+                if fresh and (over or not throttle.skips()):
                     output = evaluate()
-                else:
+                elif fresh:
                     logger.info("evaluation at step %d skipped (start_delay_secs / throttle_secs)", self.global_step)
                 self._agree_on_stop()
                 over = over or self.stop_reason is not None

@@ -15,7 +15,7 @@ from typing import Any
 from cadence.loop.hooks import CallbackHooks
 from cadence.loop.schedule import crossed
 from cadence.summaries.manager import SummaryManager
-from cadence.summaries.progress import ProgressReporter, format_value
+from cadence.summaries.progress import ProgressReporter, format_logs
 from cadence.summaries.throughput import CountsWork, throughput_logs
 
 logger = logging.getLogger("cadence")
@@ -56,14 +56,13 @@ class LoopReports:
             self.train.write_summaries(after, logs)
             self.train.flush()
             self._hooks.train_logs(logs, after)
-        progress.update(after, {k: v for k, v in logs.items() if k != "steps_per_second"})
+        progress.update(after, logs)  # its steps/s: the loop's steps_per_second, the window of its other rates
 
     def after_evaluation(self, step: int, metrics: dict[str, Any], elapsed: float) -> None:
         """Write the evaluation's summaries at ``step`` and log one line of its scalars."""
         self.eval.write_summaries(step, metrics)
         self.eval.flush()
-        shown = "  ".join(f"{k}={format_value(v)}" for k, v in metrics.items() if isinstance(v, (int, float)))
-        logger.info("eval at step %d (%.1fs): %s", step, elapsed, shown)
+        logger.info("eval at step %d (%.1fs): %s", step, elapsed, format_logs(metrics))
 
     def recorded(self, step: int) -> dict[str, Any]:
         """The eval metrics recorded at ``step`` (``{}`` without them)."""

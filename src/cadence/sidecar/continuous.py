@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol
 
 from cadence import layout
-from cadence.actions.metric_path import is_better
+from cadence.actions.metric_path import get_metric, is_better
 from cadence.checkpoint import CheckpointManager
 from cadence.checkpoint.lease_keeper import LeaseKeeper
 from cadence.checkpoint.watcher import CheckpointWatcher, Mode
@@ -105,11 +105,16 @@ class BestTracker:
     higher_is_better: bool = True
 
     def update(self, best: dict[str, Any] | None, record: dict[str, Any]) -> dict[str, Any] | None:
-        """``best`` or, when ``record`` is an evaluation with a better finite value, ``record``'s."""
+        """``best`` or, when ``record`` is an evaluation with a better finite value, ``record``'s.
+        The metric is read as the actions read it (:func:`~cadence.actions.metric_path.get_metric`:
+        ``val/loss`` is a named split's)."""
         if self.metric is None or record.get("status") != "evaluated":
             return best
-        value = record.get("metrics", {}).get(self.metric)
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
+        try:
+            value = get_metric(record.get("metrics") or {}, self.metric)
+        except (KeyError, TypeError):  # not there, or not a number
+            return best
+        if not math.isfinite(value):
             return best
         if is_better(value, None if best is None else best["value"], higher_is_better=self.higher_is_better):
             return {"metric": self.metric, "step": record["step"], "value": value}

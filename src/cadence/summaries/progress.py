@@ -3,7 +3,9 @@
 On a terminal, :class:`ProgressReporter` draws a rich progress bar: ``step/total``, percentage,
 steps/s, ETA, the latest loop's throughput (:mod:`cadence.summaries.throughput`) and scalar logs. Elsewhere
 (CI, pipes, log files) it prints plain lines at most every ``log_interval_s`` seconds, and a last
-one at :meth:`ProgressReporter.close`::
+one at :meth:`ProgressReporter.close`. Every rate on the line is the latest loop's when the logs
+carry its ``steps_per_second`` (the controller's do: the summaries' rates, one window), so steps/s
+times the samples per step is samples/s; the ETA is the remaining steps at that rate::
 
     step 200/600 (33%)  12.3 steps/s  eta 0:00:32  1.57k samples/s  MFU 41.2%  loss=0.1234  accuracy=0.91
 """
@@ -60,7 +62,9 @@ def format_logs(logs: Mapping[str, Any] | None) -> str:
     return "  ".join(f"{k}={format_value(v)}" for k, v in flatten_scalars(logs).items())
 
 
-_THROUGHPUT_KEYS = frozenset((*RATE_KEYS, *MEMORY_KEYS))
+STEPS_PER_SECOND = "steps_per_second"
+"""The loop's rate in its logs: shown as the line's steps/s (and the ETA's rate) when present."""
+_THROUGHPUT_KEYS = frozenset((*RATE_KEYS, *MEMORY_KEYS, STEPS_PER_SECOND))
 
 
 def _default_enabled() -> bool:
@@ -73,7 +77,9 @@ class ProgressReporter:
 
     ``total_steps=None`` shows no percentage or ETA. ``enabled=None`` enables it unless this is
     a non-zero rank of a distributed run (``RANK`` set and not ``0``); ``enabled=False`` is silent.
-    ``console`` defaults to a rich console on stderr.
+    ``console`` defaults to a rich console on stderr. The steps/s shown is the logs'
+    ``steps_per_second`` (the latest loop's, as its other rates) when they have it, else measured here:
+    since the last line, and since the start on the closing line.
     """
 
     def __init__(
@@ -97,6 +103,7 @@ class ProgressReporter:
         self._closed = False
         self._step = initial_step
         self._logs = ""
+        self._loop_rate: float | None = None  # the logs' steps_per_second
         # plain-line mode state
         self._start_time = _monotonic()
         self._start_step = initial_step
@@ -122,6 +129,8 @@ class ProgressReporter:
             rates = format_throughput(logs)  # samples/s, tokens/s, MFU, peak memory: first, in their units
             rest = format_logs({k: v for k, v in logs.items() if k not in _THROUGHPUT_KEYS})
             self._logs = "  ".join(part for part in (rates, rest) if part)
+            rate = logs.get(STEPS_PER_SECOND)
+            self._loop_rate = float(rate) if isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0 else None
         now = _monotonic()
         rolled_back = step < self._step
         if rolled_back:  # e.g. NaN recovery: restart the rate estimate from here
@@ -132,9 +141,8 @@ class ProgressReporter:
         if self._terminal:
             self._update_bar(step, rolled_back)
         elif now - self._last_print_time >= self.log_interval_s:
-            self._emit(
-                self._line(self._rate_since(self._last_print_step, self._last_print_time, now))
-            )
+            rate = self._loop_rate or self._rate_since(self._last_print_step, self._last_print_time, now)
+            self._emit(self._line(rate))
             self._last_print_time, self._last_print_step = now, step
 
     def message(self, text: str) -> None:
@@ -157,7 +165,7 @@ class ProgressReporter:
             self._progress.stop()
             self._progress = None
         elif not self._terminal:
-            rate = self._rate_since(self._start_step, self._start_time, self._last_update_time)
+            rate = self._loop_rate or self._rate_since(self._start_step, self._start_time, self._last_update_time)
             elapsed = self._last_update_time - self._start_time
             self._emit(self._line(rate, final_elapsed=elapsed))
 
@@ -205,10 +213,10 @@ class ProgressReporter:
         assert self._progress is not None and self._task is not None
         if rolled_back:
             self._progress.reset(
-                self._task, total=self.total_steps, completed=step, logs=self._logs
+                self._task, total=self.total_steps, completed=step, logs=self._logs, rate=self._loop_rate
             )
         else:
-            self._progress.update(self._task, completed=step, logs=self._logs)
+            self._progress.update(self._task, completed=step, logs=self._logs, rate=self._loop_rate)
 
     def _start_bar(self) -> None:
         from rich.progress import (
@@ -233,7 +241,7 @@ class ProgressReporter:
             transient=False,
         )
         self._task = self._progress.add_task(
-            "train", total=self.total_steps, completed=self._start_step, logs=self._logs
+            "train", total=self.total_steps, completed=self._start_step, logs=self._logs, rate=self._loop_rate
         )
         self._progress.start()
 
@@ -245,10 +253,10 @@ def _rich_columns() -> tuple[type, type]:
     from rich.text import Text
 
     class RateColumn(ProgressColumn):
-        """Steps per second (or seconds per step)."""
+        """Steps per second (or seconds per step): the latest loop's, else rich's estimate."""
 
         def render(self, task: Task) -> Text:
-            return Text(format_rate(task.speed), style="progress.data.speed")
+            return Text(format_rate(_speed(task)), style="progress.data.speed")
 
     class EtaColumn(ProgressColumn):
         """Estimated time to completion; empty without a total."""
@@ -263,9 +271,17 @@ def _rich_columns() -> tuple[type, type]:
                     f"elapsed {format_duration(task.finished_time or task.elapsed)}",
                     style="progress.elapsed",
                 )
-            return Text(f"eta {format_duration(task.time_remaining)}", style="progress.remaining")
+            rate, remaining = _speed(task), task.remaining
+            eta = remaining / rate if rate and remaining is not None else None
+            return Text(f"eta {format_duration(eta)}", style="progress.remaining")
 
     return RateColumn, EtaColumn
+
+
+def _speed(task: Task) -> float | None:
+    """The task's steps/s: the latest loop's (its ``rate`` field) when known, else rich's estimate."""
+    rate = task.fields.get("rate")
+    return float(rate) if rate else task.speed
 
 
 def _rate_column() -> Any:

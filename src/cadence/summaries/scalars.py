@@ -37,7 +37,10 @@ def to_scalar(value: Any) -> int | float | None:
 
 def json_value(value: Any) -> Any:
     """A metric value for a JSON record: ``.item()`` of tensors/arrays taken, NaN/inf as strings
-    (strict JSON has no NaN), anything else unchanged."""
+    (strict JSON has no NaN), a mapping (named splits' metrics) converted value by value,
+    anything else unchanged."""
+    if isinstance(value, Mapping):
+        return {key: json_value(v) for key, v in value.items()}
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):

@@ -88,7 +88,8 @@ def _si(value: float) -> str:
 
 def format_throughput(logs: Mapping[str, Any]) -> str:
     """The throughput entries of a loop's logs for people (the progress line):
-    ``"1.23k samples/s  45.6k tokens/s  MFU 41.2%  peak mem 3.21 GiB"``; ``""`` when none."""
+    ``"1.23k samples/s  45.6k tokens/s  MFU 41.2%  peak mem 3.21 GiB"`` (each to 3 significant digits:
+    ``MFU 0.0134%``); ``""`` when none."""
     parts = []
     for key, unit in ((SAMPLES_PER_SECOND, "samples/s"), (TOKENS_PER_SECOND, "tokens/s")):
         value = logs.get(key)
@@ -96,7 +97,7 @@ def format_throughput(logs: Mapping[str, Any]) -> str:
             parts.append(f"{_si(value)} {unit}")
     mfu = logs.get(MFU)
     if isinstance(mfu, (int, float)) and math.isfinite(mfu):
-        parts.append(f"MFU {mfu * 100:.1f}%")
+        parts.append(f"MFU {mfu * 100:.3g}%")
     elif isinstance(tflops := logs.get(MODEL_TFLOPS_PER_SECOND), (int, float)) and math.isfinite(tflops):
         parts.append(f"{tflops:.3g} TFLOP/s")
     memory = logs.get(PEAK_ALLOCATED_GIB)

@@ -38,7 +38,8 @@ def build_trackers(cfg: ExperimentConfig, *, chief: bool = True, eval_name: str 
         from cadence.trackers.mlflow_tracker import MLflowTracker
 
         m = loggers.mlflow
-        trackers.append(MLflowTracker(m.tracking_uri, m.experiment, m.run_name, m.tags, **run))
+        trackers.append(MLflowTracker(m.tracking_uri, m.experiment, m.run_name, m.tags,
+                                      artifact_location=m.artifact_location, **run))
     if loggers.wandb is not None:
         from cadence.trackers.wandb_tracker import WandbTracker
 

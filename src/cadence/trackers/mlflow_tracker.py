@@ -12,7 +12,7 @@ from typing import Any
 
 from cadence.config.schema import MLflowConfig
 from cadence.storage import local_path
-from cadence.trackers.base import Tracker, default_run_name, flatten_params, require_extra
+from cadence.trackers.base import RECORDS_DIR, Tracker, default_run_name, flatten_params, require_extra
 
 logger = logging.getLogger("cadence.trackers")
 
@@ -51,6 +51,9 @@ class MLflowTracker(Tracker):
       experiment: the experiment's name; created when missing.
       run_name: the run's name (``None``: the model dir's name, else MLflow's).
       tags: tags set on a new run.
+      artifact_location: where the experiment keeps its runs' artifacts when this tracker creates
+        it (a relative path is made absolute); ``None``: ``MODEL_DIR/trackers/mlflow`` with a local
+        model dir and a local tracking store (not ``http(s)://``), else the store's default.
       model_dir: recorded as the run's tag ``cadence.model_dir``; the run of
         ``MODEL_DIR/trackers/mlflow.json`` is continued.
       settings: the other keywords of :class:`~cadence.trackers.Tracker` (``params``, ...).
@@ -63,13 +66,15 @@ class MLflowTracker(Tracker):
 
     def __init__(self, tracking_uri: str | None = DEFAULTS.tracking_uri, experiment: str = DEFAULTS.experiment,
                  run_name: str | None = DEFAULTS.run_name, tags: Mapping[str, str] | None = None, *,
-                 model_dir: str | None = None, **settings: Any) -> None:
+                 artifact_location: str | None = DEFAULTS.artifact_location, model_dir: str | None = None,
+                 **settings: Any) -> None:
         require_extra("mlflow", "mlflow", "loggers.mlflow")
         super().__init__(model_dir=model_dir, **settings)
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.run_name = run_name if run_name is not None else default_run_name(model_dir)
         self.tags = dict(tags or {})
+        self.artifact_location = artifact_location
         self.client: Any = None
         self.run_id: str | None = None
         self._reopened_from: str | None = None
@@ -91,18 +96,28 @@ class MLflowTracker(Tracker):
             if self.model_dir is not None:
                 local = local_path(self.model_dir)
                 tags.setdefault("cadence.model_dir", os.path.abspath(local) if local is not None else self.model_dir)
-            run = self.client.create_run(self._experiment_id(), run_name=self.run_name, tags=tags)
+            run = self.client.create_run(self._experiment_id(uri), run_name=self.run_name, tags=tags)
         self.run_id = run.info.run_id
         return {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "tracking_uri": uri}
 
-    def _experiment_id(self) -> str:
+    def _artifact_location(self, uri: str) -> str | None:
+        """The artifact location of an experiment this tracker creates (see ``artifact_location``)."""
+        location = self.artifact_location
+        if location is not None:  # a plain path made absolute (MLflow would resolve it against the cwd); a URI as it is
+            return os.path.abspath(location) if local_path(location) == location else location
+        if uri.startswith(("http://", "https://", "databricks")) or self.model_dir is None:
+            return None  # the server decides (its proxied artifact store)
+        local = local_path(self.model_dir)
+        return os.path.abspath(os.path.join(local, RECORDS_DIR, self.name)) if local is not None else None
+
+    def _experiment_id(self, uri: str) -> str:
         from mlflow.exceptions import MlflowException
 
         found = self.client.get_experiment_by_name(self.experiment)
         if found is not None:
             return str(found.experiment_id)
         try:
-            return str(self.client.create_experiment(self.experiment))
+            return str(self.client.create_experiment(self.experiment, artifact_location=self._artifact_location(uri)))
         except MlflowException:  # created meanwhile by another process
             found = self.client.get_experiment_by_name(self.experiment)
             if found is None:

@@ -2,8 +2,15 @@
 from their memory (no serialised copy), :func:`safetensors_views` reads one back as views of its
 bytes (no deserialised copy), checked as strictly as safetensors checks them.
 
-Tied entries (one tensor under several names) are stored once; the other names are recorded in
-the file's metadata under :data:`ALIASES_KEY` and restored as the same tensor.
+Tied entries (one tensor under several names, such as a GPT's ``lm_head.weight`` and token
+embedding) are written under every name, so that a plain ``model.load_state_dict(
+safetensors.torch.load_file(path))`` of a checkpoint's or an export's file works (the file holds the
+tied tensor's bytes once per name; the streaming writer writes them from the one tensor, no copy in
+memory). Chosen over a loader of cadence's own, which would keep files smaller but fail every other
+reader: users open checkpoints and exports by hand. The other names are also recorded in the file's
+metadata under :data:`ALIASES_KEY`, and cadence's readers restore them as the same tensor (tensors
+loaded as one state dict stay tied).
+Files written before (the tied tensor stored once, the aliases in the metadata only) still load.
 """
 
 from __future__ import annotations
@@ -39,10 +46,12 @@ _SAFETENSORS_DTYPES = {
 
 
 class SafetensorsPayload:
-    """Tensors ready to be written as one safetensors file: on CPU, contiguous, not sharing memory.
+    """Tensors ready to be written as one safetensors file: on CPU, contiguous, none sharing memory
+    with another (an alias is the same tensor object).
 
-    Tied entries (the same tensor under several names) are kept once; ``aliases`` maps each
-    other name to the stored one. Built by :meth:`from_state_dict`.
+    Tied entries (the same tensor under several names) are one tensor under each name in
+    ``tensors`` (written once per name); ``aliases`` maps each other name to the first one
+    (recorded in the metadata). Built by :meth:`from_state_dict`.
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
@@ -80,6 +89,7 @@ class SafetensorsPayload:
                 key = _alias_key(t)
                 if key in canonical:
                     aliases[name] = canonical[key]
+                    tensors[name] = tensors[canonical[key]]  # the same tensor: written under both names
                     continue
                 canonical[key] = name
                 storage = (t.device, t.untyped_storage().data_ptr())
@@ -98,8 +108,10 @@ class SafetensorsPayload:
         return cls(tensors, aliases, metadata)
 
     def to_bytes(self) -> bytes:
-        """The safetensors file as bytes (safetensors' own serialiser)."""
-        return safetensors.torch.save(self.tensors, metadata=self.metadata)
+        """The safetensors file as bytes (safetensors' own serialiser, which refuses tensors sharing
+        memory: each alias is copied)."""
+        tensors = {name: t.clone() if name in self.aliases else t for name, t in self.tensors.items()}
+        return safetensors.torch.save(tensors, metadata=self.metadata)
 
     def write(self, f: IO[bytes]) -> None:
         """Stream the safetensors file into ``f`` without building it in memory: the header, then
@@ -132,8 +144,9 @@ class SafetensorsPayload:
 def state_dict_to_safetensors(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
     """Serialise tensors to safetensors bytes (moved to CPU, contiguous).
 
-    Entries that are the same tensor (tied weights) are stored once; the other names are
-    recorded in the metadata under ``"cadence.aliases"`` (JSON ``{alias: stored name}``).
+    Entries that are the same tensor (tied weights) are written under each name (a plain
+    ``load_state_dict(load_file(...))`` works); the other names are also recorded in the
+    metadata under ``"cadence.aliases"`` (JSON ``{alias: first name}``) for cadence's readers.
     Tensors that merely overlap another one's storage are copied. To write a file without
     building it in memory, use :meth:`SafetensorsPayload.write`.
     """
@@ -165,7 +178,8 @@ _MAX_HEADER = 100_000_000  # bytes; safetensors' own limit
 def safetensors_views(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
     """The tensors of safetensors ``data`` as views of its bytes: nothing is copied, so they are
     valid while ``data`` is and must be copied (``load_state_dict``) before ``data`` changes.
-    Aliases (see :func:`state_dict_to_safetensors`) share the stored tensor.
+    Aliases (see :func:`state_dict_to_safetensors`) share their first name's tensor, whether the
+    file holds them too or (written before, by cadence) only in its metadata.
 
     The header is checked as strictly as safetensors does (length, JSON, dtypes, shapes, offsets
     inside the data and matching the shape, no overlaps); a violation raises

@@ -1,7 +1,8 @@
 """Saving and restoring model weights and optimizer state (the RNG states: :mod:`cadence.torch.runtime.rng`).
 
-* Model weights as safetensors (:mod:`cadence.torch.checkpoint_io.safetensors_io`); tied / shared parameters
-  are stored once and their other names recorded as aliases in the file's metadata.
+* Model weights as safetensors (:mod:`cadence.torch.checkpoint_io.safetensors_io`); a tied / shared parameter
+  is written under each of its names (a plain ``load_state_dict(load_file(...))`` works), its other names also
+  recorded as aliases in the file's metadata and loaded back as one tensor.
 * Optimizer / scheduler / grad-scaler state with ``torch.save``; loaded only with
   ``torch.load(weights_only=True)``. A file that would need arbitrary unpickling is refused
   with :class:`~cadence.errors.UnsafeCheckpointError` and nothing in it runs.

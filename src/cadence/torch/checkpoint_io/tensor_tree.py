@@ -80,8 +80,8 @@ def flatten(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
 
 
 def payload(obj: Any, metadata: Mapping[str, str] | None = None) -> SafetensorsPayload:
-    """The safetensors file of ``obj`` (tensors moved to CPU, contiguous; tensors shared within
-    ``obj`` stored once). Raises :class:`NotFlat`."""
+    """The safetensors file of ``obj`` (tensors moved to CPU, contiguous; a tensor shared within
+    ``obj`` is written under each name and loaded back as one). Raises :class:`NotFlat`."""
     skeleton, tensors = flatten(obj)
     return SafetensorsPayload.from_state_dict(tensors, {**(metadata or {}), TREE_KEY: json.dumps(skeleton)})
 
@@ -100,7 +100,7 @@ def load_tree(data: bytes | bytearray | memoryview, *, source: str, map_location
     except (CheckpointError, ValueError) as e:
         raise CheckpointError(f"{source}: {e}") from e
     device = torch.device(map_location)
-    copies: dict[int, torch.Tensor] = {}  # a tensor stored once for several places is loaded once
+    copies: dict[int, torch.Tensor] = {}  # a tensor shared by several places (aliases) is loaded once
 
     def build(node: Any, depth: int) -> Any:
         if depth > _MAX_DEPTH:

@@ -17,6 +17,10 @@ decay applies per update, not per step: with ``every_n_steps = N`` the average's
 as parameters are (``swa_utils``' ``use_buffers=True``); other buffers (``num_batches_tracked``)
 are not averaged: the EMA model uses the model's own.
 
+**Tied weights.** One tensor under several names (a GPT's head tied to its embedding) has one
+average, updated once per step, under each name; ``ema.safetensors`` holds it under each name too,
+so a tied model loads the file with a plain ``load_state_dict(load_file(...))``.
+
 **Checkpoints.** ``ema.safetensors`` beside ``model.safetensors``, with the same keys; in a
 sharded checkpoint, DCP's top-level key ``ema`` (every rank writes its shards). A checkpoint
 without an EMA starts it from its weights (a warning).

@@ -109,6 +109,8 @@ class ResumableLoader:
     yielded (skipping is a slice: skipped samples are never loaded). Starting an iteration
     (or loading a state) ends the iterators started before. ``len()`` is the number of
     batches of a whole epoch for this rank. Extra keywords go to ``DataLoader``.
+    :meth:`set_epoch` numbers the passes of the next fresh iterations (cadence calls it with its
+    epoch when a finite loader runs out and is iterated again).
     """
 
     def __init__(
@@ -156,6 +158,15 @@ class ResumableLoader:
         self._offset = 0
         self._resume_pending = False
         self._generation = 0
+        self._first = 0  # the pass an iteration started afresh begins at (set_epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Iterations started afresh begin at pass ``epoch * epochs`` (``epochs=None``: ``epoch``)
+        and make ``epochs`` passes, each with its own permutation; an iteration after
+        :meth:`load_state_dict` continues the loaded pass, up to the same bound."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self._first = int(epoch) * (self.epochs if self.epochs is not None else 1)
 
     # -- position ------------------------------------------------------------------------------
 
@@ -190,13 +201,13 @@ class ResumableLoader:
     def __iter__(self) -> Iterator[Any]:
         self._generation += 1
         if not self._resume_pending:
-            self._epoch, self._offset = 0, 0
+            self._epoch, self._offset = self._first, 0
         self._resume_pending = False
         return self._batches(self._generation)
 
     def _batches(self, generation: int) -> Iterator[Any]:
         step = self.batch_size * self.world_size
-        while self.epochs is None or self._epoch < self.epochs:
+        while self.epochs is None or self._epoch < self._first + self.epochs:
             if generation != self._generation:
                 return
             epoch, offset = self._epoch, self._offset

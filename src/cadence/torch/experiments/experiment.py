@@ -16,11 +16,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+from torch.distributed.tensor import DTensor
+
 from cadence import layout
 from cadence.checkpoint import CheckpointManager
 from cadence.config import ExperimentConfig, save_config
-from cadence.errors import CheckpointError
+from cadence.errors import CheckpointError, NoCheckpointError
 from cadence.sidecar.evaluator import SidecarEvaluator, SidecarResult
+from cadence.torch.checkpoint_io.state import unwrap_model
 from cadence.torch.components.ema import applied
 from cadence.torch.experiments.actions import build_actions
 from cadence.torch.experiments.callbacks import build_callbacks, tracking_callbacks
@@ -41,7 +45,8 @@ def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
     ``config.yaml`` into it when there is something to train.
     First, ``trainer.sanity_val_steps`` validation batches check the
     validation code and the eval metrics the actions name (:func:`~cadence.loop.sanity.sanity_check`;
-    a :class:`~cadence.errors.SanityCheckError` before any step). With ``export.on: final``,
+    a :class:`~cadence.errors.SanityCheckError` before any step); with ``trainer.eval_at_start``, a fresh
+    run then evaluates step 0 (no eval action sees it). With ``export.on: final``,
     exports the final model. ``in_process_validation`` (default: ``trainer.in_process_validation``): False only trains,
     for a sidecar to evaluate; the result is then ``{}``.
     """
@@ -61,7 +66,7 @@ def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
         metrics = controller.train_and_evaluate(
             train_steps=t.train_steps, eval_steps=t.validation_steps, eval_interval=t.validation_interval,
             throttle_secs=cfg.eval_spec.throttle_secs, start_delay_secs=cfg.eval_spec.start_delay_secs,
-            sanity_steps=sanity_steps,
+            sanity_steps=sanity_steps, eval_at_start=t.eval_at_start,
         )
         if export_final is not None:
             if run.watchdog is not None:  # training is over and committed: a long export is no hang
@@ -74,6 +79,9 @@ def _train_only(cfg: ExperimentConfig, progress: bool | None) -> dict[str, Any]:
     """Train without evaluating (a sidecar evaluates the checkpoints); FINAL marks the end."""
     if cfg.trainer.checkpoint_interval is None:
         logger.warning("trainer.checkpoint_interval is null: a sidecar will only see the final checkpoint")
+    if cfg.trainer.eval_at_start:
+        logger.warning("trainer.eval_at_start is ignored without in-process validation: the sidecar evaluates "
+                       "checkpoints (cadence evaluate --initial evaluates the initialized model)")
     run = build_run(cfg, evaluate=False, progress=progress)
     _save_config_if_training(cfg, run)
     with run, run.controller as controller:
@@ -119,20 +127,48 @@ def run_sidecar(cfg: ExperimentConfig) -> SidecarResult:
     return build_sidecar(cfg).start()
 
 
-def run_evaluation(cfg: ExperimentConfig, step: int | None = None) -> tuple[int, dict[str, Any]]:
+def run_evaluation(cfg: ExperimentConfig, step: int | None = None, *,
+                   initial: bool = False) -> tuple[int, dict[str, Any]]:
     """Evaluate checkpoint ``step`` (``None``: the latest); return ``(step, metrics)``.
 
+    ``initial``: evaluate the initialized model instead (``build_model`` then ``Task.initialize``, as
+    a fresh run starts; no checkpoint is read, ``step`` must be ``None``): step 0.
+
     Raises:
-      CheckpointError: the model dir has no committed checkpoint (or not that step).
+      NoCheckpointError: the model dir has no committed checkpoint (or not that step), before
+        anything is built.
     """
-    run = build_run(cfg, train=False, restore_step=step, progress=False)
+    checkpoints = layout.checkpoints_dir(cfg.require_model_dir())
+    if initial:
+        if step is not None:
+            raise ValueError("run_evaluation: initial=True evaluates no checkpoint; step must be None")
+    elif step is None and CheckpointManager(checkpoints, writer=False).latest_step() is None:
+        raise NoCheckpointError(f"no committed checkpoint in {checkpoints}: nothing to evaluate "
+                                "(--initial evaluates the initialized model)")
+    run = build_run(cfg, train=False, restore_step=step, progress=False, restore=not initial)
     with run.controller as controller:
-        if controller.restored_step is None:
-            raise CheckpointError(
-                f"no committed checkpoint in {layout.checkpoints_dir(cfg.require_model_dir())}: nothing to evaluate"
-            )
+        if initial:
+            _initialize(run)
+        elif controller.restored_step is None:
+            raise NoCheckpointError(f"no committed checkpoint in {checkpoints}: nothing to evaluate "
+                                    "(--initial evaluates the initialized model)")
         metrics = controller.evaluate(cfg.trainer.validation_steps)
         return controller.global_step, metrics
+
+
+def _initialize(run: Run) -> None:
+    """A fresh start's weights for an evaluation: ``Task.initialize`` on the unwrapped model; with
+    several ranks, rank 0's unsharded tensors broadcast (as the trainer's ``initialize``); the EMA
+    reset to them."""
+    module = unwrap_model(run.model)
+    run.task.initialize(module)
+    if run.ctx.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if not isinstance(tensor, DTensor):
+                    torch.distributed.broadcast(tensor.data, src=0)
+    if run.ema is not None:
+        run.ema.reset()
 
 
 def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",

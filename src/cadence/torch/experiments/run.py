@@ -62,13 +62,14 @@ class Run:
 
 
 def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = True,
-              restore_step: int | None = None, progress: bool | None = None) -> Run:
+              restore_step: int | None = None, progress: bool | None = None, restore: bool = True) -> Run:
     """Seed, build the task, runners, actions and callbacks (:func:`build_callbacks`), and a
     controller that restores the latest checkpoint.
 
     ``train=False`` builds an evaluator-only run that reads checkpoints without changing the
     model directory (``restore_step``: that checkpoint; ``None``: the latest); it runs no actions,
-    and its callbacks hear of the restore, the evaluation and the close only.
+    and its callbacks hear of the restore, the evaluation and the close only. ``restore=False``:
+    no checkpoint is read (the model as built: ``cadence evaluate --initial``).
 
     A training run's chief first takes the model dir's writer lease (:func:`acquire_writer_lease`;
     :class:`~cadence.errors.WriterLeaseHeldError` when another trainer holds it), which
@@ -85,7 +86,7 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
         watchdog = Watchdog(ctx.heartbeat, cfg.trainer.hang_timeout, rank=ctx.rank).start()
     try:
         run = _assemble_run(cfg, task, ctx, trainer, evaluator, lease, train=train, evaluate=evaluate,
-                            restore_step=restore_step, progress=progress)
+                            restore_step=restore_step, progress=progress, restore=restore)
     except BaseException:
         if watchdog is not None:
             watchdog.stop()
@@ -117,7 +118,7 @@ def acquire_writer_lease(cfg: ExperimentConfig, coordinator: Coordinator | None)
 
 def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any, evaluator: Any,
                   lease: WriterLease | None, *, train: bool, evaluate: bool, restore_step: int | None,
-                  progress: bool | None) -> Run:
+                  progress: bool | None, restore: bool = True) -> Run:
     model_dir = cfg.require_model_dir()
     t = cfg.trainer
     model = (trainer or evaluator).model
@@ -155,6 +156,7 @@ def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any,
         eval_actions=eval_actions,
         callbacks=callbacks,
         restore_step=restore_step,
+        restore=restore,
         progress=progress,
         coordinator=ctx.coordinator,
         heartbeat=ctx.heartbeat,

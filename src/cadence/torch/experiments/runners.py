@@ -43,6 +43,8 @@ def build_runners(
     peak_tflops: float | None = None,
     log_throughput: bool = True,
     compile_config: CompileConfig | None = None,
+    max_epochs: int | None = None,
+    ends_with_data: bool = False,
 ) -> tuple[TorchTrainer | None, TorchEvaluator | None]:
     """``(trainer, evaluator)`` sharing one model built by ``task.build_model()`` on ``ctx.device``.
 
@@ -74,6 +76,11 @@ def build_runners(
     ``trainer.compile``; :func:`cadence.torch.components.compile.compile_model`), before the DDP wrap, or, for
     ``strategy="fsdp"`` on several ranks, each FSDP unit before it is sharded; the evaluator runs
     the compiled model too. State-dict keys are the eager model's. ``None``: eager.
+
+    ``max_epochs``: the trainer's train data ends after that many epochs (``trainer.max_epochs``;
+    ``None``: a re-iterable input is iterated again for as long as steps remain).
+    ``ends_with_data``: only the data's end ends training (``trainer.train_steps`` is null; see
+    :class:`~cadence.torch.loop.trainer.TorchTrainer`).
     """
     if not (train or evaluate):
         raise ValueError("build_runners: nothing to build (train=False and evaluate=False)")
@@ -112,6 +119,8 @@ def build_runners(
             ema=ModelEMA(wrapped, ema) if ema is not None else None,
             peak_tflops=peak_tflops,
             log_throughput=log_throughput,
+            max_epochs=max_epochs,
+            ends_with_data=ends_with_data,
         )
     evaluator = None
     if evaluate:
@@ -141,6 +150,7 @@ def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: b
         grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate, strategy=t.strategy,
         lr_schedule=_lr_schedule(cfg), ema=t.ema,
         peak_tflops=t.peak_tflops, log_throughput=t.log_throughput, compile_config=t.compile if compile_model else None,
+        max_epochs=t.max_epochs, ends_with_data=t.train_steps is None,
     )
     return task, ctx, trainer, evaluator
 
@@ -150,7 +160,7 @@ def _lr_schedule(cfg: ExperimentConfig) -> Callable[[Any], Any] | None:
     schedule, total = cfg.trainer.lr_schedule, cfg.trainer.train_steps
     if schedule is None:
         return None
-    assert total is not None, "checked by the schema"
+    assert total is not None or schedule.decay_steps is not None, "checked by the schema"
     from cadence.torch.components.lr_schedule import build_lr_schedule
 
     return lambda optimizer: build_lr_schedule(optimizer, schedule, total_steps=total)

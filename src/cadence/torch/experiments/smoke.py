@@ -47,6 +47,7 @@ from cadence import layout
 from cadence.config import ExperimentConfig, config_from_dict, load_config, save_config
 from cadence.errors import ConfigError, one_line
 from cadence.summaries.progress import format_value
+from cadence.summaries.scalars import flatten_scalars
 from cadence.units import format_size
 from cadence.torch.experiments.smoke_checks import (
     SmokeCheckError,
@@ -59,6 +60,7 @@ from cadence.torch.experiments.smoke_checks import (
     max_diff,
     unwrapped,
 )
+from cadence.torch.export.formats import ExportOutputError
 from cadence.torch.runtime.rng import get_rng_state, set_rng_state
 
 __all__ = ["EVAL_BATCHES", "STAGES", "SmokeCheckError", "SmokeReport", "StageResult", "run_smoke"]
@@ -176,7 +178,7 @@ def _run_stage(name: str, fn: Callable[[], str]) -> StageResult:
     try:
         detail = fn()
     except Exception as exc:  # noqa: BLE001 -- a stage's failure is the report's content; Ctrl-C is not
-        tb = None if isinstance(exc, (SmokeCheckError, ConfigError)) else user_traceback(exc)
+        tb = None if isinstance(exc, (SmokeCheckError, ConfigError, ExportOutputError)) else user_traceback(exc)
         return StageResult(name, "failed", time.perf_counter() - start, error=one_line(exc, all_lines=True), traceback=tb,
                            exception=exc)
     return StageResult(name, "ok", time.perf_counter() - start, detail=detail)
@@ -195,13 +197,18 @@ class _Smoke:
         self.step: int  # the checkpointed step (stage_checkpoint)
         self.run: Any = None
         self.restored: Any = None
+        self._open: list[Any] = []  # the runs built and not closed yet, in order
 
     def close(self) -> None:
-        for run in (self.restored, self.run):
-            if run is not None:
-                with run:  # the writer lease goes after the controller closed
-                    run.controller.close()
+        while self._open:
+            self._close(self._open[-1])
         self.run = self.restored = None
+
+    def _close(self, run: Any) -> None:
+        """Close ``run``'s controller, then release its writer lease; its model and optimizer stay."""
+        self._open = [r for r in self._open if r is not run]
+        with run:  # the writer lease goes after the controller closed
+            run.controller.close()
 
     # -- stages ------------------------------------------------------------------------------
 
@@ -242,6 +249,7 @@ class _Smoke:
         from cadence.torch.experiments.run import build_run
 
         self.run = build_run(self.cfg, progress=False)
+        self._open.append(self.run)
         trainer = self.run.controller.trainer
         _ = trainer.train_data  # built now, as the first train loop would
         model = unwrapped(self.run.model)
@@ -272,9 +280,10 @@ class _Smoke:
     def stage_evaluate(self) -> str:
         batches = self.cfg.trainer.validation_steps
         metrics = self.run.controller.evaluate(batches)
+        metrics.pop("steps_per_second", None)  # the controller's rate (batches > 0): not one of the model's metrics
         if not metrics:
             raise SmokeCheckError("the evaluation returned no metrics")
-        shown = " ".join(f"{k}={format_value(v)}" for k, v in metrics.items())
+        shown = " ".join(f"{k}={format_value(v)}" for k, v in flatten_scalars(metrics).items())  # val/loss=...
         return f"{shown} ({batches} batch{'es' if batches > 1 else ''} at most)"
 
     def stage_checkpoint(self) -> str:
@@ -292,7 +301,9 @@ class _Smoke:
         from cadence.torch.experiments.run import build_run
 
         live = self.run.controller.trainer
+        self._close(self.run)  # as a process that ended would: the new run takes a free writer lease
         self.restored = build_run(self.restore_cfg, progress=False)
+        self._open.append(self.restored)
         controller = self.restored.controller
         if controller.restored_step != self.step:
             raise SmokeCheckError(f"a new run restored checkpoint {controller.restored_step}, expected {self.step}")

@@ -185,6 +185,8 @@ def _leaves(out: Any) -> Iterator[Any]:
             yield from _leaves(v)
     elif isinstance(out, torch.Tensor):
         yield out
+    elif out is None:  # an absent output (nanoGPT's ``(logits, None)`` without targets): nothing to compare
+        return
     else:  # numpy arrays (onnxruntime)
         yield torch.as_tensor(out)
 

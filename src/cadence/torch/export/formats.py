@@ -28,7 +28,8 @@ from cadence.config.schema import EXPORT_FORMATS
 from cadence.errors import CadenceError
 from cadence.torch.checkpoint_io.state import MODEL_FILE
 
-__all__ = ["FILES", "FORMATS", "TRACED_FORMATS", "ExportDependencyError", "ExportError", "check_formats",
+__all__ = ["FILES", "FORMATS", "TRACED_FORMATS", "ExportDependencyError", "ExportError", "ExportOutputError",
+           "check_formats",
            "missing_inputs_error", "require_modules", "require_onnx", "traced_formats"]
 
 FORMATS: tuple[str, ...] = EXPORT_FORMATS
@@ -47,6 +48,11 @@ _ONNX_INSTALL = "pip install 'cadence[onnx]'"
 
 class ExportError(CadenceError):
     """An export could not be written, or an exported artefact could not be read back."""
+
+
+class ExportOutputError(ExportError):
+    """The model's outputs cannot be written in a format (a ``None`` output for ``torchscript``);
+    the message says where and how to export the tensors alone."""
 
 
 class ExportDependencyError(ExportError, ImportError):

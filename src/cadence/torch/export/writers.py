@@ -16,7 +16,7 @@ from torch import nn
 
 from cadence.torch.checkpoint_io.state import model_to_safetensors
 from cadence.torch.export.capture import ExportJob, display_name
-from cadence.torch.export.formats import FILES, ExportError
+from cadence.torch.export.formats import FILES, ExportError, ExportOutputError
 from cadence.torch.export.metadata import METADATA_FILE, export_metadata
 
 log = logging.getLogger(__name__)
@@ -41,19 +41,35 @@ class _DropTorchvisionNotice(logging.Filter):
         return not str(record.msg).startswith("torchvision is not installed")
 
 
+class _DropNoneOutputNotice(logging.Filter):
+    """Drops torch.onnx's two warnings that a ``None`` output (``(logits, None)``) is left out of the
+    graph: ONNX has no ``None``, and cadence compares and loads the tensors alone."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg, args = str(record.msg), record.args
+        if msg.startswith("Output node %s has None output"):
+            return False
+        return not (msg.startswith("Skipping constant argument") and isinstance(args, tuple) and args
+                    and getattr(args[0], "value", 0) is None)
+
+
 @contextlib.contextmanager
 def _quiet_onnx_exporter() -> Iterator[None]:
-    """Silence two notices of torch's own making that a user cannot act on, only those: the
-    missing-torchvision log lines, and torch's internal ``LeafSpec`` deprecation warning."""
+    """Silence notices of torch's own making that a user cannot act on, only those: the
+    missing-torchvision log lines, the notices that a ``None`` output is left out, and torch's internal
+    ``LeafSpec`` deprecation warning."""
     registry_log = logging.getLogger("torch.onnx._internal.exporter._registration")
-    notice = _DropTorchvisionNotice()
+    core_log = logging.getLogger("torch.onnx._internal.exporter._core")
+    notice, none_notice = _DropTorchvisionNotice(), _DropNoneOutputNotice()
     registry_log.addFilter(notice)
+    core_log.addFilter(none_notice)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
             yield
     finally:
         registry_log.removeFilter(notice)
+        core_log.removeFilter(none_notice)
 
 
 def _write_safetensors(job: ExportJob, stage: str) -> dict[str, Any]:
@@ -76,8 +92,30 @@ def _write_torchscript(job: ExportJob, stage: str) -> dict[str, Any]:
             traced = torch.jit.trace(job.model, job.inputs, strict=False)
             torch.jit.save(traced, os.path.join(stage, FILES["torchscript"]))
     except Exception as e:
+        where = _none_output(job)
+        if where is not None:
+            raise ExportOutputError(
+                f"torchscript: {display_name(job.model)}'s forward returns None at {where}, which torch.jit.trace "
+                "refuses; export the tensors alone from Task.export_signatures (e.g. "
+                "ExportSignature(lambda x: model(x)[0], example_inputs)) or drop torchscript from export.formats"
+            ) from None
         raise ExportError(f"torch.jit.trace failed for {display_name(job.model)}: {e}") from e
     return {}
+
+
+def _none_output(job: ExportJob) -> str | None:
+    """Where the model's output on the example inputs holds a ``None`` (``output[1]``), or None."""
+    with torch.no_grad():
+        todo: list[tuple[str, Any]] = [("output", job.model(*job.inputs))]
+    while todo:
+        path, out = todo.pop(0)
+        if out is None:
+            return path
+        if isinstance(out, dict):
+            todo += [(f"{path}[{k!r}]", v) for k, v in out.items()]
+        elif isinstance(out, (tuple, list)):
+            todo += [(f"{path}[{i}]", v) for i, v in enumerate(out)]
+    return None
 
 
 def _state_bytes(model: nn.Module) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+from collections.abc import Iterator
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -62,6 +63,13 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {shown if len(shown) <= 60 else shown[:57] + '...'}"
 
 
+def _one_shot(data: Any) -> bool:
+    """Whether the validation data (or a split of a mapping of them) is an iterator, consumed by one pass."""
+    if isinstance(data, Mapping):
+        return any(isinstance(v, Iterator) for v in data.values())
+    return isinstance(data, Iterator)
+
+
 def _plain(v: Any) -> Any:
     """1-element tensors and numpy scalars as Python numbers."""
     if (isinstance(v, torch.Tensor) and v.numel() == 1) or isinstance(v, np.generic):
@@ -97,28 +105,38 @@ class TorchEvaluator:
         self.precision = resolve_precision(precision, ctx.device)
         self._global_step_fn = global_step_fn
         self._loaded_step = 0
-        self._eval_data: Iterable[Any] | None = None
+        self._eval_data: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None
 
     @property
     def global_step(self) -> int:
         return self._global_step_fn() if self._global_step_fn is not None else self._loaded_step
 
-    def _eval_iterator(self) -> Any:
-        if self._eval_data is not None:
-            it = iter(self._eval_data)
-            if it is not self._eval_data:
-                return it
-        # First call, or the task returned a one-shot iterator: build the inputs afresh.
-        with unwatched(self.ctx.heartbeat):  # a slow build (a download) is no hang
-            self._eval_data = self.task.build_inputs("validation", self.ctx)
-        return iter(self._eval_data)
+    def _eval_splits(self) -> list[tuple[str | None, Iterable[Any]]]:
+        """The validation inputs as ``(name, iterable)`` pairs: ``[(None, data)]`` for one iterable,
+        one pair per split for a mapping ``{name: iterable}``. Built once and reused; built afresh
+        when the data (or a split of it) is a one-shot iterator."""
+        data = self._eval_data
+        if data is None or _one_shot(data):
+            with unwatched(self.ctx.heartbeat):  # a slow build (a download) is no hang
+                data = self._eval_data = self.task.build_inputs("validation", self.ctx)
+        if not isinstance(data, Mapping):
+            return [(None, data)]
+        bad = [k for k in data if not isinstance(k, str) or not k or "/" in k]
+        if bad or not data:
+            raise ValidationOutputError(
+                f"{type(self.task).__name__}.build_inputs('validation') returned a mapping "
+                + (f"with the split name(s) {', '.join(repr(k) for k in bad)}" if bad else "with no split")
+                + "; expected {name: iterable} with names that are non-empty strings without '/'"
+            )
+        return list(data.items())
 
-    def evaluate(self, num_steps: int = -1) -> dict[str, float]:
+    def evaluate(self, num_steps: int = -1) -> dict[str, Any]:
         """Evaluate ``num_steps`` batches (``-1``: all of the validation data); return metrics.
 
         With an EMA (``ema``): the metrics of the EMA's weights (swapped into the model for the
         evaluation, the raw weights back after it), and with ``ema.evaluate_raw`` those of the raw
-        weights too, named ``raw/<name>`` (a second evaluation). Without: see :meth:`evaluate_model`.
+        weights too, named ``raw/<name>`` (a second evaluation; with named splits
+        ``raw/<split>``: ``{"raw/val": {"loss": ...}}``). Without: see :meth:`evaluate_model`.
         """
         if self.ema is None:
             return self.evaluate_model(num_steps)
@@ -128,7 +146,7 @@ class TorchEvaluator:
             metrics.update(raw_metrics(self.evaluate_model(num_steps)))
         return metrics
 
-    def evaluate_model(self, num_steps: int = -1) -> dict[str, float]:
+    def evaluate_model(self, num_steps: int = -1) -> dict[str, Any]:
         """Evaluate the model's weights as they are on ``num_steps`` batches (``-1``: all of the
         validation data); return metrics.
 
@@ -138,20 +156,25 @@ class TorchEvaluator:
         instead. If the task overrides ``aggregate_logs``, every step's outputs go to it and
         ``reduce_aggregated_logs(state, global_step)`` is merged into the result.
 
+        Named splits: when ``task.build_inputs("validation", ctx)`` returns a mapping ``{name:
+        iterable}``, each split is evaluated in turn as above (``num_steps`` batches of each, its
+        own reducers and ``aggregate_logs`` state) and the result is nested, ``{name: {metric:
+        value}}``, in the mapping's order.
+
         In a multi-process evaluation (``ctx.coordinator`` with ``world_size > 1``) each rank
         evaluates its own shard (``num_steps`` batches of it); the weighted sums, the reducers'
-        states and the ``aggregate_logs`` states of all ranks are gathered in one ``all_gather``,
-        so every rank returns the same metrics, those of one process over the union of the shards
-        (exact with unpadded shards, e.g. ``ctx.wrap_dataset``). The ``aggregate_logs`` states
-        are merged by ``task.merge_aggregated_logs(states)`` (one per rank that ran a batch, in
-        rank order), which the task must define. An error on one rank is raised on every rank.
+        states and the ``aggregate_logs`` states of all ranks (of every split) are gathered in one
+        ``all_gather``, so every rank returns the same metrics, those of one process over the union
+        of the shards (exact with unpadded shards, e.g. ``ctx.wrap_dataset``). The ``aggregate_logs``
+        states are merged by ``task.merge_aggregated_logs(states)`` (one per rank that ran a batch,
+        in rank order), which the task must define. An error on one rank is raised on every rank.
 
         The model's train/eval modes and the global RNG states are restored afterwards, so
         evaluating never changes what training does next.
         """
         if num_steps < -1:
             raise ValueError(f"num_steps must be -1 (all) or >= 0, got {num_steps}")
-        task, device, autocast = self.task, self.ctx.device, self.precision.autocast
+        task = self.task
         coordinator = self.ctx.coordinator or LocalCoordinator()
         world_size = coordinator.world_size
         aggregate = _overrides(task, "aggregate_logs")
@@ -165,14 +188,7 @@ class TorchEvaluator:
                 f"with Task.build_metrics() reducers (e.g. cadence.metrics.Concat(fn=...)), which merge "
                 f"across processes by themselves"
             )
-        # Running sums on the device (no host sync per step), float64 where the device has it.
-        acc_dtype = torch.float32 if device.type == "mps" else torch.float64
-        sums: dict[str, Any] = {}
-        weights: dict[str, int] = {}
-        non_scalar: set[str] = set()
-        agg_state: Any = None
-        reducers: dict[str, MetricReducer] = {}
-        steps = 0
+        local: list[tuple[str | None, dict[str, MetricReducer], Any]] = []  # (split, reducers, aggregate_logs state)
         payload: dict[str, Any] = {}
         failure: BaseException | None = None
         modes = [(m, m.training) for m in self.model.modules()]
@@ -183,59 +199,16 @@ class TorchEvaluator:
         full_params = contextlib.ExitStack()
         full_params.enter_context(unsharded(self.model))
         try:
-            reducers = self._build_reducers()
             self.model.eval()
+            parts: list[tuple[str | None, dict[str, Any]]] = []
             with torch.no_grad():
-                it = self._eval_iterator() if num_steps != 0 else iter(())
-                heartbeat = self.ctx.heartbeat  # the watchdog's: one beat per batch
-                for batch in it:
-                    if heartbeat is not None:
-                        heartbeat.beats += 1
-                    batch = move_to_device(batch, device)
-                    with autocast():
-                        out = task.validation_step(self.model, batch)
-                    if not isinstance(out, Mapping):
-                        raise ValidationOutputError(
-                            f"{type(task).__name__}.validation_step returned {_describe(out)}; expected a dict "
-                            "of metrics, name -> value (a number or a 1-element tensor, averaged over the "
-                            "batches), e.g. {'loss': loss, 'accuracy': acc}"
-                        )
-                    bs = task.batch_size_of(batch)
-                    for key, v in out.items():
-                        if key in reducers:
-                            if v is not None:  # None: nothing for this reducer in this batch
-                                reducers[key].update(v)
-                            continue
-                        if key in non_scalar:
-                            continue
-                        if isinstance(v, torch.Tensor) and v.numel() == 1:
-                            v = v.detach().reshape(()).to(acc_dtype) * bs
-                        elif isinstance(v, numbers.Real):
-                            v = float(v) * bs
-                        else:  # once non-scalar, never averaged (a last batch of 1 is not a scalar)
-                            non_scalar.add(key)
-                            sums.pop(key, None)
-                            weights.pop(key, None)
-                            continue
-                        if key in sums:
-                            sums[key] = sums[key] + v
-                            weights[key] += bs
-                        else:
-                            sums[key], weights[key] = v, bs
-                    if aggregate:
-                        agg_state = task.aggregate_logs(agg_state, out)
-                    steps += 1
-                    if steps == num_steps:
-                        break
-            payload = {
-                "sums": _host_sums(sums),
-                "weights": weights,
-                "non_scalar": sorted(non_scalar),
-                "steps": steps,
-                "reducers": slot_states(reducers),
-                "aggregated": move_to_device(agg_state, torch.device("cpu")) if aggregate and world_size > 1 else None,
-                "error": None,
-            }
+                for name, data in self._eval_splits() if num_steps != 0 else [(None, ())]:
+                    reducers = self._build_reducers()  # fresh for each split
+                    part, agg_state = self._evaluate_split(data, num_steps, reducers, aggregate,
+                                                           ship_aggregated=aggregate and world_size > 1)
+                    parts.append((name, part))
+                    local.append((name, reducers, agg_state))
+            payload = {"splits": parts, "error": None}
         except Exception as e:
             if world_size == 1:
                 raise
@@ -255,7 +228,85 @@ class TorchEvaluator:
             raise RuntimeError(
                 "evaluation failed on rank(s) " + ", ".join(f"{rank} ({err})" for rank, err in failed)
             )
-        return self._merge(gathered, reducers, agg_state, merge_aggregated)
+        names = [name for name, _, _ in local]
+        differ = [rank for rank, p in enumerate(gathered) if [n for n, _ in p["splits"]] != names]
+        if differ:
+            raise RuntimeError(
+                f"the validation splits differ between ranks: {names} here, "
+                + ", ".join(f"{[n for n, _ in gathered[r]['splits']]} on rank {r}" for r in differ)
+            )
+        merged = [
+            self._merge([p["splits"][i][1] for p in gathered], reducers, agg_state, merge_aggregated)
+            for i, (_, reducers, agg_state) in enumerate(local)
+        ]
+        if names == [None]:  # one iterable: flat metrics
+            return merged[0]
+        return {str(name): metrics for name, metrics in zip(names, merged)}
+
+    def _evaluate_split(
+        self, data: Iterable[Any], num_steps: int, reducers: dict[str, MetricReducer], aggregate: bool,
+        *, ship_aggregated: bool,
+    ) -> tuple[dict[str, Any], Any]:
+        """One split's batches (``num_steps`` of them, ``-1``: all): this rank's payload (weighted
+        sums, weights, reducers' states, and the ``aggregate_logs`` state when ``ship_aggregated``)
+        and its ``aggregate_logs`` state."""
+        task, device, autocast = self.task, self.ctx.device, self.precision.autocast
+        # Running sums on the device (no host sync per step), float64 where the device has it.
+        acc_dtype = torch.float32 if device.type == "mps" else torch.float64
+        sums: dict[str, Any] = {}
+        weights: dict[str, int] = {}
+        non_scalar: set[str] = set()
+        agg_state: Any = None
+        steps = 0
+        heartbeat = self.ctx.heartbeat  # the watchdog's: one beat per batch
+        for batch in data:
+            if heartbeat is not None:
+                heartbeat.beats += 1
+            batch = move_to_device(batch, device)
+            with autocast():
+                out = task.validation_step(self.model, batch)
+            if not isinstance(out, Mapping):
+                raise ValidationOutputError(
+                    f"{type(task).__name__}.validation_step returned {_describe(out)}; expected a dict "
+                    "of metrics, name -> value (a number or a 1-element tensor, averaged over the "
+                    "batches), e.g. {'loss': loss, 'accuracy': acc}"
+                )
+            bs = task.batch_size_of(batch)
+            for key, v in out.items():
+                if key in reducers:
+                    if v is not None:  # None: nothing for this reducer in this batch
+                        reducers[key].update(v)
+                    continue
+                if key in non_scalar:
+                    continue
+                if isinstance(v, torch.Tensor) and v.numel() == 1:
+                    v = v.detach().reshape(()).to(acc_dtype) * bs
+                elif isinstance(v, numbers.Real):
+                    v = float(v) * bs
+                else:  # once non-scalar, never averaged (a last batch of 1 is not a scalar)
+                    non_scalar.add(key)
+                    sums.pop(key, None)
+                    weights.pop(key, None)
+                    continue
+                if key in sums:
+                    sums[key] = sums[key] + v
+                    weights[key] += bs
+                else:
+                    sums[key], weights[key] = v, bs
+            if aggregate:
+                agg_state = task.aggregate_logs(agg_state, out)
+            steps += 1
+            if steps == num_steps:
+                break
+        part = {
+            "sums": _host_sums(sums),
+            "weights": weights,
+            "non_scalar": sorted(non_scalar),
+            "steps": steps,
+            "reducers": slot_states(reducers),
+            "aggregated": move_to_device(agg_state, torch.device("cpu")) if ship_aggregated else None,
+        }
+        return part, agg_state
 
     def _build_reducers(self) -> dict[str, MetricReducer]:
         built = self.task.build_metrics()

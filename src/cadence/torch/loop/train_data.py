@@ -3,15 +3,25 @@
 The position is checkpointed through the data's ``state_dict`` / ``load_state_dict`` when it has
 them (``{"kind": "stateful", "state": ...}``); otherwise as the number of batches consumed
 (``{"kind": "replay", "batches": n}``), which a resume replays (draws and drops), in O(n).
+
+Epochs: a re-iterable input (``iter(data) is not data``: a DataLoader, a list) that runs out is
+iterated again, as Lightning, HF Trainer and torchtnt do, after ``set_epoch(epoch)`` on the data
+when it has one, else on its ``sampler`` / ``batch_sampler`` (a ``DistributedSampler``). From
+epoch 1 on, the position holds ``"epoch"``; a replayed one also holds ``"rng"``, the torch CPU RNG
+state (and the loader's own ``generator``'s) at that epoch's start, which a resume iterates under,
+so that a shuffled ``DataLoader`` repeats the order it drew. A one-shot iterator (a generator) that
+runs out ends the training data, and so does the end of epoch ``max_epochs - 1``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
+
+import torch
 
 from cadence.extensions import Stateful
-from cadence.errors import CheckpointError
+from cadence.errors import CheckpointError, ConfigError
 from cadence.runtime.watchdog import unwatched
 from cadence.torch.data import state as data_state
 from cadence.torch.runtime.context import Context
@@ -19,21 +29,59 @@ from cadence.torch.task.task import Task
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainData"]
+__all__ = ["TrainData", "set_epoch"]
+
+
+@runtime_checkable
+class _SetsEpoch(Protocol):
+    def set_epoch(self, epoch: int) -> None: ...
+
+
+def set_epoch(data: Any, epoch: int) -> None:
+    """Call ``set_epoch(epoch)`` on ``data`` when it has one, else on its ``sampler`` and
+    ``batch_sampler`` that have one (a ``DistributedSampler``); nothing otherwise."""
+    if isinstance(data, _SetsEpoch):
+        data.set_epoch(epoch)
+        return
+    for name in ("sampler", "batch_sampler"):
+        sampler = getattr(data, name, None)
+        if isinstance(sampler, _SetsEpoch):
+            sampler.set_epoch(epoch)
+
+
+def _rng_state(data: Any) -> dict[str, Any]:
+    """The torch CPU RNG state and the loader's ``generator``'s, as JSON: what a ``DataLoader``
+    draws from when an iteration starts."""
+    state = {"cpu": data_state.to_json(torch.get_rng_state())}
+    generator = getattr(data, "generator", None)
+    if isinstance(generator, torch.Generator):
+        state["generator"] = data_state.to_json(generator.get_state())
+    return state
 
 
 class TrainData:
     """The training input of a trainer (``data``, default ``task.build_inputs("train", ctx)``,
-    built on first use) and its iteration: the running iterator, the batches consumed, and a
-    position restored from a checkpoint, applied when iteration (re)starts."""
+    built on first use) and its iteration: the running iterator, the epoch and the batches consumed
+    in it, and a position restored from a checkpoint, applied when iteration (re)starts.
+    ``max_epochs``: :meth:`next_epoch` starts no epoch past it (``None``: no bound).
+    ``ends_with_data``: only the data's end ends training (``trainer.train_steps`` is null); then a
+    re-iterable input without ``max_epochs`` would never end: a :class:`ConfigError` when it starts."""
 
-    def __init__(self, task: Task, ctx: Context, data: Iterable[Any] | None = None) -> None:
+    def __init__(self, task: Task, ctx: Context, data: Iterable[Any] | None = None, *,
+                 max_epochs: int | None = None, ends_with_data: bool = False) -> None:
+        if max_epochs is not None and max_epochs < 1:
+            raise ValueError(f"max_epochs must be None or >= 1, got {max_epochs}")
         self._task = task
         self._ctx = ctx
         self._data = data
         self._iterator: Iterator[Any] | None = None
-        self.batches_consumed = 0  # for replay when the data is not stateful; the loop adds its batches
+        self.batches_consumed = 0  # in this epoch, for replay when the data is not stateful; the loop adds its batches
         self._pending_state: dict[str, Any] | None = None
+        self.max_epochs = max_epochs
+        self.ends_with_data = ends_with_data
+        self.epoch = 0
+        self.ended = False  # max_epochs are done
+        self._epoch_rng: dict[str, Any] | None = None  # the RNG at this epoch's start (epochs >= 1, replayed data)
 
     @property
     def data(self) -> Iterable[Any]:
@@ -47,13 +95,22 @@ class TrainData:
         """The running iterator; started (:meth:`start`) when there is none."""
         return self._iterator if self._iterator is not None else self.start()
 
+    @property
+    def reiterable(self) -> bool:
+        """Whether the running iteration is of a re-iterable input (which has epochs)."""
+        return self._iterator is not None and self._iterator is not self._data
+
     def start(self) -> Iterator[Any]:
         """Start iterating the data from the pending position (a restored one; none: the data's
-        own start). A stateful data's state is loaded; otherwise the consumed batches are replayed."""
+        own start). A stateful data's state is loaded; otherwise the consumed batches are replayed
+        (under the RNG state saved at the epoch's start, when there is one)."""
         data = self.data
         pending, self._pending_state = self._pending_state, None
         skip = 0
+        self.epoch, self.ended, rng = 0, False, None
         if pending is not None:
+            self.epoch = int(pending.get("epoch", 0))
+            set_epoch(data, self.epoch)
             if pending.get("kind") == "stateful":
                 if not isinstance(data, Stateful):
                     raise CheckpointError(
@@ -63,7 +120,53 @@ class TrainData:
                 data.load_state_dict(data_state.from_json(pending["state"]))
             else:
                 skip = int(pending.get("batches", 0))
+                rng = pending.get("rng")
+        else:
+            set_epoch(data, 0)
+        self._epoch_rng = rng
+        if rng is not None:
+            with torch.random.fork_rng(devices=[]):  # the epoch's start as it was; the caller restores the RNG
+                torch.set_rng_state(data_state.from_json(rng["cpu"]))
+                generator = getattr(data, "generator", None)
+                if "generator" in rng and isinstance(generator, torch.Generator):
+                    generator.set_state(data_state.from_json(rng["generator"]))
+                self._iterator = iter(data)
+                self._replay(skip)
+        else:
+            self._iterator = iter(data)
+            if self.ends_with_data and self.max_epochs is None and self.reiterable:
+                raise ConfigError(
+                    f"trainer.train_steps and trainer.max_epochs are both null, and the train data ({type(data).__name__}) "
+                    "is re-iterable: its epochs would never end; set trainer.train_steps or trainer.max_epochs")
+            self._replay(skip)
+        self.batches_consumed = skip
+        return self._iterator
+
+    def next_epoch(self) -> tuple[Iterator[Any], Any] | None:
+        """After the running iterator ran out: start the next epoch; its iterator and first batch.
+        ``None`` (the data has ended): a one-shot iterator, ``max_epochs`` done (:attr:`ended`), or
+        an epoch without a batch."""
+        data = self.data
+        if not self.reiterable:
+            return None
+        if self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
+            self.ended = True
+            log.info("the train data's epoch %d ended: trainer.max_epochs (%d) reached", self.epoch, self.max_epochs)
+            return None
+        self.epoch += 1
+        self.batches_consumed = 0
+        set_epoch(data, self.epoch)
+        self._epoch_rng = None if isinstance(data, Stateful) else _rng_state(data)
         self._iterator = iter(data)
+        try:
+            first = next(self._iterator)
+        except StopIteration:
+            log.warning("the train data yielded no batch in epoch %d: it has ended", self.epoch)
+            return None
+        return self._iterator, first
+
+    def _replay(self, skip: int) -> None:
+        assert self._iterator is not None
         if skip:
             log.warning(
                 "resuming the train data by replaying %d batches (O(n)); give the train data "
@@ -76,8 +179,6 @@ class TrainData:
                 except StopIteration:
                     log.warning("train data exhausted after replaying %d of %d batches", i, skip)
                     break
-        self.batches_consumed = skip
-        return self._iterator
 
     def state(self) -> dict[str, Any] | None:
         """The position as JSON (see the module docstring); ``None``: never iterated nor restored."""
@@ -85,9 +186,16 @@ class TrainData:
             # Not iterated since construction / the last restore: the position is the pending one.
             return self._pending_state
         data = self._data
+        position: dict[str, Any]
         if isinstance(data, Stateful):
-            return {"kind": "stateful", "state": data_state.to_json(data.state_dict())}
-        return {"kind": "replay", "batches": self.batches_consumed}
+            position = {"kind": "stateful", "state": data_state.to_json(data.state_dict())}
+        else:
+            position = {"kind": "replay", "batches": self.batches_consumed}
+            if self._epoch_rng is not None:
+                position["rng"] = self._epoch_rng
+        if self.epoch:
+            position["epoch"] = self.epoch
+        return position
 
     def restore(self, state: dict[str, Any] | None) -> None:
         """Continue from ``state`` (a running iterator is dropped; ``None``: from the data's own

@@ -55,6 +55,13 @@ class TorchTrainer:
     :mod:`cadence.torch.components.device_peaks`); see :meth:`loop_work`. ``log_throughput=False``: count
     nothing (no samples/s, tokens/s, MFU nor peak memory in the logs).
 
+    A re-iterable ``train_data`` (a ``DataLoader``) that runs out mid-loop starts its next epoch
+    (``set_epoch`` on it or its sampler first); ``max_epochs`` (``None``: no bound) ends the data
+    after that many epochs, and then :attr:`training_ended` is true
+    (:class:`~cadence.extensions.EndsTraining`). A one-shot iterator that runs out ends it too.
+    ``ends_with_data``: nothing else ends training (``train_steps=None``): a re-iterable input
+    without ``max_epochs`` is then a :class:`~cadence.errors.ConfigError` when it starts.
+
     ``model`` may be DDP-wrapped or sharded by FSDP2 (:func:`cadence.torch.parallel.sharding.shard_model`,
     ``trainer.strategy: fsdp``): then gradient accumulation skips the reduce-scatter on all but
     the last micro-batch, clipping uses the global norm of the sharded gradients, and checkpoints
@@ -78,6 +85,8 @@ class TorchTrainer:
         ema: ModelEMA | None = None,
         peak_tflops: float | None = None,
         log_throughput: bool = True,
+        max_epochs: int | None = None,
+        ends_with_data: bool = False,
     ) -> None:
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
@@ -100,7 +109,8 @@ class TorchTrainer:
         self.grad_scaler = self.precision.make_grad_scaler()
         self.grad_accum_steps = int(grad_accum_steps)
         self.grad_clip_norm = grad_clip_norm
-        self._data = TrainData(task, ctx, train_data)  # the input and its position (exact resume)
+        self._data = TrainData(task, ctx, train_data, max_epochs=max_epochs,  # the input, its epoch and position
+                               ends_with_data=ends_with_data)
         self.ema = ema
         self._step_end: StepEnd | None = None
         self._global_step = 0
@@ -114,6 +124,11 @@ class TorchTrainer:
     def global_step(self) -> int:
         """Optimizer steps taken so far (restored from checkpoints)."""
         return self._global_step
+
+    @property
+    def training_ended(self) -> bool:
+        """:class:`~cadence.extensions.EndsTraining`: the train data ended after ``max_epochs`` epochs."""
+        return self._data.ended
 
     @property
     def train_data(self) -> Iterable[Any]:
@@ -152,12 +167,14 @@ class TorchTrainer:
     def train(self, num_steps: int) -> dict[str, float]:
         """Run up to ``num_steps`` optimizer steps (``grad_accum_steps`` batches each).
 
-        Returns fewer steps only when the train data is exhausted (an incomplete accumulation
-        group at the end is dropped, not stepped). Logs: the mean over the loop's steps of
-        ``loss`` and of every extra scalar from ``train_step``, and ``learning_rate`` (first
-        param group, as in effect after the loop); on CUDA, the loop's peak memory
-        (``memory/peak_allocated_gib``, ``memory/peak_reserved_gib``). The host syncs once, at the end.
-        Every batch is counted (:meth:`loop_work`).
+        Returns fewer steps only when the train data has ended (see the class doc; an incomplete
+        accumulation group at the end is dropped, not stepped). Logs: the mean over the loop's steps
+        of ``loss`` and of every extra scalar from ``train_step``, ``epoch`` (the epoch of the
+        loop's last batch, from 0; once the data was iterated again, or with ``max_epochs``), and
+        ``learning_rate`` (first param group: the rate the loop's last step trained at; with no
+        step, the next one's); on CUDA, the loop's peak memory (``memory/peak_allocated_gib``,
+        ``memory/peak_reserved_gib``). The host syncs once, at the end. Every batch is counted
+        (:meth:`loop_work`).
         """
         if num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {num_steps}")
@@ -190,6 +207,7 @@ class TorchTrainer:
         extras_acc: dict[str, ScalarSum] = {}
         steps = consumed = 0
         exhausted = False
+        lr_group, trained_lr = optimizer.param_groups[0], None  # the rate of the last step, read before the scheduler's
         model.train()
         try:
             for _ in range(num_steps):
@@ -197,9 +215,14 @@ class TorchTrainer:
                 if plain:
                     try:
                         batch = next(it)
-                    except StopIteration:
-                        exhausted = True
-                        break
+                    except StopIteration:  # the epoch's end: the next one's first batch, if any
+                        self._data.batches_consumed += consumed
+                        consumed = 0
+                        started = self._data.next_epoch()
+                        if started is None:
+                            exhausted = True
+                            break
+                        it, batch = started
                     consumed += 1
                     if count is not None:
                         count(batch)
@@ -217,8 +240,13 @@ class TorchTrainer:
                         try:
                             batch = next(it)
                         except StopIteration:
-                            exhausted = True
-                            break
+                            self._data.batches_consumed += consumed
+                            consumed = 0
+                            started = self._data.next_epoch()
+                            if started is None:
+                                exhausted = True
+                                break
+                            it, batch = started
                         consumed += 1
                         if count is not None:
                             count(batch)
@@ -249,6 +277,7 @@ class TorchTrainer:
                         torch.nn.utils.clip_grad_norm_(params, clip)
                     step_optimizer()
                 if scheduler is not None:
+                    trained_lr = lr_group["lr"]
                     if scaler is not None:
                         with warnings.catch_warnings():  # a step skipped by the scaler is expected
                             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
@@ -276,7 +305,9 @@ class TorchTrainer:
                 else:
                     logs[key] = acc.number / acc.count
             logs.update(zip(keys, torch.stack(means).tolist()))  # the one host sync
-        logs["learning_rate"] = float(optimizer.param_groups[0]["lr"])
+        logs["learning_rate"] = float(trained_lr if trained_lr is not None else lr_group["lr"])
+        if self._data.reiterable and (self._data.epoch or self._data.max_epochs is not None):
+            logs["epoch"] = float(self._data.epoch)
         logs.update(self._meter.end_loop())
         return logs
 

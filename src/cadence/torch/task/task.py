@@ -38,7 +38,13 @@ class Task(abc.ABC):
 
     @abc.abstractmethod
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        """The optimizer over ``model``'s parameters (``model`` is already on the device)."""
+        """The optimizer over ``model``'s parameters.
+
+        Called once in a training process, after ``model`` (the module :meth:`build_model` returned,
+        never its DDP wrapper) was moved to its device, so a Task reads the device from the model
+        (``next(model.parameters()).device``); after ``trainer.compile`` compiled it and
+        ``trainer.strategy: fsdp`` sharded it, both in place; before :meth:`initialize` and before a
+        checkpoint's state is restored into the model and this optimizer."""
 
     def build_lr_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
         """An LR scheduler, stepped once per optimizer step; ``None`` (the default) for none."""
@@ -52,6 +58,10 @@ class Task(abc.ABC):
         return something with ``state_dict`` / ``load_state_dict`` (e.g.
         :class:`cadence.torch.ResumableLoader`); any other iterable is resumed by replaying the
         batches already consumed. Validation inputs are iterated afresh for each evaluation.
+
+        ``"validation"`` may return a mapping ``{name: iterable}`` (named splits, e.g. ``{"train":
+        ..., "val": ...}``): each is evaluated in turn and the metrics are nested, ``{name: {metric:
+        value}}``, named ``name/metric`` elsewhere (``val/loss``).
         """
 
     def initialize(self, model: nn.Module) -> None:

@@ -1,0 +1,26 @@
+"""A Task on a plain ``torch.utils.data.DataLoader`` (finite, re-iterable) for the epoch tests
+(loaded by path: ``tests/epoch_tasks.py:PlainLoaderTask``)."""
+
+from __future__ import annotations
+
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tasks import TinyTask
+
+
+class PlainLoaderTask(TinyTask):
+    """TinyTask on a plain DataLoader: shuffled from the global RNG, or with ``sampler`` over a
+    ``DistributedSampler`` (each rank its shard, a new order per epoch through ``set_epoch``)."""
+
+    def __init__(self, sampler: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.sampler = sampler
+
+    def build_inputs(self, split, ctx):
+        if split != "train":
+            return super().build_inputs(split, ctx)
+        if self.sampler:
+            sampler = DistributedSampler(self.train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+                                         seed=ctx.seed, drop_last=True)
+            return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
