@@ -29,6 +29,7 @@ from cadence.cli.parser import build_parser
 from cadence.cli.smoke import cmd_smoke
 from cadence.cli.train import cmd_evaluate, cmd_launch, cmd_sweep, cmd_train
 from cadence.errors import CadenceError
+from cadence.runtime.lost_peer import wait_for_the_launcher
 
 COMMANDS: dict[str, Callable[..., int]] = {
     "train": cmd_train, "evaluate": cmd_evaluate, "launch": cmd_launch, "export": cmd_export,
@@ -54,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         err.print("cadence: interrupted")
         return 130
+    except Exception as exc:  # a rank of a torchrun job whose peer failed first lets the launcher see that one
+        wait_for_the_launcher(exc)
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover
