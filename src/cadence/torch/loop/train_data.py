@@ -142,10 +142,12 @@ class TrainData:
         self.batches_consumed = skip
         return self._iterator
 
-    def next_epoch(self) -> tuple[Iterator[Any], Any] | None:
-        """After the running iterator ran out: start the next epoch; its iterator and first batch.
-        ``None`` (the data has ended): a one-shot iterator, ``max_epochs`` done (:attr:`ended`), or
-        an epoch without a batch."""
+    def next_epoch(self, consumed: int = 0) -> tuple[Iterator[Any], Any] | None:
+        """After the running iterator ran out, having given ``consumed`` batches not yet counted in
+        :attr:`batches_consumed` (they are added first): start the next epoch; its iterator and
+        first batch. ``None`` (the data has ended): a one-shot iterator, ``max_epochs`` done
+        (:attr:`ended`), or an epoch without a batch."""
+        self.batches_consumed += consumed
         data = self.data
         if not self.reiterable:
             return None

@@ -216,9 +216,7 @@ class TorchTrainer:
                     try:
                         batch = next(it)
                     except StopIteration:  # the epoch's end: the next one's first batch, if any
-                        self._data.batches_consumed += consumed
-                        consumed = 0
-                        started = self._data.next_epoch()
+                        started, consumed = self._data.next_epoch(consumed), 0
                         if started is None:
                             exhausted = True
                             break
@@ -240,9 +238,7 @@ class TorchTrainer:
                         try:
                             batch = next(it)
                         except StopIteration:
-                            self._data.batches_consumed += consumed
-                            consumed = 0
-                            started = self._data.next_epoch()
+                            started, consumed = self._data.next_epoch(consumed), 0
                             if started is None:
                                 exhausted = True
                                 break
