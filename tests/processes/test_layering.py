@@ -59,11 +59,12 @@ def test_importing_the_core_does_not_import_torch() -> None:
 
 
 def test_a_run_imports_torch_distributed_checkpoint_only_for_a_sharded_checkpoint() -> None:
-    """DCP (and the sympy it pulls in: about 1.4 s of CPU per process) is not imported by the
-    modules every run imports (each process of a DDP job, the sidecar, ``cadence export``)."""
-    code = ("import sys, cadence.cli.main, cadence.torch.experiments, cadence.torch.loop.trainer, "
-            "cadence.torch.components.ema, cadence.torch.loop.evaluator, cadence.torch.checkpoint_io.shard_writes; "
-            "print('torch.distributed.checkpoint' in sys.modules, 'sympy' in sys.modules)")
+    """DCP (and the sympy it pulls in: about 1.4 s of CPU per process) and DTensor are not imported
+    by the modules every run imports (each process of a DDP job, the sidecar, ``cadence export``)."""
+    code = ("import sys, cadence.cli.main, cadence.torch.experiments, cadence.torch.experiments.experiment, "
+            "cadence.torch.loop.trainer, cadence.torch.components.ema, cadence.torch.loop.evaluator, "
+            "cadence.torch.checkpoint_io.shard_writes; print('torch.distributed.checkpoint' in sys.modules, "
+            "'sympy' in sys.modules, 'torch.distributed.tensor' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    assert out.stdout.split() == ["False", "False"]
+    assert out.stdout.split() == ["False", "False", "False"]

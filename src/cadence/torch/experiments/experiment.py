@@ -16,15 +16,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-from torch.distributed.tensor import DTensor
-
 from cadence import layout
 from cadence.checkpoint import CheckpointManager
 from cadence.config import ExperimentConfig, save_config
 from cadence.errors import CheckpointError, NoCheckpointError
 from cadence.sidecar.evaluator import SidecarEvaluator, SidecarResult
 from cadence.torch.checkpoint_io.state import unwrap_model
+from cadence.torch.runtime.distributed import broadcast_unsharded
 from cadence.torch.components.ema import applied
 from cadence.torch.experiments.actions import build_actions
 from cadence.torch.experiments.callbacks import build_callbacks, tracking_callbacks
@@ -162,11 +160,8 @@ def _initialize(run: Run) -> None:
     reset to them."""
     module = unwrap_model(run.model)
     run.task.initialize(module)
-    if run.ctx.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                if not isinstance(tensor, DTensor):
-                    torch.distributed.broadcast(tensor.data, src=0)
+    if run.ctx.world_size > 1:
+        broadcast_unsharded(module)
     if run.ema is not None:
         run.ema.reset()
 

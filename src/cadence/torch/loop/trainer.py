@@ -23,6 +23,7 @@ from cadence.torch.loop.trainer_checkpoint import TrainerCheckpoint
 from cadence.torch.loop.trainer_snapshot import TrainerSnapshot
 from cadence.torch.parallel import sharding
 from cadence.torch.runtime.context import Context
+from cadence.torch.runtime.distributed import broadcast_unsharded
 from cadence.torch.runtime.rng import rank_seed, seed_everything
 from cadence.torch.task.step_logs import FOLD, ScalarSum, add_extras, split_output
 from cadence.torch.task.task import Task
@@ -148,13 +149,7 @@ class TorchTrainer:
         module = unwrap_model(self.model)
         self.task.initialize(module)
         if self.ctx.world_size > 1:
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                from torch.distributed.tensor import DTensor
-
-                with torch.no_grad():
-                    for tensor in [*module.parameters(), *module.buffers()]:
-                        if not isinstance(tensor, DTensor):
-                            torch.distributed.broadcast(tensor.data, src=0)
+            broadcast_unsharded(module)
             seed_everything(rank_seed(self.ctx.seed, self.ctx.rank, 0))
         if self.ema is not None:
             self.ema.reset()  # from the initial weights (the same on every rank)

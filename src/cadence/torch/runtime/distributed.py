@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "TorchCoordinator",
+    "broadcast_unsharded",
     "current_coordinator",
     "init_distributed",
     "rank_env",
@@ -198,6 +199,20 @@ def init_distributed(backend: str = "auto", timeout_s: float = 120.0) -> TorchCo
     global _coordinator
     _coordinator = TorchCoordinator(timeout_s=timeout_s)
     return _coordinator
+
+
+def broadcast_unsharded(module: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers to every rank (a collective), so that every replica holds the
+    same weights; a sharded (FSDP2 ``DTensor``) parameter exists once and is left alone. No-op
+    without an initialised process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.distributed.tensor import DTensor  # only where there are ranks (a costly import)
+
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if not isinstance(tensor, DTensor):
+                dist.broadcast(tensor.data, src=0)
 
 
 def shutdown_distributed(barrier: bool = False) -> None:
