@@ -137,19 +137,19 @@ def run_evaluation(cfg: ExperimentConfig, step: int | None = None, *,
         anything is built.
     """
     checkpoints = layout.checkpoints_dir(cfg.require_model_dir())
+    none = NoCheckpointError(f"no committed checkpoint in {checkpoints}: nothing to evaluate "
+                             "(--initial evaluates the initialized model)")
     if initial:
         if step is not None:
             raise ValueError("run_evaluation: initial=True evaluates no checkpoint; step must be None")
     elif step is None and CheckpointManager(checkpoints, writer=False).latest_step() is None:
-        raise NoCheckpointError(f"no committed checkpoint in {checkpoints}: nothing to evaluate "
-                                "(--initial evaluates the initialized model)")
+        raise none  # before anything is built: no "starting at step 0" line first
     run = build_run(cfg, train=False, restore_step=step, progress=False, restore=not initial)
     with run.controller as controller:
         if initial:
             _initialize(run)
-        elif controller.restored_step is None:
-            raise NoCheckpointError(f"no committed checkpoint in {checkpoints}: nothing to evaluate "
-                                    "(--initial evaluates the initialized model)")
+        elif controller.restored_step is None:  # deleted since
+            raise none
         metrics = controller.evaluate(cfg.trainer.validation_steps)
         return controller.global_step, metrics
 
