@@ -90,11 +90,13 @@ def _process(p: dict, cache: str, *, only_first_step: bool = False) -> dict:
 
 
 def run(quick: bool = False, root: str | None = None) -> dict:
-    """``repeats`` processes with a cold inductor cache, then one with a warm one (its first step only)."""
+    """``repeats`` processes with a cold inductor cache, then, for inductor, one with a warm one (its first step
+    only; aot_eager, the quick mode's backend, keeps no cache: ``warm_first_step`` and ``warm_compile_s`` are None)."""
     p = QUICK if quick else FULL
     with tempfile.TemporaryDirectory(dir=root, prefix="cadence-compile-") as tmp:
         processes = [_process(p, str(Path(tmp, f"cache-{i}"))) for i in range(p["repeats"])]
-        warm = _process(p, str(Path(tmp, f"cache-{p['repeats'] - 1}")), only_first_step=True)
+        warm = (_process(p, str(Path(tmp, f"cache-{p['repeats'] - 1}")), only_first_step=True)
+                if p["backend"] == "inductor" else None)
     ratios = [r for process in processes for r in process["ratios"]]
     first = {name: statistics.median(x[name]["first_step_s"] for x in processes) for name in ("eager", "compiled")}
     return {
@@ -106,7 +108,7 @@ def run(quick: bool = False, root: str | None = None) -> dict:
         "speedup": statistics.median(ratios),  # compiled / eager steps/s, window by window; > 1: compiled is faster
         "speedup_min": min(ratios), "speedup_max": max(ratios),
         "cold_compile_s": first["compiled"] - first["eager"],
-        "warm_compile_s": warm["compiled"]["first_step_s"] - warm["eager"]["first_step_s"],
+        "warm_compile_s": None if warm is None else warm["compiled"]["first_step_s"] - warm["eager"]["first_step_s"],
         "eval_compile_s": statistics.median(x["compiled"]["first_eval_s"] - x["compiled"]["second_eval_s"]
                                             for x in processes),
     }
@@ -125,13 +127,15 @@ def markdown_lines(r: dict) -> list[str]:
             lines.append(f"| {i} | {label} | {x['first_step_s']:.2f} | {x['steps_per_s']:.1f} | {x['first_eval_s']:.2f} | "
                          f"{x['second_eval_s']:.3f} | {x['loss']:.4f} |")
     w = r["warm_first_step"]
-    lines.append(f"| {len(r['processes']) + 1} | eager / {backend}, warm cache | {w['eager']['first_step_s']:.2f} / "
-                 f"{w['compiled']['first_step_s']:.2f} | | | | |")
+    if w is not None:
+        lines.append(f"| {len(r['processes']) + 1} | eager / {backend}, warm cache | {w['eager']['first_step_s']:.2f} / "
+                     f"{w['compiled']['first_step_s']:.2f} | | | | |")
+    warm = "" if r["warm_compile_s"] is None else f", {r['warm_compile_s']:.1f} s warm"
     lines.append(
         f"\nSteps/s: the median of {r['windows']} windows of {r['window']} steps after {r['warmup'] + 1} steps, eager "
         f"and compiled windows alternating. Compiled / eager steps/s, window by window: **{r['speedup']:.2f}x** "
         f"(median; {r['speedup_min']:.2f}x to {r['speedup_max']:.2f}x). Compile time, the first step less eager's: "
-        f"**{r['cold_compile_s']:.1f} s** with a cold inductor cache, {r['warm_compile_s']:.1f} s warm; the first "
+        f"**{r['cold_compile_s']:.1f} s** with a cold cache{warm}; the first "
         f"evaluation compiles its own graph: {r['eval_compile_s']:.1f} s more than the second. CPU only: no GPU on "
         "this machine, where inductor's generated kernels pay most.\n")
     return lines

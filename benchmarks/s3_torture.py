@@ -149,15 +149,18 @@ def _wait_event(proc: subprocess.Popen[str], event: threading.Event, timeout: fl
 
 
 def torture(new_bucket: Any, env: dict[str, str], *, kills: int, steps: int = STEPS, seed: int = 0,
-            workdir: Path | None = None) -> dict[str, Any]:
+            workdir: Path | None = None, local_reference: bool = False) -> dict[str, Any]:
     """The measurement (module doc): ``new_bucket()`` gives a fresh bucket's name, ``env`` points
     the processes at the S3 server. Raises AssertionError when a committed checkpoint does not
-    verify, a checkpoint was moved aside, or the final weights or the metrics differ."""
+    verify, a checkpoint was moved aside, or the final weights or the metrics differ.
+
+    ``local_reference``: the uninterrupted run trains in a local directory instead of a bucket (the
+    test's choice: the same weights and metrics, without a second run's S3 requests)."""
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp:
         config = write_config(Path(workdir or tmp), steps)
         started = time.monotonic()
-        straight = f"s3://{new_bucket()}/run"
+        straight = str(Path(workdir or tmp) / "reference") if local_reference else f"s3://{new_bucket()}/run"
         proc = subprocess.run(_command(config, straight), capture_output=True, text=True, env=_environment(env),
                               timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]

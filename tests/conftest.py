@@ -12,8 +12,9 @@ The helper modules the tests import (``tasks``, ``fakes``, ``cli_run``, the torc
 
 Fixtures: ``cadence`` (the CLI runner, :func:`cli_run.run_cadence`), ``torchrun`` (:func:`cli_run.run_torchrun`),
 ``write_config`` (:func:`configs.write_config`), ``memdir`` (a fresh ``memory://`` directory),
-``s3_server`` (moto on a held port), ``closed_port`` (a port that refuses connections and stays so),
-``digits_run`` (the digits example trained once for the whole run, for the tests that only read it).
+``s3_server`` (moto on a held port), ``slurm_cluster`` (a one-machine Slurm, tests/slurm_cluster.py),
+``closed_port`` (a port that refuses connections and stays so), ``digits_run`` (the digits example
+trained once for the whole run, for the tests that only read it).
 Every test also runs with the process-global state that ``cadence.cli.main`` and ``load_task_class``
 change (logging, ``sys.path``, signal handlers) restored afterwards, so that tests do not depend on
 their order or on the xdist worker they land on.
@@ -191,6 +192,21 @@ def s3_server() -> Iterator[Any]:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A running one-machine Slurm (:class:`slurm_cluster.SlurmCluster`) for the session; skipped, with
+    one reason, where it cannot start (no Slurm or munge binaries, not root). One per machine: its
+    tests live in one module (tests/processes/test_slurm_jobs.py), which ``--dist loadscope`` gives to one
+    worker."""
+    from slurm_cluster import SlurmCluster, missing
+
+    reason = missing()
+    if reason is not None:
+        pytest.skip(reason)
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -8,10 +8,14 @@ class CadenceError(Exception):
 
     ``exit_code`` is the CLI's exit status when one ends a command: 1 (a failure), 2 for bad
     input (:class:`ConfigError`, :class:`WriterLeaseHeldError`, :class:`SanityCheckError`,
-    :class:`TrainStepOutputError`): nothing was started (or trained).
+    :class:`TrainStepOutputError`, :class:`ModelDirNotSharedError`): nothing was started (or trained).
     """
 
     exit_code: int = 1
+    every_rank: bool = False
+    """Raised on every rank of a job at the same point, after the ranks agreed on it (a collective):
+    under torchrun each rank then ends at once, without the interpreter's slow teardown, so that the
+    ranks of every node end together (see :func:`cadence.cli.torchrun.end_rank_now`)."""
 
 
 class StopTraining(Exception):
@@ -108,6 +112,16 @@ class WriterLeaseHeldError(CadenceError):
 class WriterLeaseLostError(CheckpointError):
     """This process no longer holds the model dir's writer lease (another took it over, or it
     could not renew it in time): the commit, deletion or FINAL it was about to make was not made."""
+
+
+class ModelDirNotSharedError(CadenceError):
+    """A rank of a multi-process job does not see the model dir the chief writes (node-local disks
+    mounted at the same path on each machine; see :mod:`cadence.checkpoint.shared_dir`): found
+    when the job starts, before any step; nothing was trained. Bad input (exit 2): the message
+    names the ranks and their machines."""
+
+    exit_code = 2
+    every_rank = True
 
 
 def one_line(error: BaseException, *, limit: int | None = None, all_lines: bool = False) -> str:

@@ -41,17 +41,18 @@ def test_the_launcher_command():
     standalone = command(["--log-level", "debug", "train", "c.yaml", "--nproc", "2", "--model-dir", "m",
                           "--set", "a=1", "--set", "b=2", "--no-progress"])
     assert standalone == [
-        "PY", "-m", "cadence.cli.torchrun", "--nproc-per-node", "2", "--nnodes", "1", "--standalone",
+        "PY", "-m", "cadence.cli.torchrun_agent", "--nproc-per-node", "2", "--nnodes", "1", "--standalone",
         "--max-restarts", "0", "--tee", "3",
         "-m", "cadence", "--log-level", "debug", "train", "c.yaml", "--model-dir", "m", "--set", "a=1",
         "--set", "b=2", "--no-progress",
     ]
     nodes = command(["train", "c.yaml", "--nproc", "8", "--nnodes", "2", "--node-rank", "1",
-                     "--rdzv-endpoint", "host0:29400", "--rdzv-id", "job7", "--max-restarts", "3"])
+                     "--rdzv-endpoint", "host0:29400", "--rdzv-id", "job7", "--max-restarts", "3",
+                     "--rdzv-conf", "keep_alive_interval=2"])
     assert nodes[:nodes.index("-m", 3)] == [
-        "PY", "-m", "cadence.cli.torchrun", "--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1",
+        "PY", "-m", "cadence.cli.torchrun_agent", "--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "host0:29400", "--rdzv-id", "job7",
-        "--max-restarts", "3", "--tee", "3",
+        "--rdzv-conf", "keep_alive_interval=2", "--max-restarts", "3", "--tee", "3",
     ]
     assert nodes[nodes.index("-m", 3):] == ["-m", "cadence", "--log-level", "INFO", "train", "c.yaml"]
 
@@ -60,11 +61,13 @@ def test_the_launcher_flags_exist_in_this_torch():
     from torch.distributed.run import get_args_parser
 
     flags = command(["train", "c.yaml", "--nproc", "2", "--nnodes", "2", "--node-rank", "0",
-                     "--rdzv-endpoint", "h:1", "--rdzv-id", "x", "--max-restarts", "2"])
-    args = get_args_parser().parse_args(flags[3:])  # `python -m cadence.cli.torchrun` passes them to torch's main
+                     "--rdzv-endpoint", "h:1", "--rdzv-id", "x", "--max-restarts", "2",
+                     "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2"])
+    args = get_args_parser().parse_args(flags[3:])  # `python -m cadence.cli.torchrun_agent` passes them to torch's main
     assert (args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_backend) == ("2", "2", 0, "c10d")
     assert (args.rdzv_endpoint, args.rdzv_id, args.max_restarts, args.tee, args.module) == ("h:1", "x", 2, "3", True)
     assert args.training_script == "cadence"
+    assert args.rdzv_conf == "keep_alive_interval=1,keep_alive_max_attempt=2"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -75,6 +78,8 @@ def test_the_launcher_flags_exist_in_this_torch():
     (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "nohost"], "expected HOST:PORT"),
     (["--max-restarts", "2"], "need --nproc"),
     (["--nproc", "2", "--max-restarts", "-1"], "--max-restarts: must be >= 0"),
+    (["--nproc", "2", "--rdzv-conf", "a=1"], "--rdzv-conf: configures the c10d rendezvous"),
+    (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-conf", "a=1,b"], "expected KEY=VALUE"),
 ])
 def test_bad_launch_arguments_exit_2(argv, message, tmp_path, capsys):
     assert main(["train", str(config(tmp_path, tmp_path / "pids")), *argv]) == 2
@@ -161,3 +166,31 @@ def test_train_under_an_external_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     state = json.loads((model_dir / "checkpoints" / "ckpt-8" / "state.json").read_text())["state"]["trainer"]
     assert len(state["rng"]) == 2 and state["data"]["state"] == {"epoch": 0, "offset": 8 * 2 * 8}
+
+
+def test_train_with_only_what_a_kubernetes_pytorchjob_sets(tmp_path):
+    """One process per pod, as Kubernetes' PyTorchJob starts them: MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK,
+    no LOCAL_RANK (local rank 0). Without MASTER_PORT, one line and exit 2 before anything is trained."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg, model_dir = config(tmp_path, tmp_path / "pids", steps=8), tmp_path / "run"
+    base = {k: v for k, v in ENV.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE")}
+    argv = ["-m", "cadence", "train", str(cfg), "--model-dir", str(model_dir), "--no-progress"]
+    pods = [popen(argv, env={**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                             "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for rank in range(2)]
+    outs = [pod.communicate(timeout=120)[0] for pod in pods]
+    assert [pod.returncode for pod in pods] == [0, 0], "\n".join(outs)
+    state = json.loads((model_dir / "checkpoints" / "ckpt-8" / "state.json").read_text())["state"]["trainer"]
+    assert len(state["rng"]) == 2  # two ranks
+
+    lone = run_python(argv[:5] + [str(tmp_path / "other"), "--no-progress"],
+                      env={**base, "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2", "RANK": "0"}, timeout=60)
+    assert lone.returncode == 2, lone.stdout + lone.stderr
+    assert lone.stderr.strip().splitlines()[-1] == (
+        "cadence: error: WORLD_SIZE=2 but MASTER_PORT is not set; start the processes with torchrun (or `cadence "
+        "train --nproc N`), which sets them")
+    assert not (tmp_path / "other").exists() or not list((tmp_path / "other").rglob("ckpt-*"))

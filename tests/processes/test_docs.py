@@ -15,10 +15,8 @@ The site itself (links, anchors, the API reference) is checked by ``make docs``,
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,9 +77,12 @@ def _cadence_commands(body: str) -> list[list[str]]:
 
 
 def _run(command: list[str], cwd: Path, where: str) -> tuple[int, str]:
-    """The command's exit status, and what to say when it is not 0 (where, the command, its output)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    """The command's exit status, and what to say when it is not 0 (where, the command, its output). It runs
+    as a user's would, forked from the tests' zygote (:func:`cli_run.run_python`: the same process, without
+    importing torch again), with this checkout's sources on the path."""
+    from cli_run import run_python
+
+    done = run_python(command[1:], cwd=cwd, timeout=240)
     return done.returncode, (f"{where}: {shlex.join(command[2:])} exited {done.returncode}\n"
                              f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
 

@@ -198,11 +198,12 @@ def test_a_hang_without_restarts_fails_naming_the_rank_and_the_watchdog(tmp_path
 
 
 def test_the_launcher_records_the_failed_ranks_and_cadence_names_them(tmp_path):
-    """``python -m cadence.cli.torchrun`` writes torch's ChildFailedError as JSON, first failure first;
+    """``python -m cadence.cli.torchrun_agent`` writes torch's ChildFailedError as JSON, first failure first;
     :func:`failure_message` turns it into cadence's one line."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from cadence.cli.torchrun import _read_report, _write_report, failure_message
+    from cadence.cli.torchrun import _read_report, failure_message
+    from cadence.cli.torchrun_agent import write_report as _write_report
 
     failures = {0: ProcessFailure(local_rank=0, pid=11, exitcode=-15, error_file="<N/A>"),
                 1: ProcessFailure(local_rank=1, pid=12, exitcode=-9, error_file="<N/A>")}

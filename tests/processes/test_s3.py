@@ -247,7 +247,7 @@ def test_train_resume_best_export_ls_evaluate_report_on_s3(tmp_path: Path, url: 
 def test_sidecar_process_and_a_second_trainer_refused_by_the_writer_lease(tmp_path: Path, url: str,
                                                                           s3_server: S3Server) -> None:
     config = write_config(tmp_path, task={"params": {"n": 256, "step_sleep": 0.15}},
-                          trainer={"train_steps": 40, "checkpoint_interval": 4, "validation_interval": None},
+                          trainer={"train_steps": 24, "checkpoint_interval": 4, "validation_interval": None},
                           sidecar={"mode": "every", "poll_interval": 0.1, "timeout": 120})
     launch = popen(["-m", "cadence", "launch", str(config), "--sidecar", "--model-dir", url],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -272,9 +272,9 @@ def test_sidecar_process_and_a_second_trainer_refused_by_the_writer_lease(tmp_pa
 
     records = [json.loads(line) for line in fs().cat_file(f"{url}/eval/evaluations.jsonl".removeprefix("s3://"))
                .decode().splitlines()]
-    assert [r["step"] for r in records if r["status"] == "evaluated"] == list(range(4, 41, 4))  # every one, leased
-    assert [r["step"] for r in read_metrics(f"{url}/eval")] == list(range(4, 41, 4))
-    assert CheckpointManager(f"{url}/checkpoints", writer=False).steps() == [36, 40]  # retention went on
+    assert [r["step"] for r in records if r["status"] == "evaluated"] == list(range(4, 25, 4))  # every one, leased
+    assert [r["step"] for r in read_metrics(f"{url}/eval")] == list(range(4, 25, 4))
+    assert CheckpointManager(f"{url}/checkpoints", writer=False).steps() == [20, 24]  # retention went on
     assert CheckpointManager(f"{url}/best", writer=False).steps()
 
 
@@ -296,10 +296,12 @@ def test_fsdp_on_two_ranks_writes_sharded_checkpoints_to_s3(tmp_path: Path, url:
 
 def test_kill_9_torture_on_s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """3 kills here (benchmarks/s3_torture.py runs 20+): every committed checkpoint verifies after
-    each kill, and the resumed run's final weights and metrics equal an uninterrupted run's."""
+    each kill, and the resumed run's final weights and metrics equal an uninterrupted run's (trained in a
+    local directory here). 80 steps: the killed runs (seed 1) reach about step 16 on a loaded machine, at
+    most about 60 on a fast one, so the third kill always finds a run still training."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import s3_torture
 
     with forking_children():  # its cadence processes forked from the tests' zygote
-        result = s3_torture.torture(s3_server.bucket, s3_server.env(), kills=3, steps=100, seed=1)
+        result = s3_torture.torture(s3_server.bucket, s3_server.env(), kills=3, steps=80, seed=1, local_reference=True)
     assert result["kills"] == 3 and result["bit_identical"] and result["metrics_identical"], result

@@ -397,4 +397,5 @@ def test_the_compile_benchmark_runs_in_its_quick_mode(tmp_path, monkeypatch):
     assert len(process["ratios"]) == result["windows"] and result["speedup"] > 0
     text = "\n".join(compile_speed.markdown_lines(result))
     assert "| 1 | aot_eager, cold cache |" in text and "Compiled / eager steps/s" in text
+    assert result["warm_first_step"] is None and "warm cache" not in text  # aot_eager keeps no cache to warm
     assert list(tmp_path.iterdir()) == []

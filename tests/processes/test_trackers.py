@@ -8,7 +8,6 @@ import glob
 import json
 import logging
 import struct
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from cli_run import ENV, run_cadence
+from cli_run import ENV, run_cadence, run_python
 from fakes import FakeTrainer
 
 from cadence import Controller
@@ -348,8 +347,7 @@ def test_a_missing_extra_is_one_line_naming_it(tmp_path):
     config = _config(tmp_path, {"mlflow": {}})
     code = ("import sys; sys.modules['mlflow'] = None; from cadence.cli.main import main; "
             f"sys.exit(main(['train', {str(config)!r}, '--model-dir', {str(tmp_path / 'run')!r}, '--no-progress']))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
-                          env={**ENV, **_env(tmp_path)}, cwd=tmp_path)
+    proc = run_python(["-c", code], timeout=180, env={**ENV, **_env(tmp_path)}, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "cadence[mlflow]" in line]
     assert lines == ["cadence: error: loggers.mlflow: the mlflow package is not installed: pip install 'cadence[mlflow]'"]

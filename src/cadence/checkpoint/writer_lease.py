@@ -67,7 +67,8 @@ from cadence.checkpoint.space import space_cause
 from cadence.errors import WriterLeaseHeldError, WriterLeaseLostError
 from cadence.storage import Storage
 
-__all__ = ["DEFAULT_WRITER_LEASE_TTL", "WriterLease", "WriterLeaseRecord", "check_free", "current_lease", "take_over"]
+__all__ = ["DEFAULT_WRITER_LEASE_TTL", "WriterLease", "WriterLeaseRecord", "check_free", "current_lease", "lease_path",
+           "read_lease", "take_over"]
 
 logger = logging.getLogger("cadence.checkpoint")
 
@@ -254,6 +255,19 @@ def current_lease(model_dir: str, *, storage_options: dict[str, Any] | None = No
     return _Dir(model_dir, storage_options).current()
 
 
+def lease_path(token: int) -> str:
+    """The file of lease ``token``, relative to the model dir: ``.writer/lease-<token>.json``."""
+    return f"{layout.WRITER}/{_file_name(token)}"
+
+
+def read_lease(model_dir: str, token: int, *, storage_options: dict[str, Any] | None = None) -> WriterLeaseRecord:
+    """The lease file of ``token`` as this process sees it. Raises ``FileNotFoundError`` when there is
+    none, ``OSError`` when it cannot be read and ``ValueError`` when it does not parse (no fallback:
+    a check of what another process wrote, see :mod:`cadence.checkpoint.shared_dir`)."""
+    directory = _Dir(model_dir, storage_options)
+    return WriterLeaseRecord.from_json(directory.storage.read_bytes(directory.path(token)), token)
+
+
 def check_free(model_dir: str, *, storage_options: dict[str, Any] | None = None) -> None:
     """Raise :class:`~cadence.errors.WriterLeaseHeldError` when another live process holds
     ``model_dir``'s writer lease (a check before starting a job's ranks; only
@@ -334,6 +348,11 @@ class WriterLease:
     @property
     def model_dir(self) -> str:
         return self._dir.model_dir
+
+    @property
+    def record(self) -> WriterLeaseRecord:
+        """This acquisition as last written (its token, holder and times)."""
+        return self._record
 
     def check(self, action: str) -> None:
         """The fence: return when this process still holds the lease, else raise

@@ -17,6 +17,7 @@ arguments) -- one readable line naming the offending field, no traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -25,11 +26,14 @@ from rich.markup import escape
 
 from cadence.cli.logs import setup_logging
 from cadence.cli.model_dir import cmd_export, cmd_ls, cmd_report
+from cadence.cli.node_loss import record_lost_nodes
 from cadence.cli.parser import build_parser
 from cadence.cli.smoke import cmd_smoke
+from cadence.cli.torchrun import end_rank_now, record_for_launcher
 from cadence.cli.train import cmd_evaluate, cmd_launch, cmd_sweep, cmd_train
 from cadence.errors import CadenceError
 from cadence.runtime.lost_peer import wait_for_the_launcher
+from cadence.runtime.parent_death import die_with_agent
 
 COMMANDS: dict[str, Callable[..., int]] = {
     "train": cmd_train, "evaluate": cmd_evaluate, "launch": cmd_launch, "export": cmd_export,
@@ -46,17 +50,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     err = Console(stderr=True)
     setup_logging(args.log_level, err)
+    die_with_agent()  # a worker of cadence's torchrun agent ends when that agent dies
     try:
         return COMMANDS[args.command](args, err)
     except CadenceError as exc:  # one line, never wrapped; escaped: "[x]" in a message is text, not markup
         label = "error" if exc.exit_code == 2 else "failed"  # bad input (nothing started) or a failure
-        err.print(f"[red]cadence: {label}:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        # a rank of `cadence train --nproc N` leaves its bad input to the launcher, which prints it once
+        if not (exc.exit_code == 2 and record_for_launcher(str(exc))):
+            err.print(f"[red]cadence: {label}:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        if exc.every_rank and os.environ.get("TORCHELASTIC_RUN_ID"):  # every rank of every node ends together
+            end_rank_now(exc.exit_code)
         return exc.exit_code
     except KeyboardInterrupt:
         err.print("cadence: interrupted")
         return 130
     except Exception as exc:  # a rank of a torchrun job whose peer failed first lets the launcher see that one
-        wait_for_the_launcher(exc)
+        if not record_lost_nodes(exc):  # unless that peer ran on another node, which stopped answering
+            wait_for_the_launcher(exc)
         raise
 
 

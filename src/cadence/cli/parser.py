@@ -35,9 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--profile", action="store_true",
                        help="trace training steps with torch.profiler into MODEL_DIR/profile/, one trace per rank: "
                             "the config's profiler section, else its defaults (steps 13-15)")
+    train.add_argument("--requeue", action="store_true",
+                       help="in a Slurm job: after the checkpoint of a SIGUSR1 (#SBATCH --signal=USR1@SECONDS), "
+                            "requeue the job (scontrol requeue) and exit 0; it resumes from that checkpoint "
+                            "(trainer.slurm.requeue)")
     multi = train.add_argument_group(
         "multi-process training", "start the ranks through torch's launcher (python -m torch.distributed.run); "
-        "under an external torchrun, leave these out: each rank picks up its place from the environment")
+        "under an external torchrun or srun (one task per rank), leave these out: each rank picks up its place "
+        "from the environment")
     multi.add_argument("--nproc", type=int, default=None, metavar="N",
                        help="processes on this machine (typically one per GPU)")
     multi.add_argument("--nnodes", type=int, default=None, metavar="M",
@@ -48,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the c10d rendezvous every node joins (default: a standalone job on this machine)")
     multi.add_argument("--rdzv-id", default=None, metavar="ID",
                        help="the job's id at the rendezvous, the same on every node (default: torchrun's)")
+    multi.add_argument("--rdzv-conf", default=None, metavar="KEY=VALUE,...",
+                       help="settings of the c10d rendezvous, as torchrun's --rdzv-conf, e.g. "
+                            "keep_alive_interval=2,keep_alive_max_attempt=3: a lost node is noticed after "
+                            "interval x attempts seconds (torch's default 5 x 3)")
     multi.add_argument("--max-restarts", type=int, default=None, metavar="K",
                        help="when a rank fails (killed, crashed, or ended by its hang watchdog: trainer.hang_timeout), "
                             "stop the others and restart the whole job from its latest checkpoint, up to K times "

@@ -1,7 +1,7 @@
 """``cadence train --nproc N``: the ranks of a job started through torch's own launcher
 (``torch.distributed.run``), and what every rank does at its end.
 
-The launcher runs as ``python -m cadence.cli.torchrun TORCHRUN_ARGS...``: torch's own ``main``, in a
+The launcher runs as ``python -m cadence.cli.torchrun_agent TORCHRUN_ARGS...``: torch's own ``main``, in a
 process that also records, when the job gives up (a rank failed and ``--max-restarts`` are used
 up), which ranks failed and how, for ``cadence train`` to say so in its one-line error."""
 
@@ -15,10 +15,13 @@ import shutil
 import signal
 import sys
 import tempfile
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+import time
+from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 
+from cadence.cli.node_loss import LOST_ENV, lost_message, read_lost
 from cadence.errors import ConfigError
 from cadence.runtime.watchdog import HANG_EXIT_CODE
 
@@ -27,13 +30,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("cadence")
 
-__all__ = ["LOG_LINE_PREFIX", "REPORT_ENV", "end_distributed", "env_rank", "failure_message", "log_restart",
-           "torchrun_command", "train_with_torchrun", "wants_torchrun"]
+__all__ = ["ERRORS_ENV", "LOG_LINE_PREFIX", "REPORT_ENV", "bad_input", "end_distributed", "end_rank_now", "env_rank",
+           "failure_message", "log_restart", "record_for_launcher", "torchrun_command", "train_with_torchrun",
+           "wants_torchrun"]
 
-_TORCHRUN_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts")
+_TORCHRUN_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "max_restarts")
 REPORT_ENV = "CADENCE_TORCHRUN_REPORT"
-"""Where the launcher (``python -m cadence.cli.torchrun``) writes the failed ranks of a job that gave up
+"""Where the launcher (``python -m cadence.cli.torchrun_agent``) writes the failed ranks of a job that gave up
 (JSON); set by :func:`train_with_torchrun`, removed from the environment the workers get."""
+
+ERRORS_ENV = "CADENCE_TORCHRUN_ERRORS"
+"""Set (``1``) by :func:`train_with_torchrun` for the ranks: a rank ended by bad input (exit 2) leaves
+its one line to ``cadence train`` to print once for the job (:func:`record_for_launcher`)."""
 
 LOG_LINE_PREFIX = "[rank${rank}]:"
 """Each worker's output lines are prefixed with its global rank (torchrun's
@@ -58,8 +66,11 @@ def end_distributed(ok: bool) -> None:
         return
     import torch.distributed as dist
 
+    from cadence.torch.runtime import heartbeat
     from cadence.torch.runtime.distributed import shutdown_distributed
 
+    if not ok:  # several nodes: this rank, once silent, has ended on an error, not been lost
+        heartbeat.mark_ended()
     if not (dist.is_available() and dist.is_initialized()):
         return
     if ok:
@@ -69,6 +80,47 @@ def end_distributed(ok: bool) -> None:
             shutdown_distributed()
         except Exception:  # best effort: the error being raised is what matters
             pass
+
+
+def record_for_launcher(message: str) -> bool:
+    """In a rank of a torchrun job ended by bad input (exit 2): write ``message`` to torchrun's error
+    file (``$TORCHELASTIC_ERROR_FILE``, in the format of torch's ``@record``), where the launcher's
+    report of the failure shows it. True when ``cadence train`` prints it for the job (:data:`ERRORS_ENV`):
+    the rank need not print it too."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    if not path:
+        return False
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": "",
+                                                                     "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        return False
+    return os.environ.get(ERRORS_ENV) == "1"
+
+
+def end_rank_now(code: int) -> NoReturn:
+    """End this rank of a torchrun job at once with exit status ``code``, its output flushed, without
+    the interpreter's teardown (seconds with torch loaded): for an error every rank raised together
+    (:attr:`~cadence.errors.CadenceError.every_rank`). The ranks of every node then end within moments
+    of each other; else the agent that hosts the job's rendezvous store could exit with its own ranks
+    while another node's rank is still tearing down, and that node's agent fail on the vanished store."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def bad_input(failures: list[dict[str, Any]]) -> str | None:
+    """The one line of a job ended by bad input: a rank exited with status 2 and recorded its message
+    (:func:`record_for_launcher`), and every other failed rank exited 2 too or was stopped by a signal
+    (the launcher stops the rest); else None."""
+    if not all(f["exitcode"] == 2 or f["exitcode"] < 0 for f in failures):
+        return None
+    return next((f["message"] for f in failures if f["exitcode"] == 2 and isinstance(f.get("message"), str)), None)
 
 
 def wants_torchrun(args: argparse.Namespace) -> bool:
@@ -90,6 +142,13 @@ def wants_torchrun(args: argparse.Namespace) -> bool:
         raise ConfigError(f"--node-rank: must be in [0, {nnodes}), got {args.node_rank}")
     if args.rdzv_endpoint and ":" not in args.rdzv_endpoint:
         raise ConfigError(f"--rdzv-endpoint: expected HOST:PORT, got {args.rdzv_endpoint!r}")
+    rdzv_conf = getattr(args, "rdzv_conf", None)
+    if rdzv_conf is not None:
+        if not args.rdzv_endpoint:
+            raise ConfigError("--rdzv-conf: configures the c10d rendezvous of --rdzv-endpoint HOST:PORT; give both")
+        bad = [item for item in rdzv_conf.split(",") if not item.partition("=")[0].strip() or "=" not in item]
+        if bad:
+            raise ConfigError(f"--rdzv-conf: expected KEY=VALUE[,KEY=VALUE...], got {bad[0]!r}")
     if _max_restarts(args) < 0:
         raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     return True
@@ -103,10 +162,10 @@ def _max_restarts(args: argparse.Namespace) -> int:
 def torchrun_command(args: argparse.Namespace, python: str = sys.executable, *,
                      command: str = "train", extra: Sequence[str] = ()) -> list[str]:
     """The launcher command of ``cadence train ... --nproc N``: torch's launcher (``torch.distributed.run``,
-    through ``python -m cadence.cli.torchrun``) with the job's layout and ``--max-restarts``, running
+    through ``python -m cadence.cli.torchrun_agent``) with the job's layout and ``--max-restarts``, running
     ``-m cadence train`` with the other arguments in every worker."""
     nnodes = 1 if args.nnodes is None else args.nnodes
-    cmd = [python, "-m", "cadence.cli.torchrun", "--nproc-per-node", str(args.nproc), "--nnodes", str(nnodes)]
+    cmd = [python, "-m", "cadence.cli.torchrun_agent", "--nproc-per-node", str(args.nproc), "--nnodes", str(nnodes)]
     if args.node_rank is not None:
         cmd += ["--node-rank", str(args.node_rank)]
     if nnodes == 1 and not args.rdzv_endpoint:
@@ -115,6 +174,8 @@ def torchrun_command(args: argparse.Namespace, python: str = sys.executable, *,
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
         if args.rdzv_id:
             cmd += ["--rdzv-id", args.rdzv_id]
+        if getattr(args, "rdzv_conf", None):
+            cmd += ["--rdzv-conf", args.rdzv_conf]
     # --max-restarts K: a failed rank (killed, crashed, ended by its hang watchdog) makes the agent
     # stop the others and start the whole group again, up to K times; each start resumes from the
     # latest committed checkpoint. 0 (the default): a failed rank ends the job. --tee 3: the
@@ -157,6 +218,10 @@ def train_with_torchrun(args: argparse.Namespace, cfg: ExperimentConfig, console
     fd, report = tempfile.mkstemp(prefix="cadence-torchrun-", suffix=".json")
     os.close(fd)
     env[REPORT_ENV] = report
+    lost = env[LOST_ENV] = report + ".lost"  # created by the rank that finds a node lost (node_loss)
+    if args.node_rank is not None:  # the node as the user numbered it (c10d's rendezvous numbers its own)
+        env["CADENCE_NODE_RANK"] = str(args.node_rank)
+    env[ERRORS_ENV] = "1"
     env.update(env_extra or {})
     logger.info("starting %d processes: %s", args.nproc, " ".join(cmd))
     try:
@@ -179,14 +244,19 @@ def train_with_torchrun(args: argparse.Namespace, cfg: ExperimentConfig, console
         finally:
             forwarded.restore()
         failures = _read_report(report)
+        finding = read_lost(lost)
     finally:
-        try:
-            os.unlink(report)
-        except OSError:
-            pass
-    if code != 0:
-        console.print(f"[red]cadence: failed:[/red] {failure_message(code, failures, _max_restarts(args))}",
-                      highlight=False, soft_wrap=True)
+        for path in (report, lost):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    message = bad_input(failures) if code == 2 else None
+    if message is not None:  # the ranks' own one line (the launcher exited 2 for it), printed once
+        console.print(f"[red]cadence: error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    elif code != 0:
+        message = failure_message(code, failures, _max_restarts(args), lost=finding)
+        console.print(f"[red]cadence: failed:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return code
 
 
@@ -204,7 +274,7 @@ def log_restart() -> None:
 
 
 def _read_report(path: str) -> list[dict[str, Any]]:
-    """The failed ranks the launcher recorded (see :func:`_launcher_main`); [] when none were."""
+    """The failed ranks the launcher recorded (see :func:`cadence.cli.torchrun_agent.launcher_main`); [] when none were."""
     try:
         with open(path) as f:
             text = f.read()
@@ -226,13 +296,17 @@ def _how(failure: dict[str, Any]) -> str:
     if code == HANG_EXIT_CODE:
         return (f"was ended by its hang watchdog (exit status {code}: no progress for trainer.hang_timeout "
                 "seconds; where it was stuck is logged above)")
-    return f"exited with status {code}"
+    message = failure.get("message")  # a rank's bad input it left to cadence to print (record_for_launcher)
+    return f"exited with status {code}" + (f" ({message})" if isinstance(message, str) else "")
 
 
-def failure_message(code: int, failures: list[dict[str, Any]], max_restarts: int) -> str:
+def failure_message(code: int, failures: list[dict[str, Any]], max_restarts: int,
+                    lost: dict[str, Any] | None = None) -> str:
     """``cadence train --nproc N``'s one-line error: the rank that failed first and how, the
     others that failed with it, and the restarts used up; without a report (the launcher itself
-    failed, e.g. at the rendezvous) the launcher's exit status."""
+    failed, e.g. at the rendezvous) the launcher's exit status. ``lost``: the ranks of other nodes that a
+    failed rank found had stopped answering (:mod:`cadence.cli.node_loss`): then the lost node and its
+    ranks are named instead of this node's ranks, which failed because of it."""
     if not failures:
         return (f"the distributed job exited with status {code}; torchrun's report above names the failed "
                 "rank")
@@ -242,6 +316,7 @@ def failure_message(code: int, failures: list[dict[str, Any]], max_restarts: int
     text = f"rank {first['rank']}" + (f" ({details})" if details else "") + f" {_how(first)}"
     if others:
         text += "; also ended: " + ", ".join(f"rank {f['rank']} ({_short(f)})" for f in others)
+    text = lost_message(lost, failures) or text
     if max_restarts == 0:
         text += "; the job was not restarted (--max-restarts 0; --max-restarts K restarts it from its last checkpoint)"
     else:
@@ -258,37 +333,3 @@ def _short(failure: dict[str, Any]) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"hang watchdog, exit {code}" if code == HANG_EXIT_CODE else f"exit {code}"
-
-
-def _launcher_main(argv: list[str]) -> None:
-    """``python -m cadence.cli.torchrun TORCHRUN_ARGS...``: torch's launcher (``torch.distributed.run``'s
-    ``main``) in this process. When the job gives up (``ChildFailedError``: a rank failed with no
-    restart left), the failed ranks -- global rank, local rank, pid, exit code (negative: the
-    signal) -- go to the JSON file ``$CADENCE_TORCHRUN_REPORT`` (first observed failure first);
-    then the error propagates as under ``torchrun`` (its report, exit status 1)."""
-    report = os.environ.pop(REPORT_ENV, None)  # not for the workers
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main
-
-    try:
-        main(argv)
-    except ChildFailedError as e:
-        if report:
-            _write_report(report, e)
-        raise
-
-
-def _write_report(path: str, error: Any) -> None:
-    try:
-        first, _ = error.get_first_failure()
-        ranks = sorted(error.failures, key=lambda r: (r != first, error.failures[r].timestamp, r))
-        failures = [{"rank": int(r), "local_rank": int(error.failures[r].local_rank), "pid": int(error.failures[r].pid),
-                     "exitcode": int(error.failures[r].exitcode)} for r in ranks]
-        with open(path, "w") as f:
-            json.dump({"failures": failures}, f)
-    except Exception as e:  # the report is a courtesy: never hide the job's own error
-        logger.warning("could not record the failed ranks in %s: %s", path, e)
-
-
-if __name__ == "__main__":
-    _launcher_main(sys.argv[1:])

@@ -18,6 +18,7 @@ from rich.console import Console
 
 from cadence import layout
 from cadence.cli.torchrun import end_distributed, env_rank, log_restart, train_with_torchrun, wants_torchrun
+from cadence.cluster import slurm
 from cadence.config.schema import ExperimentConfig
 from cadence.errors import ConfigError
 from cadence.summaries.progress import format_logs
@@ -42,14 +43,20 @@ def _load(args: argparse.Namespace) -> ExperimentConfig:
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
     if args.profile and _load(args).profiler is None:  # an override: the ranks of --nproc get it too
         args.overrides.append("profiler={}")
+    if args.requeue:  # an override: the ranks of --nproc get it too
+        args.overrides.append("trainer.slurm.requeue=true")
     if wants_torchrun(args):
         return train_with_torchrun(args, _claim_model_dir(args, _load(args), check=True), console)
+    slurm.export_torchrun_env()  # a task of `srun --ntasks N`: a rank, as under torchrun
     rank = env_rank()
     if rank != 0:  # one process reports: the other ranks log warnings and errors only
         root = logging.getLogger()
         root.setLevel(max(root.getEffectiveLevel(), logging.WARNING))
     else:
         log_restart()  # a torchrun job restarted after a failure (--max-restarts)
+        if slurm.restart_count():
+            logger.warning("Slurm requeued the job (restart %d): resuming from the latest committed checkpoint",
+                           slurm.restart_count())
     cfg = _claim_model_dir(args, _load(args), check=False) if rank == 0 else _load(args)
     from cadence.cluster.roles import resolve_role
     from cadence.sidecar.evaluator import SidecarResult
@@ -120,6 +127,7 @@ def cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     cfg = _load(args)
     if args.nproc is not None:
         return _evaluate_with_torchrun(args, cfg, console)
+    slurm.export_torchrun_env()  # a task of `srun --ntasks N`: a rank, as under torchrun
     if env_rank() != 0:  # under torchrun one process reports: the others log warnings and errors only
         root = logging.getLogger()
         root.setLevel(max(root.getEffectiveLevel(), logging.WARNING))
@@ -155,7 +163,7 @@ def _evaluate_with_torchrun(args: argparse.Namespace, cfg: Any, console: Console
         raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
     if os.environ.get("TORCHELASTIC_RUN_ID") or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise ConfigError("--nproc: this process already runs under torchrun; leave --nproc out")
-    for name in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts"):
+    for name in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "max_restarts"):
         setattr(args, name, None)
     extra = ["--checkpoint", str(args.checkpoint)] if args.checkpoint is not None else []
     extra += ["--initial"] if args.initial else []

@@ -14,7 +14,6 @@ No torch here, and no rich: plain lines, flushed one at a time.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from cadence.layout import require_model_dir
+from cadence.runtime.parent_death import parent_death_signal_setter
 from cadence.runtime.signals import install_handlers, signal_name
 
 __all__ = ["launch", "launch_exit_code", "sidecar_commands"]
@@ -35,7 +35,6 @@ _LAUNCHER = "launch"  # the prefix of the launcher's own messages
 _STOP_SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
 )
-_PR_SET_PDEATHSIG = 1
 
 
 def sidecar_commands(
@@ -342,18 +341,13 @@ def _group_alive(pgid: int) -> bool:
 def die_with_parent() -> Callable[[], None] | None:
     """On Linux: a preexec function that makes the child get SIGTERM when the launcher dies
     without stopping it (SIGKILL, a crash). SIGTERM, not SIGKILL: a trainer can still save."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):  # pragma: no cover
+    set_death_signal = parent_death_signal_setter(signal.SIGTERM)
+    if set_death_signal is None:
         return None
     parent = os.getpid()
-    sigterm = int(signal.SIGTERM)
 
     def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, sigterm, 0, 0, 0)
+        set_death_signal()
         if os.getppid() != parent:  # the launcher died before prctl took effect
             os._exit(1)
 

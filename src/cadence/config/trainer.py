@@ -1,6 +1,6 @@
 """``trainer:``: how long to train, and when to checkpoint, validate and write summaries; with the
 sections it holds that are not a component of their own (``best_checkpoint``, ``early_stopping``,
-``recovery``). The components' settings (EMA, compile, LR schedule) are in
+``recovery``). The components' settings (EMA, compile, LR schedule, Slurm) are in
 :mod:`cadence.config.components`."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from cadence.config.base import MAX_SECONDS, ConfigModel
 from cadence.config.components.compile import COMPILE_FORM, CompileConfig, compile_shorthand
 from cadence.config.components.ema import EMAConfig
 from cadence.config.components.lr_schedule import LRScheduleConfig
+from cadence.config.components.slurm import SlurmConfig
 
 __all__ = ["BestCheckpointConfig", "EarlyStoppingConfig", "Precision", "RecoveryConfig", "Strategy", "TrainerConfig"]
 
@@ -208,6 +209,10 @@ class TrainerConfig(ConfigModel):
         default=True,
         description="On SIGTERM, SIGUSR1 or SIGINT, commit a checkpoint at the end of the current loop and exit 0.",
     )
+    slurm: SlurmConfig = Field(
+        default_factory=SlurmConfig,
+        description="Under Slurm: requeue the job after the checkpoint of its time-limit signal (`requeue`).",
+    )
 
     @field_validator("validation_steps")
     @classmethod
@@ -235,6 +240,9 @@ class TrainerConfig(ConfigModel):
         if self.strategy == "fsdp" and self.precision == "fp16":
             raise ValueError("trainer.precision 'fp16' is not supported with trainer.strategy 'fsdp' "
                              "(use 'bf16' or '32')")
+        if self.slurm.requeue and not self.save_on_preemption:
+            raise ValueError("trainer.slurm.requeue needs trainer.save_on_preemption (the requeued job resumes "
+                             "from the checkpoint that the signal makes the run commit)")
         return self
 
     @field_validator("device")

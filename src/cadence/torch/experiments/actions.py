@@ -3,15 +3,20 @@ evaluation (:func:`build_actions`)."""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import logging
+from typing import Any, Callable
 
 from cadence import layout
+from cadence.cluster import slurm
 from cadence.config import ExperimentConfig
 from cadence.torch.components.ema import ModelEMA
 from cadence.torch.experiments.exporting import ExportEveryEval, ModelExporter
 from cadence.torch.task.task import Task
 
 __all__ = ["build_actions"]
+
+logger = logging.getLogger("cadence")
 
 
 def build_actions(cfg: ExperimentConfig, task: Task, model: Any, *, train: bool,
@@ -39,7 +44,7 @@ def build_actions(cfg: ExperimentConfig, task: Task, model: Any, *, train: bool,
 
         train_actions.append(StopWhenPruned(cfg.require_model_dir()))
     if train and t.save_on_preemption:
-        train_actions.append(SaveCheckpointIfPreempted())
+        train_actions.append(SaveCheckpointIfPreempted(requeue=_requeue(cfg, chief), final_step=t.train_steps))
     if not evaluate:
         return train_actions, eval_actions
     if t.best_checkpoint is not None:
@@ -57,3 +62,18 @@ def build_actions(cfg: ExperimentConfig, task: Task, model: Any, *, train: bool,
 
         eval_actions.append(ReportToTrial.from_config(cfg.sweep_trial, cfg.require_model_dir(), stops=train))
     return train_actions, eval_actions
+
+
+def _requeue(cfg: ExperimentConfig, chief: bool) -> Callable[[], str | None] | None:
+    """``trainer.slurm.requeue`` in a Slurm job: ``scontrol requeue`` of this job. Outside one, None
+    and (on the chief) a warning: the same config also runs outside Slurm, where a preemption saves
+    and exits as always."""
+    if not cfg.trainer.slurm.requeue:
+        return None
+    job = slurm.job_id()
+    if job is None:
+        if chief:
+            logger.warning("trainer.slurm.requeue: not in a Slurm job (SLURM_JOB_ID is not set); a preemption "
+                           "saves and exits without a requeue")
+        return None
+    return functools.partial(slurm.requeue_job, job)

@@ -1,6 +1,7 @@
 """One process's run of an experiment config: :func:`build_run` assembles the task, runners,
 actions, callbacks, checkpoint manager and controller (:class:`Run`), after taking the model dir's
-writer lease (:func:`acquire_writer_lease`) for a training run."""
+writer lease (:func:`acquire_writer_lease`) for a training run, and checking that every rank sees
+it (:func:`~cadence.checkpoint.shared_dir.check_shared`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from cadence import layout
 from cadence.checkpoint import CheckpointManager
+from cadence.checkpoint.shared_dir import check_shared
 from cadence.checkpoint.writer_lease import WriterLease
 from cadence.config import ExperimentConfig
 from cadence.errors import WriterLeaseHeldError
@@ -73,7 +75,10 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
 
     A training run's chief first takes the model dir's writer lease (:func:`acquire_writer_lease`;
     :class:`~cadence.errors.WriterLeaseHeldError` when another trainer holds it), which
-    :attr:`Run.writer_lease` keeps until :meth:`Run.release` (``with run:``).
+    :attr:`Run.writer_lease` keeps until :meth:`Run.release` (``with run:``). With several ranks,
+    every rank then reads the lease back (:func:`~cadence.checkpoint.shared_dir.check_shared`;
+    :class:`~cadence.errors.ModelDirNotSharedError` on every rank when one does not see the
+    chief's model dir), before anything is restored.
     """
     layout.check_model_dir(cfg.require_model_dir())
     task, ctx, trainer, evaluator = build_runners_from_config(cfg, train=train, evaluate=evaluate)
@@ -81,10 +86,12 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
         _ = trainer.train_data
     lease = acquire_writer_lease(cfg, ctx.coordinator) if train else None
     watchdog = None
-    if train and cfg.trainer.hang_timeout is not None:  # from before the restore (a collective that may hang)
-        ctx.heartbeat = Heartbeat()
-        watchdog = Watchdog(ctx.heartbeat, cfg.trainer.hang_timeout, rank=ctx.rank).start()
     try:
+        if train and ctx.coordinator is not None:  # before the restore: a rank must not read another model dir
+            check_shared(cfg.require_model_dir(), ctx.coordinator, lease.record if lease is not None else None)
+        if train and cfg.trainer.hang_timeout is not None:  # from before the restore (a collective that may hang)
+            ctx.heartbeat = Heartbeat()
+            watchdog = Watchdog(ctx.heartbeat, cfg.trainer.hang_timeout, rank=ctx.rank).start()
         run = _assemble_run(cfg, task, ctx, trainer, evaluator, lease, train=train, evaluate=evaluate,
                             restore_step=restore_step, progress=progress, restore=restore)
     except BaseException:

@@ -4,7 +4,9 @@ ranks agree.
 A multi-process job is started by torch's launcher (``torchrun``, or ``cadence train --nproc N``,
 which runs it), which sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` in every worker; :func:`init_distributed` reads them and initialises the
-default process group. Without them (or with ``WORLD_SIZE=1``) the process runs alone.
+default process group. Without them (or with ``WORLD_SIZE=1``) the process runs alone. A task of
+a Slurm step of several tasks (``srun --ntasks N cadence train ...``) without them gets them from
+Slurm's environment (:mod:`cadence.cluster.slurm`).
 
 Control-plane collectives (agree to stop, save, roll back; gather small objects) run on a gloo
 process group, so they work whatever the data-plane backend is (nccl on GPUs, gloo on CPUs).
@@ -21,6 +23,10 @@ from typing import Any, Mapping, TypeVar
 import torch
 import torch.distributed as dist
 
+from cadence.cluster import slurm
+from cadence.errors import ConfigError
+from cadence.torch.runtime import heartbeat
+
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
@@ -34,7 +40,10 @@ __all__ = [
     "shutdown_distributed",
 ]
 
-_ENV_VARS = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_ENV_VARS = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What a rank of a job of several processes needs besides ``WORLD_SIZE``. ``LOCAL_RANK`` may be missing: a
+launcher that starts one process per machine (Kubernetes' PyTorchJob sets ``MASTER_ADDR``, ``MASTER_PORT``,
+``WORLD_SIZE`` and ``RANK`` only) gets local rank 0."""
 
 
 class TorchCoordinator:
@@ -122,12 +131,14 @@ def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
 
 
 def rank_env(environ: Mapping[str, str] | None = None) -> tuple[int, int, int]:
-    """``(rank, world_size, local_rank)`` from ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``.
+    """``(rank, world_size, local_rank)`` from ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; for a task
+    of a Slurm step without them, from Slurm's variables (:func:`cadence.cluster.slurm.torchrun_env`).
 
     Unset variables read as a single process: ``(0, 1, 0)``. Raises ``ValueError`` for values
     that are not integers or out of range.
     """
     env = os.environ if environ is None else environ
+    env = {**env, **slurm.torchrun_env(env)}
     world_size = _env_int(env, "WORLD_SIZE", 1)
     rank = _env_int(env, "RANK", 0)
     local_rank = _env_int(env, "LOCAL_RANK", 0)
@@ -164,7 +175,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 120.0) -> TorchCo
     """Initialise the default process group from torchrun's environment; return its coordinator.
 
     With ``WORLD_SIZE`` > 1 (and ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``
-    set, as torchrun does), sets the CUDA device to ``LOCAL_RANK`` when the backend is nccl (or
+    set, as torchrun does; a task of a Slurm step gets them from Slurm's, exported into this
+    process's environment), sets the CUDA device to ``LOCAL_RANK`` when the backend is nccl (or
     ``auto`` with CUDA available), initialises the default group with ``env://`` and a timeout of
     ``timeout_s`` seconds for its collectives, and returns a :class:`TorchCoordinator`. Without
     that environment (or ``WORLD_SIZE=1``) returns ``None``: a single process.
@@ -172,23 +184,30 @@ def init_distributed(backend: str = "auto", timeout_s: float = 120.0) -> TorchCo
     Idempotent: once the group is initialised (here or by the caller) it returns the same
     coordinator. Collective: every rank must call it.
 
+    ``LOCAL_RANK`` unset (a launcher that starts one process per machine, e.g. Kubernetes' PyTorchJob)
+    means local rank 0; it is then set to ``0`` in this process's environment, for whatever reads it.
+
     Raises:
-      RuntimeError: ``WORLD_SIZE`` > 1 but a variable is missing, or torch.distributed is not
-        available in this build of torch.
+      ConfigError: ``WORLD_SIZE`` > 1 but ``RANK``, ``MASTER_ADDR`` or ``MASTER_PORT`` is missing
+        (one line: the CLI exits 2).
+      RuntimeError: torch.distributed is not available in this build of torch.
     """
     if dist.is_available() and dist.is_initialized():
         return current_coordinator()
+    slurm.export_torchrun_env()  # a task of a Slurm step: torchrun's variables, for env:// too
     rank, world_size, local_rank = rank_env()
     if world_size <= 1:
         return None
     missing = [name for name in _ENV_VARS if not os.environ.get(name, "").strip()]
     if missing:
-        raise RuntimeError(
+        raise ConfigError(
             f"WORLD_SIZE={world_size} but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; "
             "start the processes with torchrun (or `cadence train --nproc N`), which sets them"
         )
     if not dist.is_available():
         raise RuntimeError("WORLD_SIZE > 1 but this build of torch has no torch.distributed")
+    if not os.environ.get("LOCAL_RANK", "").strip():  # one process per machine: PyTorchJob and the like
+        os.environ["LOCAL_RANK"] = str(local_rank)
     backend = resolve_backend(backend)
     if "nccl" in backend:  # nccl needs each process on its own device before the group starts
         torch.cuda.set_device(local_rank % max(torch.cuda.device_count(), 1))
@@ -198,6 +217,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 120.0) -> TorchCo
                             timeout=timeout)
     global _coordinator
     _coordinator = TorchCoordinator(timeout_s=timeout_s)
+    heartbeat.start()  # several nodes: which ranks are gone, when a collective fails
     return _coordinator
 
 
