@@ -33,7 +33,11 @@ ROOT = HERE.parent
 TASK = f"{HERE / 'goodput_task.py'}:GoodputTask"
 
 FULL = {"steps": 1000, "step_time": 0.05, "steps_per_loop": 10, "checkpoint_interval": 50, "kill_every": 20.0}
-QUICK = {"steps": 150, "step_time": 0.03, "steps_per_loop": 10, "checkpoint_interval": 20, "kill_every": 6.0}
+QUICK = {"steps": 100, "step_time": 0.03, "steps_per_loop": 10, "checkpoint_interval": 20, "kill_after_steps": 25,
+         "max_kills": 2}
+"""The smoke test's run: instead of a kill every N seconds (how many land depends on the machine's speed), a rank
+of each of the first ``max_kills`` attempts is killed once that attempt has run ``kill_after_steps`` steps: always
+two kills, each losing the steps since the attempt's last commit."""
 MAX_RESTARTS = 100
 
 
@@ -56,13 +60,27 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _newest_attempt(attempts: Path) -> int | None:
+    """torchrun's restart count of the newest attempt whose ranks have started (None before the first)."""
+    numbers = {int(p.name[7:].split("-")[0]) for p in attempts.glob("attempt*-rank*") if p.suffix != ".tmp"}
+    return max(numbers) if numbers else None
+
+
+def _steps_of(attempts: Path, attempt: int) -> int:
+    """The train steps rank 0 of ``attempt`` has run so far."""
+    try:
+        return int((attempts / f"steps{attempt}-rank0").read_text().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
 def _current_ranks(attempts: Path) -> dict[int, int]:
     """The live worker pids of the newest attempt that has started ({} while none is up)."""
-    numbers = sorted({int(p.name[7:].split("-")[0]) for p in attempts.glob("attempt*-rank*") if p.suffix != ".tmp"})
-    if not numbers:
+    newest = _newest_attempt(attempts)
+    if newest is None:
         return {}
     pids = {}
-    for path in attempts.glob(f"attempt{numbers[-1]}-rank*"):
+    for path in attempts.glob(f"attempt{newest}-rank*"):
         if path.suffix != ".tmp":
             pid = int(path.read_text())
             if _alive(pid):
@@ -86,8 +104,18 @@ def _kept_step_seconds(model_dir: Path) -> tuple[float, int]:
     return seconds, previous
 
 
-def one_run(work: Path, p: dict, kill_every: float | None, rng: random.Random) -> dict:
-    """One ``cadence train --nproc 2`` run to the end, its ranks killed every ``kill_every`` s."""
+def _kill_due(attempts: Path, p: dict, kills: list[dict], killed: set[int]) -> bool:
+    """For a run with ``kill_after_steps``: whether the newest attempt, not killed yet, has run that many steps
+    (at most ``max_kills`` kills); ``killed`` holds the attempts already killed."""
+    newest = _newest_attempt(attempts)
+    return (newest is not None and newest not in killed and len(kills) < p["max_kills"]
+            and _steps_of(attempts, newest) >= p["kill_after_steps"])
+
+
+def one_run(work: Path, p: dict, rng: random.Random, *, faults: bool = False) -> dict:
+    """One ``cadence train --nproc 2`` run to the end; with ``faults``, its ranks killed every ``kill_every`` s
+    (or, with ``kill_after_steps`` in ``p``, once each attempt has run that many steps, ``max_kills`` times)."""
+    kill_every = p.get("kill_every")
     work.mkdir(parents=True)
     attempts = work / "attempts"
     attempts.mkdir()
@@ -95,6 +123,7 @@ def one_run(work: Path, p: dict, kill_every: float | None, rng: random.Random) -
     cfg = _config(work / "config.yaml", attempts, p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200"}
     kills: list[dict] = []
+    killed: set[int] = set()
     skipped = 0
     log = work / "output.txt"
     start = time.monotonic()
@@ -103,9 +132,16 @@ def one_run(work: Path, p: dict, kill_every: float | None, rng: random.Random) -
                                  "--nproc", "2", "--no-progress", "--max-restarts", str(MAX_RESTARTS)],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
-            tick = start + kill_every if kill_every else None
+            tick = start + kill_every if faults and kill_every else None
             while proc.poll() is None:
                 now = time.monotonic()
+                if faults and "kill_after_steps" in p and _kill_due(attempts, p, kills, killed):
+                    ranks = _current_ranks(attempts)
+                    if ranks:
+                        rank = rng.choice(sorted(ranks))
+                        killed.add(_newest_attempt(attempts) or 0)
+                        os.kill(ranks[rank], signal.SIGKILL)
+                        kills.append({"t_s": round(now - start, 2), "rank": rank})
                 if tick is not None and now >= tick:
                     tick += kill_every
                     ranks = _current_ranks(attempts)
@@ -144,12 +180,12 @@ def _same_weights(a: str, b: str) -> bool:
 
 
 def run(quick: bool = False, root: str | None = None, seed: int = 0) -> dict:
-    """The run without faults, then the one with a rank killed every ``kill_every`` seconds."""
+    """The run without faults, then the one with its ranks killed (:func:`fault_text`)."""
     p = QUICK if quick else FULL
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(dir=root, prefix="cadence-goodput-") as tmp:
-        clean = one_run(Path(tmp, "clean"), p, None, rng)
-        faulty = one_run(Path(tmp, "faulty"), p, p["kill_every"], rng)
+        clean = one_run(Path(tmp, "clean"), p, rng)
+        faulty = one_run(Path(tmp, "faulty"), p, rng, faults=True)
         identical = _same_weights(clean.pop("weights"), faulty.pop("weights"))
     if not identical:
         raise RuntimeError("the run with faults did not end with the weights of the run without")
@@ -157,13 +193,20 @@ def run(quick: bool = False, root: str | None = None, seed: int = 0) -> dict:
             "clean": clean, "faulty": faulty, "goodput_ratio": faulty["goodput"] / clean["goodput"]}
 
 
+def fault_text(r: dict) -> str:
+    """When the faulty run's ranks are killed: ``a rank killed every 20 s``."""
+    if "kill_after_steps" in r:
+        return f"a rank killed after {r['kill_after_steps']} steps, {r['max_kills']} times"
+    return f"a rank killed every {r['kill_every']:g} s"
+
+
 def markdown_lines(r: dict) -> list[str]:
     lines = [(f"## Goodput under failures ({r['ranks']} ranks, gloo, CPU; {r['steps']} steps of {r['step_time'] * 1000:.0f} ms, "
-              f"a checkpoint every {r['checkpoint_interval']} steps; a random rank SIGKILLed every {r['kill_every']:g} s, "
+              f"a checkpoint every {r['checkpoint_interval']} steps; {fault_text(r)} (a random one, SIGKILL), "
               f"--max-restarts {r['max_restarts']}{', quick' if r.get('quick') else ''})\n"),
              "| run | wall s | kills | restarts | steps run | lost steps | kept-step time s | lost-step time s | "
              "other s | goodput |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, key in (("no faults", "clean"), (f"a rank killed every {r['kill_every']:g} s", "faulty")):
+    for name, key in (("no faults", "clean"), (fault_text(r), "faulty")):
         x = r[key]
         lines.append(f"| {name} | {x['wall_s']:.1f} | {len(x['kills'])} | {x['restarts']} | {x['steps_run']} | "
                      f"{x['lost_steps']} | {x['kept_step_s']:.1f} | {x['lost_step_s']:.1f} | {x['other_s']:.1f} | "

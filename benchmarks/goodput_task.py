@@ -5,6 +5,7 @@ which processes run the current attempt and how many steps each attempt ran."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -41,16 +42,23 @@ class GoodputTask(Task):
         return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def build_inputs(self, split, ctx):
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        name = f"attempt{attempt}-rank{ctx.rank}"
-        self._fd = os.open(self.attempt_dir / f"steps{name[7:]}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        tmp = self.attempt_dir / f"{name}.tmp"
-        tmp.write_text(str(os.getpid()))
-        tmp.replace(self.attempt_dir / name)
+        self._fd = os.open(self._announce(ctx), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         return ResumableLoader(self.data, self.batch_size, seed=ctx.seed, rank=ctx.rank, world_size=ctx.world_size,
                                drop_last=True)
 
+    def _announce(self, ctx) -> Path:
+        """Write this worker's attempt file; the path of its steps file."""
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        name = f"attempt{attempt}-rank{ctx.rank}"
+        _write(self.attempt_dir / name, str(os.getpid()))
+        return self.attempt_dir / f"steps{name[7:]}"
+
+    def _first_step_done(self) -> None:
+        """Called once, when this worker's first train step has ended."""
+
     def train_step(self, model, batch):
+        if self.steps == 1:
+            self._first_step_done()
         time.sleep(self.step_time)
         self.steps += 1
         if self._fd is not None:
@@ -61,3 +69,35 @@ class GoodputTask(Task):
     def validation_step(self, model, batch):
         x, y = batch
         return {"loss": F.cross_entropy(model(x), y)}
+
+
+class NodeGoodputTask(GoodputTask):
+    """GoodputTask for the two-node run (``benchmarks/goodput_nodes.py``). A lost node's agent comes back with
+    restart count 0, so each worker's files are named by its node and pid (``n<N>-p<P>``): ``worker-n<N>-p<P>.json``
+    (``{"node", "rank", "pid", "started"}``, ``started``: the wall-clock time its process started) written when
+    it builds its data, ``steps-n<N>-p<P>`` as GoodputTask's, and ``first-n<N>-p<P>``: the wall-clock time
+    its first train step ended."""
+
+    def _announce(self, ctx) -> Path:
+        self._name = f"n{os.environ.get('CADENCE_NODE_RANK', '0')}-p{os.getpid()}"
+        _write(self.attempt_dir / f"worker-{self._name}.json",
+               json.dumps({"node": int(self._name[1:].split("-")[0]), "rank": ctx.rank, "pid": os.getpid(),
+                           "started": _process_started()}))
+        return self.attempt_dir / f"steps-{self._name}"
+
+    def _first_step_done(self) -> None:
+        _write(self.attempt_dir / f"first-{self._name}", repr(time.time()))
+
+
+def _write(path: Path, text: str) -> None:
+    """``text`` into ``path``, which a reader never sees half-written."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _process_started() -> float:
+    """The wall-clock time this process started (``/proc/self/stat``'s start time, against ``/proc/uptime``)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+    return time.time() - (float(Path("/proc/uptime").read_text().split()[0]) - started)

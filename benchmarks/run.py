@@ -1,11 +1,12 @@
 """``make bench``: run every benchmark, write ``results/latest.json`` and ``results/latest.md``.
 
-    python benchmarks/run.py [--only loop,checkpoint,sharded,sidecar,resume,goodput,profiler,throughput,ema,compile] [--quick]
+    python benchmarks/run.py [--quick]
+        [--only loop,checkpoint,sharded,sidecar,resume,goodput,goodput_nodes,profiler,throughput,ema,compile]
 
 ``--only`` updates those entries of ``latest.json`` and keeps the others. ``--quick`` runs the
 benchmarks that have a quick mode (the checkpoint one: two tiny sizes, one repeat, every load
-checked; the sharded one: a 6 MiB state on 1, 2 and 3 ranks; goodput: 150 steps with and without
-kills) as a smoke test in about two minutes,
+checked; the sharded one: a 6 MiB state on 1, 2 and 3 ranks; goodput: 100 steps with and without
+kills; goodput_nodes: 40 steps on two nodes, with and without a node lost) as a smoke test in a few minutes,
 and writes ``results/quick.json`` and ``results/quick.md`` instead, so ``latest`` keeps the real
 measurements. A full run of ``sharded`` also writes its own ``results/sharded_checkpoint.*``.
 """
@@ -27,6 +28,7 @@ import checkpoint_throughput  # noqa: E402
 import compile_speed  # noqa: E402
 import ema_overhead  # noqa: E402
 import goodput  # noqa: E402
+import goodput_nodes  # noqa: E402
 import loop_overhead  # noqa: E402
 import profiler_overhead  # noqa: E402
 import resume_cost  # noqa: E402
@@ -41,7 +43,8 @@ BENCHMARKS = {
     "sharded": sharded_checkpoint.run,
     "sidecar": sidecar_latency.run,
     "resume": resume_cost.run,
-    "goodput": goodput.run,  # 2 ranks killed every N s vs. no faults (--quick: 150 steps)
+    "goodput": goodput.run,  # 2 ranks killed every N s vs. no faults (--quick: 100 steps)
+    "goodput_nodes": goodput_nodes.run,  # 2 nodes, node 1 lost every N s vs. no faults (--quick: once)
     "compile": compile_speed.run,  # charlm eager vs. trainer.compile (inductor, CPU); --quick: aot_eager
     "profiler": profiler_overhead.run,  # the loop with the profiler outside its window vs. none
     "throughput": throughput_overhead.run,  # the loop logging samples/s, tokens/s, MFU vs. not
@@ -56,6 +59,7 @@ MARKDOWN = {
     "sidecar": sidecar_latency.markdown_lines,
     "resume": resume_cost.markdown_lines,
     "goodput": goodput.markdown_lines,
+    "goodput_nodes": goodput_nodes.markdown_lines,
     "compile": compile_speed.markdown_lines,
     "profiler": profiler_overhead.markdown_lines,
     "throughput": throughput_overhead.markdown_lines,

@@ -34,9 +34,9 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-FAST_RDZV = ("--rdzv-conf", "keep_alive_interval=2,keep_alive_max_attempt=2")
+FAST_RDZV = ("--rdzv-conf", "keep_alive_interval=2,keep_alive_max_attempt=3")
 """Rendezvous settings for a test that loses a node (``extra=FAST_RDZV``): the lost node's agent is dropped
-from the rendezvous after about 4 s instead of torch's 15 (5 s x 3), so that the node coming back is admitted
+from the rendezvous after about 6 s instead of torch's 15 (5 s x 3), so that the node coming back is admitted
 sooner."""
 
 

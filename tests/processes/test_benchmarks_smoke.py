@@ -69,8 +69,8 @@ def test_sharded_checkpoint_benchmark_quick(tmp_path, monkeypatch):
 
 def test_goodput_benchmark_quick(tmp_path, monkeypatch):
     """The goodput benchmark's quick mode: a 2-rank run without faults and one whose ranks are
-    SIGKILLed every few seconds both finish, with bit-identical weights (checked by the benchmark),
-    and the table renders."""
+    SIGKILLed twice (each time its attempt has run 25 steps) both finish, with bit-identical weights
+    (checked by the benchmark), and the table renders."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import goodput
 
@@ -78,13 +78,38 @@ def test_goodput_benchmark_quick(tmp_path, monkeypatch):
         result = goodput.run(quick=True, root=str(tmp_path))
     clean, faulty = result["clean"], result["faulty"]
     assert result["identical_weights"] and clean["restarts"] == 0 and clean["lost_steps"] == 0
-    assert faulty["kills"] and faulty["restarts"] == len(faulty["kills"])
+    assert len(faulty["kills"]) == 2 and faulty["restarts"] == 2 and faulty["lost_steps"] > 0
     assert clean["steps_kept"] == faulty["steps_kept"] == result["steps"] <= faulty["steps_run"]
     assert 0 < faulty["goodput"] < clean["goodput"] < 1
     assert list(tmp_path.iterdir()) == []  # the runs' directories were deleted
     text = "\n".join(goodput.markdown_lines(result))
-    assert "## Goodput under failures" in text and "| a rank killed every 6 s |" in text
+    assert "## Goodput under failures" in text and "| a rank killed after 25 steps, 2 times |" in text
     spec = importlib.util.spec_from_file_location("cadence_benchmarks_run", BENCHMARKS / "run.py")
     bench_run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_run)
     assert bench_run.BENCHMARKS["goodput"] is goodput.run  # part of `make bench`
+
+
+def test_goodput_nodes_benchmark_quick(tmp_path, monkeypatch):
+    """The node-loss goodput benchmark's quick mode: a two-node job (one rank per node) without faults and
+    one whose node 1 is lost once (SIGKILL to its agent's process group and worker) and started again both
+    finish, with bit-identical weights (checked by the benchmark), and the table renders."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import goodput_nodes
+
+    with forking_children():  # its cadence processes forked from the tests' zygote
+        result = goodput_nodes.run(quick=True, root=str(tmp_path))
+    clean, (faulty,) = result["clean"], result["faulty"]
+    assert result["identical_weights"] and clean["kills"] == [] and clean["lost_steps"] == 0
+    (kill,) = faulty["kills"]
+    assert faulty["attempts"] >= 2 and faulty["lost_steps"] > 0
+    assert 0 < kill["stop_s"] < kill["recover_s"] and kill["rendezvous_s"] > 0 and kill["start_s"] > 0
+    assert clean["steps_kept"] == faulty["steps_kept"] == result["steps"] < faulty["steps_run"]
+    assert list(tmp_path.iterdir()) == []  # the runs' directories were deleted
+    text = "\n".join(goodput_nodes.markdown_lines(result))
+    assert "## Goodput under node loss" in text and "| node 1 lost after 15 steps, 1 time(s), keep-alive 1 s x 4 |" in text
+    assert "82.3% of steps committed with a failure every 60 s" in text
+    spec = importlib.util.spec_from_file_location("cadence_benchmarks_run", BENCHMARKS / "run.py")
+    bench_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_run)
+    assert bench_run.BENCHMARKS["goodput_nodes"] is goodput_nodes.run  # part of `make bench`

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from cadence.checkpoint.files import MemoryWriter
+from cadence.errors import ConfigError
 from cadence.runtime.coordination import LocalCoordinator
 from cadence.torch import Context, ResumableLoader, ResumableSampler, TorchTrainer
 from cadence.torch.runtime.rng import seed_everything
@@ -75,7 +76,7 @@ def test_init_distributed_names_the_missing_variables(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    with pytest.raises(RuntimeError, match="MASTER_ADDR, MASTER_PORT are not set"):
+    with pytest.raises(ConfigError, match="MASTER_ADDR, MASTER_PORT are not set"):
         init_distributed()
     assert not torch.distributed.is_initialized()
 

@@ -354,8 +354,8 @@ def test_a_missing_extra_is_one_line_naming_it(tmp_path):
     assert not list((tmp_path / "run").glob("checkpoints/ckpt-*"))
 
 
-def test_two_ranks_only_the_chief_logs(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_two_ranks_only_the_chief_logs(tmp_path, pipeline):
+    uri = pipeline.uri  # the module's store, already created (an experiment of its own here)
     config = _config(tmp_path, {"mlflow": {"tracking_uri": uri, "experiment": "ranks"}}, seed=1)
     proc = run_cadence("train", str(config), "--model-dir", str(tmp_path / "run"), "--nproc", "2", "--no-progress",
                        env=_env(tmp_path), cwd=tmp_path, timeout=240)
