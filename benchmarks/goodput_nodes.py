@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from goodput import _kept_step_seconds, _same_weights
+from goodput import _config, _kept_step_seconds, _same_weights
 from results_file import write_results
 
 HERE = Path(__file__).resolve().parent
@@ -72,17 +72,6 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def _config(path: Path, attempts: Path, p: dict) -> Path:
-    import yaml
-
-    cfg = {"task": {"class": TASK, "params": {"attempt_dir": str(attempts), "step_time": p["step_time"]}},
-           "trainer": {"train_steps": p["steps"], "steps_per_loop": p["steps_per_loop"],
-                       "checkpoint_interval": p["checkpoint_interval"], "in_process_validation": False,
-                       "max_to_keep": 2, "seed": 1}}
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 def _start_node(node: int, cfg: Path, model_dir: Path, port: int, rdzv_conf: str | None, out: IO[Any],
@@ -141,7 +130,7 @@ def one_run(work: Path, p: dict, rdzv_conf: str | None = None, *, faults: bool =
     attempts = work / "attempts"
     attempts.mkdir()
     model_dir = work / "run"
-    cfg = _config(work / "config.yaml", attempts, p)
+    cfg = _config(work / "config.yaml", attempts, p, TASK)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200"}
     port = _free_port()
     kills: list[dict] = []

@@ -89,6 +89,14 @@ class Nodes:
         stop_nodes(list(self.procs.values()), sorted(self.workers))
 
 
+def ended(proc: subprocess.Popen, timeout: float, output) -> int:
+    """``proc``'s exit status; fails with the tail of ``output()`` when it has not ended within ``timeout`` s."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout} s:\n{output()[-6000:]}")
+
+
 def sidecar(cfg: Path, model_dir: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """``cadence evaluate CFG --model-dir MODEL_DIR --continuous``, a third process, its output in ``log``."""
     with open(log, "w") as out:
@@ -110,7 +118,7 @@ def test_two_nodes_train_as_one_and_a_finished_node_does_not_wait_for_a_dead_pee
         ranks = nodes.ranks(0)
         os.kill(ranks[1]["agent"], signal.SIGSTOP)
         nodes.wait_for("both workers to end", lambda: not any(alive(r["pid"]) for r in ranks.values()))
-        assert nodes.procs[0].wait(timeout=30) == 0, nodes.output(0)[-5000:]  # not 300 s
+        assert ended(nodes.procs[0], 30, lambda: nodes.output(0)) == 0, nodes.output(0)[-5000:]  # not 300 s
         assert nodes.procs[1].poll() is None  # node 1 never finished: its agent is stopped
         assert evaluator.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
@@ -146,8 +154,8 @@ def test_a_lost_node_comes_back_and_the_job_ends_bit_identical_on_s3(tmp_path, r
         nodes.wait_for("a first commit", lambda: committed())
         kill_node(nodes.procs[1], [ranks[1]["pid"]])
         nodes.start(1)
-        assert nodes.procs[0].wait(timeout=180) == 0, nodes.output(0)[-6000:]
-        assert nodes.procs[1].wait(timeout=60) == 0, nodes.output(1)[-6000:]
+        assert ended(nodes.procs[0], 180, lambda: nodes.output(0)) == 0, nodes.output(0)[-6000:]
+        assert ended(nodes.procs[1], 120, lambda: nodes.output(1)) == 0, nodes.output(1)[-6000:]
         assert evaluator.wait(timeout=120) == 0, log.read_text()[-3000:]
         assert os.path.exists(nodes.attempts / "attempt1-node0.json")  # node 0 restarted its worker
     finally:

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 
 from cli_run import ENV, popen, run_cadence
 from configs import write_config
+from multinode import free_port, listening
 
 
 def _unshare_works() -> str | None:
@@ -35,18 +35,6 @@ def _unshare_works() -> str | None:
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"unshare -m failed: {e}"
     return None if proc.returncode == 0 else f"needs root to bind-mount in a mount namespace: {proc.stderr.strip()}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -78,7 +66,7 @@ def test_nodes_with_different_disks_at_the_model_dirs_path_exit_2_before_any_ste
     saved = _files(model_dir)
     assert "checkpoints/ckpt-8/MANIFEST.json" in saved and "train/metrics.jsonl" in saved
 
-    port = _free_port()
+    port = free_port()
     node = ["-m", "cadence", "train", str(config), "--model-dir", str(model_dir), "--nproc", "1", "--nnodes", "2",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--no-progress", "--node-rank"]
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
@@ -87,7 +75,7 @@ def test_nodes_with_different_disks_at_the_model_dirs_path_exit_2_before_any_ste
         with open(logs[0], "w") as log:  # node 0 first: it hosts the rendezvous store
             procs.append(popen([*node, "0"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + 60
-        while not _listening(port):
+        while not listening(port):
             assert procs[0].poll() is None and time.monotonic() < deadline, logs[0].read_text()
             time.sleep(0.05)
         # node 1: a fresh interpreter (the test's fork server runs in this mount namespace), and its ranks too

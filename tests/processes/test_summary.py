@@ -108,6 +108,20 @@ def test_append_across_writers(tmp_path: Path) -> None:
     assert scalars(tmp_path)["loss"] == [(1, 1.0), (2, 0.5), (3, 0.25)]
 
 
+def test_event_files_of_one_process_sort_in_the_order_they_were_opened(tmp_path: Path) -> None:
+    """tensorboard names a file ``...tfevents.<second>.<host>.<pid>.<n>`` with an unpadded per-process ``n``:
+    readers take files in name order, and ``.9`` sorts after ``.10``. Writers opened one after the other get
+    files of different seconds, whose names sort in the order of creation."""
+    for step in range(3):
+        with SummaryWriter(tmp_path, purge_step=step if step else None) as w:
+            w.write(step, {"loss": float(step)})
+    names = [p.name for p in tmp_path.glob("events.out.tfevents.*")]
+    created = sorted(names, key=lambda name: int(name.rsplit(".", 1)[1]))  # the counter: the order of creation
+    assert sorted(names) == created
+    assert len({name.split(".")[3] for name in names}) == 3  # three different seconds
+    assert scalars(tmp_path)["loss"] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+
+
 def test_truncated_last_line_is_skipped(tmp_path: Path) -> None:
     with SummaryWriter(tmp_path) as w:
         w.write(1, {"loss": 1.0})

@@ -60,6 +60,33 @@ def _split_url(path: str) -> tuple[str | None, str]:
 _EVENTS_PREFIX = "events.out.tfevents."
 
 
+_LAST_EVENT_FILE_SECOND: dict[str, int] = {}
+_EVENT_FILE_LOCK = threading.Lock()
+
+
+def _new_event_file_writer(directory: str, logdir: str) -> Any:
+    """tensorboard's ``EventFileWriter`` on a new file of ``directory`` (``logdir``'s, or the local folder its
+    file is written in before the upload), never in the same wall-clock second as the previous one this process
+    opened for ``logdir``.
+
+    Its file name is ``events.out.tfevents.<second>.<host>.<pid>.<n>`` with ``n`` a per-process counter that is
+    not zero-padded, and readers (TensorBoard's, cadence's) take a run's files in name order: two files of one
+    logdir opened in one second by one process sort wrong once ``n`` passes a power of ten (``.9`` after
+    ``.10``), so a resumed run's purge marker could be read before the events it purges. Waiting for the next
+    second (only a process that closes and reopens a writer of the same logdir within one second does) keeps
+    name order the order of creation."""
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    with _EVENT_FILE_LOCK:
+        last = _LAST_EVENT_FILE_SECOND.get(logdir, -1)
+        now = time.time()
+        if int(now) <= last:
+            time.sleep(last + 1 - now)
+        writer = EventFileWriter(directory)
+        _LAST_EVENT_FILE_SECOND[logdir] = int(time.time())
+    return writer
+
+
 def _has_event_files(path: str) -> bool:
     try:
         return any(name.startswith(_EVENTS_PREFIX) for name in os.listdir(path))
@@ -233,17 +260,15 @@ class SummaryWriter:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         if self._events is None:
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
             if self._protocol is None:
                 restart = self._purge_step is not None and _has_event_files(self._path)
-                self._events = EventFileWriter(self._path)
+                self._events = _new_event_file_writer(self._path, self._path)
             else:  # written locally, uploaded by flush() and close()
                 remote = self._remote_storage()
                 restart = self._purge_step is not None and any(
                     name.startswith(_EVENTS_PREFIX) for name in remote.listdir(remote.root))
                 self._stage = tempfile.mkdtemp(prefix="cadence-events-")
-                self._events = EventFileWriter(self._stage)
+                self._events = _new_event_file_writer(self._stage, self._path)
             if restart:  # before any new event: the reader purges the steps >= purge_step seen so far
                 start = SessionLog(status=SessionLog.START)
                 self._events.add_event(Event(wall_time=wall_time, step=self._purge_step, session_log=start))
