@@ -24,9 +24,11 @@ def check_model_dir(model_dir: str, *, must_exist: bool = False) -> str:
     storage = Storage(model_dir)
     if storage.isdir(storage.root):
         return model_dir
-    if storage.exists(storage.root):
+    # isfile, not exists: on an object store a directory that another process (a sidecar, another node) starts
+    # writing between the two calls exists by then, and is still no file
+    if storage.isfile(storage.root):
         raise ConfigError(f"model dir is a file, not a directory: {model_dir}")
-    if must_exist:
+    if must_exist and not storage.exists(storage.root):
         raise ConfigError(f"model dir not found: {model_dir}")
     return model_dir
 

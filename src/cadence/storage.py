@@ -109,6 +109,9 @@ class Storage:
     def isdir(self, path: str) -> bool:
         return bool(self.fs.isdir(path))
 
+    def isfile(self, path: str) -> bool:
+        return bool(self.fs.isfile(path))
+
     def link_under(self, path: str, top: str | None = None) -> str | None:
         """The first symbolic link on the way down from ``top`` (default :attr:`root`) to ``path``.
 

@@ -25,10 +25,11 @@ STEP_SLEEP = 0.05  # 24 steps: over a second of training, so that a test can act
 EVALUATED = [(step, "evaluated") for step in (8, 16, 24)]
 
 
-def config(tmp_path: Path, *, step_sleep: float = STEP_SLEEP, steps: int = STEPS) -> Path:
+def config(tmp_path: Path, *, step_sleep: float = STEP_SLEEP, steps: int = STEPS, hold_after: int | None = None) -> Path:
     (tmp_path / "attempts").mkdir(parents=True, exist_ok=True)
     return write_config(tmp_path, "multinode_tasks.py:NodeTask",
-                        params={"n": 256, "attempt_dir": str(tmp_path / "attempts"), "step_sleep": step_sleep},
+                        params={"n": 256, "attempt_dir": str(tmp_path / "attempts"), "step_sleep": step_sleep,
+                                "hold_after": hold_after},
                         trainer={"train_steps": steps, "steps_per_loop": 4, "checkpoint_interval": 8,
                                  "in_process_validation": False, "max_to_keep": None, "seed": 1},
                         sidecar={"mode": "every", "poll_interval": 0.05, "timeout": 120})
@@ -140,7 +141,7 @@ def test_a_lost_node_comes_back_and_the_job_ends_bit_identical_on_s3(tmp_path, r
     from safetensors.torch import load as load_safetensors
 
     url = f"s3://{s3_server.bucket()}/run"
-    cfg = config(tmp_path)
+    cfg = config(tmp_path, hold_after=8)  # the first workers wait after step 8 (committed) until released
     log = tmp_path / "sidecar.txt"
     evaluator = sidecar(cfg, url, log, env=s3_server.env())
     fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
@@ -152,7 +153,8 @@ def test_a_lost_node_comes_back_and_the_job_ends_bit_identical_on_s3(tmp_path, r
     try:
         ranks = nodes.ranks(0)
         nodes.wait_for("a first commit", lambda: committed())
-        kill_node(nodes.procs[1], [ranks[1]["pid"]])
+        kill_node(nodes.procs[1], [ranks[1]["pid"]])  # mid-run: both first workers hold at step 9
+        (nodes.attempts / "release").touch()
         nodes.start(1)
         assert ended(nodes.procs[0], 180, lambda: nodes.output(0)) == 0, nodes.output(0)[-6000:]
         assert ended(nodes.procs[1], 120, lambda: nodes.output(1)) == 0, nodes.output(1)[-6000:]
