@@ -48,11 +48,10 @@ def record_lost_nodes(exc: BaseException) -> bool:
     elsewhere = [p for p in silent if p.node != here.node]
     if not elsewhere:
         return False
-    nodes = _nodes([{"rank": p.rank, "node": p.node, "host": p.host} for p in elsewhere])
-    logger.error("rank %d: %s stopped answering (no heartbeat for %g s)", here.rank, _describe(nodes),
+    lost = [{"rank": p.rank, "node": p.node, "host": p.host} for p in elsewhere]
+    logger.error("rank %d: %s stopped answering (no heartbeat for %g s)", here.rank, _describe(_nodes(lost)),
                  heartbeat.SILENT_S)
-    finding = {"pid": os.getpid(), "silent_s": heartbeat.SILENT_S,
-               "lost": [{"rank": p.rank, "node": p.node, "host": p.host} for p in elsewhere]}
+    finding = {"pid": os.getpid(), "silent_s": heartbeat.SILENT_S, "lost": lost}
     try:
         with open(path, "x") as f:  # the first finding of this node stands
             json.dump(finding, f)
