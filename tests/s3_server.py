@@ -34,7 +34,17 @@ from moto.server import MotoRequestHandler
 from werkzeug.serving import make_server
 fd, port = int(sys.argv[1]), sys.argv[2]
 os.environ["MOTO_PORT"] = port
-app = DomainDispatcherApplication(create_backend_app)
+import threading
+dispatcher = DomainDispatcherApplication(create_backend_app)
+conditional = threading.Lock()
+def app(environ, start_response):
+    # moto checks a write's If-None-Match / If-Match and then writes, in two steps: of racing
+    # conditional writes of one key, several could pass the check. S3 decides them atomically, so
+    # conditional writes are served one at a time here (the rest stays threaded).
+    if "HTTP_IF_NONE_MATCH" in environ or "HTTP_IF_MATCH" in environ:
+        with conditional:
+            return list(dispatcher(environ, start_response))
+    return dispatcher(environ, start_response)
 make_server("127.0.0.1", int(port), app, threaded=True, request_handler=MotoRequestHandler, fd=fd).serve_forever()
 """
 

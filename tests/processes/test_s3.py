@@ -248,7 +248,8 @@ def test_sidecar_process_and_a_second_trainer_refused_by_the_writer_lease(tmp_pa
                                                                           s3_server: S3Server) -> None:
     config = write_config(tmp_path, task={"params": {"n": 256, "step_sleep": 0.15}},
                           trainer={"train_steps": 24, "checkpoint_interval": 4, "validation_interval": None},
-                          sidecar={"mode": "every", "poll_interval": 0.1, "timeout": 120})
+                          sidecar={"mode": "every", "poll_interval": 0.1, "timeout": 120},
+                          checkpoint={"async_save": False})  # saves paced as the retention check below assumes
     launch = popen(["-m", "cadence", "launch", str(config), "--sidecar", "--model-dir", url],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**ENV, **s3_server.env(), "COLUMNS": "200"})
@@ -274,7 +275,10 @@ def test_sidecar_process_and_a_second_trainer_refused_by_the_writer_lease(tmp_pa
                .decode().splitlines()]
     assert [r["step"] for r in records if r["status"] == "evaluated"] == list(range(4, 25, 4))  # every one, leased
     assert [r["step"] for r in read_metrics(f"{url}/eval")] == list(range(4, 25, 4))
-    assert CheckpointManager(f"{url}/checkpoints", writer=False).steps() == [20, 24]  # retention went on
+    # Retention went on (max_to_keep 2); a checkpoint the sidecar had not read yet at the last commits stays
+    # (its reader's lease): on a loaded machine the sidecar may lag a few checkpoints behind.
+    kept = CheckpointManager(f"{url}/checkpoints", writer=False).steps()
+    assert kept[-2:] == [20, 24] and len(kept) < 6, kept
     assert CheckpointManager(f"{url}/best", writer=False).steps()
 
 

@@ -47,3 +47,29 @@ def test_the_agent_is_built_with_a_bounded_exit_barrier(monkeypatch):
     assert issubclass(agent, torch_agent) and agent.__mro__[1] is torch_agent
     agent(spec=None)
     assert seen == {"spec": None, "exit_barrier_timeout": 5.0}
+
+
+def test_the_rendezvous_names_its_events_as_before_without_inspecting_the_stack(monkeypatch):
+    """torch's get_method_name (inspect.stack() twice per rendezvous operation) is replaced by one that
+    reads the frame: the same names, and no stack inspection."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from cadence.cli.torchrun_agent import name_rendezvous_events_cheaply
+
+    torch_version = dynamic_rendezvous.get_method_name
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", torch_version)
+
+    def record(depth=2):
+        return dynamic_rendezvous.get_method_name(depth)
+
+    def join_rendezvous(depth=2):
+        return record(depth)
+
+    expected = [join_rendezvous(), join_rendezvous(1), join_rendezvous(3), join_rendezvous(500)]
+    assert expected[:2] == ["join_rendezvous", "record"] and expected[3] == "no_method_name"
+    name_rendezvous_events_cheaply()
+    assert dynamic_rendezvous.get_method_name is not torch_version
+    monkeypatch.setattr(inspect, "stack", lambda *a: (_ for _ in ()).throw(AssertionError("inspect.stack() called")))
+    assert [join_rendezvous(), join_rendezvous(1), join_rendezvous(3), join_rendezvous(500)] == expected
