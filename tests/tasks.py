@@ -84,6 +84,30 @@ class TinyTask(Task):
         return {"loss": F.cross_entropy(logits, y), "accuracy": (logits.argmax(1) == y).float().mean()}
 
 
+class SlowStagingTask(TinyTask):
+    """TinyTask whose asynchronous saves copy slowly: in the process that builds it, every pipelined
+    snapshot's copy (a sharded write's staging, and each tensor's copy of a file checkpoint) first
+    waits ``staging_delay`` seconds, so that training reaches its next optimizer step with the copy in
+    flight."""
+
+    def __init__(self, staging_delay: float = 0.3, **kwargs) -> None:
+        super().__init__(**kwargs)
+        from cadence.torch.checkpoint_io import pipelined, shard_writes
+
+        stage, copy = shard_writes.ShardWrites._stage, pipelined.copy_tensor
+
+        def slow_stage(self, state):
+            time.sleep(staging_delay)
+            return stage(self, state)
+
+        def slow_copy(t, into=None):
+            time.sleep(staging_delay / 10)
+            return copy(t, into)
+
+        shard_writes.ShardWrites._stage = slow_stage
+        pipelined.copy_tensor = slow_copy
+
+
 class NoExampleTask(TinyTask):
     """TinyTask without example inputs (the Task default raises NotImplementedError)."""
 

@@ -61,12 +61,21 @@ def test_fsdp_trains_evaluates_and_checkpoints_the_same_weights_as_ddp(tmp_path,
 
 
 def test_an_fsdp_run_resumed_from_a_checkpoint_ends_bit_identical(tmp_path):
-    config = write_config(tmp_path, params={"n": 256}, trainer={"train_steps": 40, "strategy": "fsdp"})
+    """Also with pipelined asynchronous saves whose copy is still in flight at the next optimizer step
+    (slowed down): their checkpoints are the synchronous run's, bit for bit."""
+    trainer = {"train_steps": 40, "strategy": "fsdp"}
+    config = write_config(tmp_path, params={"n": 256}, trainer=trainer)
+    pipelined = write_config(tmp_path, "SlowStagingTask", name="pipelined.yaml", params={"n": 256}, trainer=trainer,
+                             checkpoint={"async_save": True})
     train(config, tmp_path / "straight")
     run = tmp_path / "run"
-    train(config, run, "trainer.train_steps=20")
+    train(pipelined, run, "trainer.train_steps=20")
     assert json.loads((run / "checkpoints" / "FINAL").read_text())["step"] == 20
-    train(config, run)
+    for step in (8, 16):  # saved while training went on
+        for shard in ("__0_0.distcp", "__1_0.distcp"):
+            path = f"checkpoints/ckpt-{step}/{shard}"
+            assert (run / path).read_bytes() == (tmp_path / "straight" / path).read_bytes(), path
+    train(pipelined, run)
     assert same_weights(weights(run, 40), weights(tmp_path / "straight", 40))
     # the optimizer's shards too: every rank's file holds the same bytes as the uninterrupted run's
     for shard in ("__0_0.distcp", "__1_0.distcp"):

@@ -358,8 +358,12 @@ def test_an_ema_run_resumed_from_a_checkpoint_ends_bit_identical(reference, tmp_
     assert evals(model_dir)[STEPS] == evals(reference)[STEPS]
 
 
-def test_a_run_killed_with_sigkill_after_an_asynchronous_save_resumes_bit_identical(reference, tmp_path):
-    config_file = write_config(tmp_path, "checkpoint.async_save=true")
+def test_a_run_killed_with_sigkill_during_a_pipelined_save_resumes_bit_identical(reference, tmp_path):
+    """Pipelined asynchronous saves whose copy is slowed down (each tensor's copy waits 30 ms first:
+    the copy of step 8's state is still in flight at the next optimizer steps, training waits for it
+    there); the run is killed while step 16's copy is in flight."""
+    config_file = write_config(tmp_path, "checkpoint.async_save=true", f"task.class={TASKS}:SlowStagingTask",
+                               "task.params.staging_delay=0.3")
     model_dir = tmp_path / "run"
     job = popen(
         ["-m", "cadence", "train", str(config_file), "--model-dir", str(model_dir), "--no-progress",
@@ -367,16 +371,14 @@ def test_a_run_killed_with_sigkill_after_an_asynchronous_save_resumes_bit_identi
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     try:
-        manifest = ckpt(model_dir, 8) / "MANIFEST.json"
         deadline = time.monotonic() + 60
-        while not manifest.exists():
-            assert job.poll() is None and time.monotonic() < deadline, "no first checkpoint"
-            time.sleep(0.01)
-        time.sleep(0.1)  # a step or two past it: lost, and redone
+        while not list((model_dir / "checkpoints").glob("ckpt-16.tmp-*")):  # step 16's commit has begun
+            assert job.poll() is None and time.monotonic() < deadline, "no save at step 16"
+            time.sleep(0.005)
     finally:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait(timeout=30)
-    assert not (ckpt(model_dir, STEPS) / "MANIFEST.json").exists()
+    assert (ckpt(model_dir, 8) / "MANIFEST.json").exists() and not ckpt(model_dir, 16).exists()
     # the asynchronous save captured the EMA of its step
     assert (ckpt(model_dir, 8) / "ema.safetensors").read_bytes() == (ckpt(reference, 8) / "ema.safetensors").read_bytes()
     run_training(config(model_dir, "checkpoint.async_save=true"), progress=False)

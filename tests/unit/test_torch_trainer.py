@@ -509,12 +509,19 @@ def test_snapshot_for_an_async_save_is_the_state_at_snapshot_time():
     assert restored.lr_scheduler.state_dict() == fresh.lr_scheduler.state_dict()
 
 
+def copied(snapshot):
+    """``snapshot`` once its pipelined copy is done (its tensors are then the copies)."""
+    if snapshot.copied is not None:
+        snapshot.copied.result()
+    return snapshot
+
+
 def test_successive_snapshots_reuse_the_written_ones_buffers_and_never_an_unwritten_one():
     trainer, _ = make(Regression(dropout=0.0))
     trainer.train(1)
-    first = trainer.snapshot_checkpoint()
+    first = copied(trainer.snapshot_checkpoint())
     trainer.train(1)
-    second = trainer.snapshot_checkpoint()  # the first is not written yet: its tensors are not touched
+    second = copied(trainer.snapshot_checkpoint())  # the first is not written yet: its tensors are not touched
     first_weight = first.model.tensors["0.weight"]
     assert second.model.tensors["0.weight"].data_ptr() != first_weight.data_ptr()
     expected = MemoryWriter(1)
@@ -522,7 +529,7 @@ def test_successive_snapshots_reuse_the_written_ones_buffers_and_never_an_unwrit
     assert first.written
     second.save_checkpoint(MemoryWriter(2))
     trainer.train(1)
-    third = trainer.snapshot_checkpoint()  # the second was written: its buffers are reused
+    third = copied(trainer.snapshot_checkpoint())  # the second was written: its buffers are reused
     assert third.model.tensors["0.weight"].data_ptr() == second.model.tensors["0.weight"].data_ptr()
     moment = third.torch_state["optimizer"]["state"][0]["exp_avg"]
     assert moment.data_ptr() == second.torch_state["optimizer"]["state"][0]["exp_avg"].data_ptr()

@@ -19,13 +19,16 @@ import json
 import math
 import struct
 import warnings
-from typing import IO, Any, Mapping
+from typing import IO, TYPE_CHECKING, Any, Container, Mapping
 
 import safetensors.torch
 import torch
 
 from cadence.errors import CheckpointError
 from cadence.torch.checkpoint_io.staging import copy_tensor
+
+if TYPE_CHECKING:
+    from cadence.torch.checkpoint_io.pipelined import CopyJobs
 
 __all__ = ["ALIASES_KEY", "SafetensorsPayload", "safetensors_metadata", "safetensors_views", "state_dict_from_safetensors",
            "state_dict_to_safetensors"]
@@ -70,17 +73,24 @@ class SafetensorsPayload:
         *,
         copy: bool = False,
         reuse: SafetensorsPayload | None = None,
+        later: CopyJobs | None = None,
+        deferred: Container[str] | None = None,
     ) -> SafetensorsPayload:
         """``copy=False`` keeps CPU tensors as they are (written before they change: a synchronous
         save); ``copy=True`` snapshots every tensor (an asynchronous save), into ``reuse``'s
         tensors where names, shapes and dtypes match (a previous snapshot no longer needed:
         no new memory to allocate and fault in). Tensors that merely overlap another one's
-        storage, and views not covering their storage, are always copied."""
+        storage, and views not covering their storage, are always copied.
+
+        ``later`` (with ``copy=True``): the tensors named in ``deferred`` (None: all) are not
+        copied now but added to these jobs (a pipelined snapshot: the payload holds the live tensors
+        until the jobs run); the others are copied now. A tied name follows its first name."""
         previous = reuse.tensors if reuse is not None else {}
         tensors: dict[str, torch.Tensor] = {}
         aliases: dict[str, str] = {}
         canonical: dict[tuple[Any, ...], str] = {}
         storages: set[tuple[Any, int]] = set()
+        pending: set[str] = set()  # names whose copy is left to ``later``
         for name, t in state_dict.items():
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"state_dict entry {name!r} is a {type(t).__name__}, not a tensor")
@@ -89,7 +99,11 @@ class SafetensorsPayload:
                 key = _alias_key(t)
                 if key in canonical:
                     aliases[name] = canonical[key]
-                    tensors[name] = tensors[canonical[key]]  # the same tensor: written under both names
+                    first = tensors[canonical[key]]  # the same tensor: written under both names
+                    if later is not None and canonical[key] in pending:
+                        later.add(tensors, name, first)
+                    else:
+                        tensors[name] = first
                     continue
                 canonical[key] = name
                 storage = (t.device, t.untyped_storage().data_ptr())
@@ -97,6 +111,10 @@ class SafetensorsPayload:
                 storages.add(storage)
             else:
                 shared = True
+            if copy and later is not None and (deferred is None or name in deferred):
+                later.add(tensors, name, t, previous.get(name))
+                pending.add(name)
+                continue
             if copy:
                 tensors[name] = copy_tensor(t, previous.get(name))
                 continue

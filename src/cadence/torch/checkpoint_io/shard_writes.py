@@ -34,11 +34,13 @@ class ShardWrites:
         self._stager: Any = None  # the CPU copy of the state, reused by each background write
         self._group: Any = None
 
-    def write(self, state: Mapping[str, Any], target: ShardTarget) -> None:
+    def write(self, state: Mapping[str, Any], target: ShardTarget, *, pipelined: bool = False) -> Pending | None:
         """Collective: write this rank's shards of ``state`` (live tensors) into
         ``target.directory``, checksum them and gather every rank's files. With
-        ``target.background`` the state is copied to CPU memory now (into the same memory each
-        time) and written on a background thread. The previous write is waited for first; a
+        ``target.background`` the state is copied to CPU memory (into the same memory each
+        time) and written on a background thread: the copy is made now, or with ``pipelined`` on
+        that thread too, and then the copy's outcome is returned: the tensors of ``state`` must
+        not change before it is done (None otherwise). The previous write is waited for first; a
         failure of any rank is raised (:class:`CheckpointError`) on every rank, at once for a
         write now, by :meth:`wait` or the next write for a background one."""
         self.wait()
@@ -47,12 +49,30 @@ class ShardWrites:
         # DCP is imported for sharded checkpoints only (checkpoint_io/kinds.py)
         from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
 
+        if target.background and pipelined:
+            staging = _WORKER.submit(self._stage, state)
+            self._pending = _WORKER.submit(self._write_staged, staging, target)  # runs after the staging
+            return staging
         if target.background:
             staged, self._stager = sharded_checkpoint.stage(state, self._stager)
             self._pending = _WORKER.submit(self._write_and_gather, staged, target, True)
         else:
             self._pending = Pending.done(self._write_and_gather(state, target, False))
             self.wait()
+        return None
+
+    def _stage(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        # DCP is imported for sharded checkpoints only (checkpoint_io/kinds.py)
+        from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
+
+        staged, self._stager = sharded_checkpoint.stage(state, self._stager)
+        return staged
+
+    def _write_staged(self, staging: Pending, target: ShardTarget) -> list[tuple[dict[str, tuple[int, str]] | None, str | None]]:
+        """Write what ``staging`` copied (a failed copy fails this rank's write, as a failed copy
+        before a background write does)."""
+        staged = staging.result()
+        return self._write_and_gather(staged, target, True)
 
     def wait(self) -> None:
         """Wait for the write in flight; raise a failure of any rank (once)."""

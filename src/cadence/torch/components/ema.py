@@ -44,6 +44,7 @@ from cadence.config.components.ema import EMAConfig
 from cadence.errors import CheckpointError
 from cadence.extensions import Callback, RunContext
 from cadence.torch.checkpoint_io.kinds import is_sharded_checkpoint
+from cadence.torch.checkpoint_io.pipelined import CopyJobs, StateFence
 from cadence.torch.checkpoint_io.safetensors_io import SafetensorsPayload, safetensors_views
 from cadence.torch.checkpoint_io.state import describe_key_mismatch, unwrap_model
 
@@ -94,26 +95,34 @@ class ModelEMA(Callback):
         self.evaluate_raw = settings.evaluate_raw
         self._weight = 1.0 - self.decay
         state: dict[str, torch.Tensor] = {}
+        owned: set[str] = set()  # the names of the averages (the others are the model's own tensors)
         first: dict[int, str] = {}  # a tied tensor: the first name it has
         live, averaged = [], []
         with torch.no_grad():
             for name, t in unwrap_model(model).state_dict(keep_vars=True).items():
                 if id(t) in first:  # tied: the same EMA tensor under both names
                     state[name] = state[first[id(t)]]
+                    if first[id(t)] in owned:
+                        owned.add(name)
                     continue
                 first[id(t)] = name
                 tensor = t.detach()
                 if _is_float(tensor):
                     state[name] = tensor.clone()
+                    owned.add(name)
                     live.append(_local(tensor))
                     averaged.append(_local(state[name]))
                 else:
                     state[name] = tensor  # the model's own (not averaged)
         self._state = state
+        self._owned = owned
         self._live: list[torch.Tensor] = live  # the model's float tensors (local shards), in place
         self._averaged: list[torch.Tensor] = averaged  # the EMA's, in the same order
         self.attached = False
         """Whether a controller has it among its callbacks (so that it is updated at each step)."""
+        self.fence: StateFence | None = None
+        """Waited for before the EMA's tensors or the model's change outside a step (:meth:`applied`,
+        :meth:`reset`, a load): the trainer's, so that a pipelined snapshot's copy is done first."""
 
     # -- the average ---------------------------------------------------------------------------
 
@@ -131,13 +140,17 @@ class ModelEMA(Callback):
 
     def reset(self) -> None:
         """Set the EMA to the model's weights (a fresh start, or a checkpoint without an EMA)."""
+        self._wait_for_copies()
         if self._averaged:
             torch._foreach_copy_(self._averaged, self._live)
 
-    def averaged_state(self) -> dict[str, torch.Tensor]:
+    def averaged_state(self, *, copy_model_tensors: bool = False) -> dict[str, torch.Tensor]:
         """The EMA as a state dict with the model's keys (live tensors, not copies; tied names share
-        a tensor; integer buffers are the model's own). Under FSDP2: DTensor shards."""
-        return dict(self._state)
+        a tensor; integer buffers are the model's own, copied with ``copy_model_tensors``: the
+        forward pass changes them). Under FSDP2: DTensor shards."""
+        if not copy_model_tensors:
+            return dict(self._state)
+        return {k: t if k in self._owned else t.detach().clone() for k, t in self._state.items()}
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -145,11 +158,16 @@ class ModelEMA(Callback):
         an error), bit for bit. Swapped in place, one tensor at a time (a temporary the size of
         one tensor); no collective, so a sharded model is swapped shard by shard on every rank
         (enter it before gathering the parameters)."""
+        self._wait_for_copies()
         self._swap()
         try:
             yield
         finally:
             self._swap()
+
+    def _wait_for_copies(self) -> None:
+        if self.fence is not None:
+            self.fence.wait()
 
     def _swap(self) -> None:
         with torch.no_grad():
@@ -160,16 +178,21 @@ class ModelEMA(Callback):
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def payload(self, *, copy: bool, reuse: SafetensorsPayload | None = None) -> SafetensorsPayload:
+    def payload(self, *, copy: bool, reuse: SafetensorsPayload | None = None,
+                later: CopyJobs | None = None) -> SafetensorsPayload:
         """``ema.safetensors``'s content (see :meth:`SafetensorsPayload.from_state_dict`; ``copy``:
-        for an asynchronous save, into ``reuse``'s tensors when they fit)."""
-        return SafetensorsPayload.from_state_dict(self._state, copy=copy, reuse=reuse)
+        for an asynchronous save, into ``reuse``'s tensors when they fit; ``later``: a pipelined
+        snapshot's jobs, which copy the averages -- they change only after an optimizer step -- while
+        the model's own tensors kept here, buffers the forward pass changes, are copied now)."""
+        return SafetensorsPayload.from_state_dict(self._state, copy=copy, reuse=reuse, later=later,
+                                                  deferred=self._owned)
 
     def load_checkpoint(self, reader: CheckpointReader) -> None:
         """Restore the EMA from a checkpoint whose model is already loaded: ``ema.safetensors``, or
         the ``ema`` state of a sharded checkpoint (a collective then, with a process group: every
         rank reads its shards). A checkpoint without an EMA: the EMA starts from the loaded
         weights, with a warning. ``CheckpointError`` when the saved EMA does not match the model."""
+        self._wait_for_copies()
         source = reader.path
         names = reader.names()
         if is_sharded_checkpoint(names):

@@ -54,7 +54,8 @@ class TorchTrainer:
     run does). :meth:`train` raises ``RuntimeError`` when it was not.
     ``peak_tflops``: the device's peak TFLOP/s for MFU (``None``: a CUDA device's from
     :mod:`cadence.torch.components.device_peaks`); see :meth:`loop_work`. ``log_throughput=False``: count
-    nothing (no samples/s, tokens/s, MFU nor peak memory in the logs).
+    nothing (no samples/s, tokens/s, MFU nor peak memory in the logs). ``pipelined_snapshots``:
+    an asynchronous save's copy runs beside the next step (see :meth:`snapshot_checkpoint`).
 
     A re-iterable ``train_data`` (a ``DataLoader``) that runs out mid-loop starts its next epoch
     (``set_epoch`` on it or its sampler first); ``max_epochs`` (``None``: no bound) ends the data
@@ -88,6 +89,7 @@ class TorchTrainer:
         log_throughput: bool = True,
         max_epochs: int | None = None,
         ends_with_data: bool = False,
+        pipelined_snapshots: bool = True,
     ) -> None:
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
@@ -113,9 +115,12 @@ class TorchTrainer:
         self._data = TrainData(task, ctx, train_data, max_epochs=max_epochs,  # the input, its epoch and position
                                ends_with_data=ends_with_data)
         self.ema = ema
+        self.pipelined_snapshots = pipelined_snapshots
         self._step_end: StepEnd | None = None
         self._global_step = 0
         self._checkpoint = TrainerCheckpoint(self, sharded=self._sharded)  # what checkpoints hold
+        if ema is not None:
+            ema.fence = self._checkpoint.fence  # its swap waits for a pipelined snapshot's copy
         self._meter = ThroughputMeter(task, ctx, self.precision.name, peak_tflops,  # samples, tokens, FLOPs
                                       enabled=log_throughput)
 
@@ -146,6 +151,7 @@ class TorchTrainer:
         A sharded model's parameters exist once (each rank holds its shards): only the tensors
         that are not sharded (buffers) are broadcast.
         """
+        self._checkpoint.fence.wait()
         module = unwrap_model(self.model)
         self.task.initialize(module)
         if self.ctx.world_size > 1:
@@ -195,6 +201,9 @@ class TorchTrainer:
         plain = k == 1 and autocast is None and scaler is None and not place
         train_step, forward_backward, step_optimizer = task.train_step, self._forward_backward, optimizer.step
         heartbeat = self.ctx.heartbeat  # the watchdog's: one beat per step
+        # A pipelined snapshot's copy runs beside this loop's first forward and backward passes, and
+        # is waited for before the first optimizer step (see cadence.torch.checkpoint_io.pipelined).
+        fence = self._checkpoint.fence if self._checkpoint.fence.active else None
         step_end, start_step = self._step_end, self._global_step
         count = self._meter.start_loop()  # samples and tokens: one Python call per batch (None: off)
         # Detached per-micro-batch losses stay on the device until the end (no per-step sync).
@@ -257,6 +266,9 @@ class TorchTrainer:
                         break
                     for extras in step_extras:
                         add_extras(extras_acc, extras)
+                if fence is not None:
+                    fence.wait()
+                    fence = None
                 if scaler is not None:
                     if clip is not None:
                         scaler.unscale_(optimizer)
@@ -348,7 +360,7 @@ class TorchTrainer:
         torch.distributed.checkpoint and gather every rank's files for the chief's
         :meth:`save_checkpoint` (see :class:`~cadence.torch.checkpoint_io.shard_writes.ShardWrites`: with
         ``target.background``, from CPU copies on a background thread)."""
-        self._checkpoint.write_shards(target)
+        self._checkpoint.write_shards(target, pipelined=self.pipelined_snapshots)
 
     def wait_for_shards(self) -> None:
         """Wait for this rank's background shard write; raise a failure of any rank (every rank
@@ -370,13 +382,23 @@ class TorchTrainer:
         return self._checkpoint.capture(self._global_step, self._data.state, copy=False).save_checkpoint(writer)
 
     def snapshot_checkpoint(self) -> TrainerSnapshot:
-        """What :meth:`save_checkpoint` would write, copied now (tensors copied to CPU memory), for
-        an asynchronous save to write later while training goes on.
+        """What :meth:`save_checkpoint` would write, copied to CPU memory, for an asynchronous save
+        to write later while training goes on.
+
+        Pipelined (``pipelined_snapshots``, the default): only what the next forward pass changes
+        is copied before this returns (the RNG states, the data position, the buffers, the LR
+        scheduler's and grad scaler's state); the parameters, the optimizer state and the EMA are
+        copied on a background thread (CUDA: a side stream) beside the next step's forward and
+        backward passes, and :meth:`train` waits for what is left of that copy before its first
+        optimizer step (a load and the EMA's swap wait too). The checkpoint is the one a
+        synchronous save at this step would write, bit for bit. A ``train_step`` that changes
+        parameters or optimizer state in place (not through the optimizer) needs
+        ``pipelined_snapshots=False``: then everything is copied before this returns.
 
         The copy goes into the previous snapshot's tensors once that one has been written, so
         from the second save on no memory is allocated: a CPU copy of the state stays resident
         between asynchronous saves (as with torch.distributed.checkpoint's async staging)."""
-        return self._checkpoint.snapshot(self._global_step, self._data.state)
+        return self._checkpoint.snapshot(self._global_step, self._data.state, pipelined=self.pipelined_snapshots)
 
     def load_checkpoint(
         self,

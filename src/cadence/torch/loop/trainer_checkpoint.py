@@ -21,6 +21,7 @@ from torch import nn
 from cadence.checkpoint.protocol import CheckpointReader, ShardTarget
 from cadence.errors import CheckpointError
 from cadence.torch.checkpoint_io.kinds import is_sharded_checkpoint
+from cadence.torch.checkpoint_io.pipelined import CopyJobs, PendingCopy, StateFence, defer_tree
 from cadence.torch.checkpoint_io import tensor_tree
 from cadence.torch.checkpoint_io.shard_writes import ShardWrites
 from cadence.torch.checkpoint_io.state import (
@@ -85,6 +86,8 @@ class TrainerCheckpoint:
         self._gathered_data: list[dict[str, Any] | None] | None = None  # ditto: every rank's data position
         self._staging: TrainerSnapshot | None = None  # the last asynchronous snapshot (its tensors are reused)
         self._shard_writes = ShardWrites(ctx.rank, ctx.world_size)  # a sharded model's checkpoints
+        self.fence = StateFence()
+        """Where training waits for a pipelined snapshot's copy before the state changes."""
 
     # -- saving ----------------------------------------------------------------------------------
 
@@ -98,17 +101,27 @@ class TrainerCheckpoint:
         self._gathered_rng = [rng for rng, _ in gathered]
         self._gathered_data = [data for _, data in gathered]
 
-    def write_shards(self, target: ShardTarget) -> None:
+    def write_shards(self, target: ShardTarget, *, pipelined: bool = False) -> None:
         """Collective: write this rank's shards of the model, optimizer, scheduler (and EMA) state
-        into ``target.directory`` and gather every rank's files for the chief's save."""
+        into ``target.directory`` and gather every rank's files for the chief's save.
+
+        ``pipelined`` (a background write): only the buffers -- which the next forward pass
+        changes -- are copied now; the rest is copied to CPU memory on the writing thread, beside
+        the next step, and :attr:`fence` waits for that copy."""
         # DCP is imported for sharded checkpoints only (checkpoint_io/kinds.py)
         from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
 
         parts = self._parts
+        self.fence.wait()
         state = sharded_checkpoint.trainer_state(parts.model, parts.optimizer, parts.lr_scheduler)
         if parts.ema is not None:
-            state[EMA_KEY] = parts.ema.averaged_state()
-        self._shard_writes.write(state, target)
+            state[EMA_KEY] = parts.ema.averaged_state(copy_model_tensors=pipelined)
+        if pipelined and target.background:
+            buffers = {name for name, _ in unwrap_model(parts.model).named_buffers()}
+            state["model"] = {k: v.detach().clone() if k in buffers else v for k, v in state["model"].items()}
+        staging = self._shard_writes.write(state, target, pipelined=pipelined)
+        if staging is not None:
+            self.fence.hold(PendingCopy(staging))
 
     def wait_for_shards(self) -> None:
         """Wait for this rank's background shard write; raise a failure of any rank."""
@@ -127,11 +140,17 @@ class TrainerCheckpoint:
         return [get_rng_state()]
 
     def capture(self, global_step: int, data_state: Callable[[], dict[str, Any] | None], *, copy: bool,
-                reuse: TrainerSnapshot | None = None) -> TrainerSnapshot:
+                reuse: TrainerSnapshot | None = None, later: CopyJobs | None = None) -> TrainerSnapshot:
         """The checkpoint content now: the tensors as they are (``copy=False``: streamed from their
         memory by a save that follows at once) or copied to CPU memory (``copy=True``; into
         ``reuse``'s tensors when given). ``data_state``: this rank's data position, read only
-        when :meth:`prepare` gathered none."""
+        when :meth:`prepare` gathered none.
+
+        ``later`` (with ``copy=True``): a pipelined snapshot. What the next forward pass changes
+        is copied now (the buffers, the scheduler's and scaler's state; the RNG states and data
+        position are taken now in any case); the parameters, the optimizer state and the EMA's
+        averages, which change only at the next optimizer step or after it, are added to ``later``
+        (see :mod:`cadence.torch.checkpoint_io.pipelined`)."""
         parts = self._parts
         ranks_data, self._gathered_data = self._gathered_data, None  # used once, like the RNG states
         own = ranks_data[parts.ctx.rank] if ranks_data is not None else data_state()  # not read twice
@@ -145,24 +164,42 @@ class TrainerCheckpoint:
             "lr_scheduler": parts.lr_scheduler.state_dict() if parts.lr_scheduler is not None else None,
             "grad_scaler": parts.grad_scaler.state_dict() if parts.grad_scaler is not None else None,
         }
+        module = unwrap_model(parts.model)
+        later = later if copy else None
+        params = {name for name, _ in module.named_parameters(remove_duplicate=False)} if later is not None else None
         model = SafetensorsPayload.from_state_dict(
-            unwrap_model(parts.model).state_dict(), copy=copy, reuse=reuse.model if reuse is not None else None
+            module.state_dict(), copy=copy, reuse=reuse.model if reuse is not None else None, later=later,
+            deferred=params,
         )
         if copy:
-            torch_state = clone_tree(torch_state, reuse.torch_state if reuse is not None else None)
+            old = reuse.torch_state if reuse is not None else {}
+            if later is not None:  # the optimizer's tensors change only at its next step: copied later
+                optimizer = defer_tree(torch_state.pop("optimizer"), later, old.get("optimizer"))
+                torch_state = {"optimizer": optimizer, **clone_tree(torch_state, old)}
+            else:
+                torch_state = clone_tree(torch_state, old or None)
         ema = None
         if parts.ema is not None:
-            ema = parts.ema.payload(copy=copy, reuse=reuse.ema if reuse is not None else None)
+            ema = parts.ema.payload(copy=copy, reuse=reuse.ema if reuse is not None else None, later=later)
         snapshot = TrainerSnapshot(model, torch_state, state, ema=ema)
         if copy:  # CUDA tensors were copied to pinned memory without blocking: the writer waits for them
             snapshot.ready = staged({p.device for p in parts.model.parameters()} | {parts.ctx.device})
         return snapshot
 
-    def snapshot(self, global_step: int, data_state: Callable[[], dict[str, Any] | None]) -> TrainerSnapshot:
+    def snapshot(self, global_step: int, data_state: Callable[[], dict[str, Any] | None], *,
+                 pipelined: bool = True) -> TrainerSnapshot:
         """:meth:`capture` with ``copy=True``, into the previous snapshot's tensors once that one
-        has been written (from the second asynchronous save on, no memory is allocated)."""
+        has been written (from the second asynchronous save on, no memory is allocated).
+
+        ``pipelined``: the parameters', optimizer's and EMA's tensors are copied on a background
+        thread while training goes on; training waits for that copy at :attr:`fence` (before its
+        next optimizer step, a load, the EMA's swap) and the snapshot's writer waits for it too.
+        False: every tensor is copied before this returns."""
         previous = self._staging if self._staging is not None and self._staging.written else None
-        self._staging = self.capture(global_step, data_state, copy=True, reuse=previous)
+        jobs = CopyJobs() if pipelined and not self._sharded else None
+        self._staging = self.capture(global_step, data_state, copy=True, reuse=previous, later=jobs)
+        if jobs is not None and len(jobs):
+            self._staging.copied = self.fence.start(jobs)
         return self._staging
 
     # -- loading ---------------------------------------------------------------------------------
@@ -172,6 +209,7 @@ class TrainerCheckpoint:
         (``source``: its path, for messages). A sharded checkpoint is read collectively (DCP)
         when a process group is up: every rank reads the chunks of its shards."""
         parts = self._parts
+        self.fence.wait()  # a pipelined snapshot's copy is done with the tensors about to change
         if is_sharded_checkpoint(reader.names()):
             # DCP is imported for sharded checkpoints only (checkpoint_io/kinds.py)
             from cadence.torch.checkpoint_io import sharded as sharded_checkpoint

@@ -10,6 +10,7 @@ from typing import Any
 from cadence.checkpoint.background import Pending, Worker
 from cadence.checkpoint.protocol import CheckpointWriter
 from cadence.torch.checkpoint_io import tensor_tree
+from cadence.torch.checkpoint_io.pipelined import PendingCopy
 from cadence.torch.checkpoint_io.shard_writes import files_of
 from cadence.torch.checkpoint_io.state import (
     MODEL_FILE,
@@ -39,6 +40,7 @@ class TrainerSnapshot:
         self.shards = shards  # a sharded checkpoint: the ranks' write of their files
         self.written = False  # True once save_checkpoint is done with the tensors (then reusable)
         self.ready: Any = None  # set for CUDA state: the device-to-host copies are done once it synchronizes
+        self.copied: PendingCopy | None = None  # a pipelined snapshot: the copy of its tensors in flight
 
     def save_checkpoint(self, writer: CheckpointWriter) -> dict[str, Any]:
         """Write the model's file (then the EMA's) here and the optimizer's on a helper thread, at once
@@ -50,6 +52,11 @@ class TrainerSnapshot:
             self.written = True
             return self.state
         assert self.model is not None
+        if self.copied is not None:
+            # The tensors are copies from here on. A failed copy raises, and the snapshot is not
+            # marked written: some of its tensors may be live ones, never to be reused.
+            self.copied.result()
+            self.copied = None
         try:
             if self.ready is not None:
                 self.ready.synchronize()
