@@ -138,15 +138,24 @@ def test_a_pipelined_snapshot_writes_what_a_synchronous_save_at_its_step_writes(
     assert saved[1] == expected[1]  # the step, every RNG state, the data position
 
 
-def test_without_the_fence_the_next_step_would_change_what_is_copied(slow_copies, monkeypatch):
-    """The test above can fail: with the trainer's wait before its optimizer step removed, the slowed
-    copy reads parameters the next step has already changed."""
+def test_without_the_fence_the_next_step_would_change_what_is_copied(monkeypatch):
+    """The test above can fail: with the trainer's wait before its optimizer step removed, a copy that
+    starts after the next steps reads parameters they have already changed."""
     monkeypatch.setattr(pipelined.StateFence, "wait", lambda self: None)
+    trained = threading.Event()
+    copy = pipelined.copy_tensor
+
+    def late(t, into=None):
+        trained.wait(30)
+        return copy(t, into)
+
+    monkeypatch.setattr(pipelined, "copy_tensor", late)
     trainer, reference = make_trainer(ema=False), make_trainer(ema=False)
     trainer.train(3)
     reference.train(3)
     snapshot = trainer.snapshot_checkpoint()
     trainer.train(2)
+    trained.set()
     saved, expected = files_and_state(snapshot.save_checkpoint), files_and_state(reference.save_checkpoint)
     assert saved[0]["model.safetensors"] != expected[0]["model.safetensors"]
 
@@ -183,26 +192,38 @@ def test_a_load_and_the_emas_swap_wait_for_the_copy_in_flight(slow_copies):
     assert files_and_state(snapshot.save_checkpoint) == expected
 
 
-def test_the_training_thread_waits_only_before_its_optimizer_step(slow_copies):
+def test_the_training_thread_waits_only_before_its_optimizer_step(monkeypatch):
     """The forward and backward passes run while the copy is in flight; the optimizer step after it."""
+    events: list[str] = []
+    copy = pipelined.copy_tensor
+    forward_ran = threading.Event()
+
+    def after_the_forward(t, into=None):  # the copy is held until the next forward has run
+        forward_ran.wait(10)
+        copied = copy(t, into)
+        events.append("copy")
+        return copied
+
+    monkeypatch.setattr(pipelined, "copy_tensor", after_the_forward)
     trainer = make_trainer(ema=False)
     trainer.train(2)
-    events: list[str] = []
-    optimizer_step = trainer.optimizer.step
+    task_step, optimizer_step = trainer.task.train_step, trainer.optimizer.step
+
+    def train_step(model, batch):
+        events.append("forward")
+        forward_ran.set()
+        return task_step(model, batch)
 
     def step(*args, **kwargs):
         events.append("step")
         return optimizer_step(*args, **kwargs)
 
-    trainer.optimizer.step = step
+    trainer.task.train_step, trainer.optimizer.step = train_step, step
     snapshot = trainer.snapshot_checkpoint()
-    copy = snapshot.copied
-    assert copy is not None
-    done = threading.Thread(target=lambda: (copy.result(), events.append("copied")))
-    done.start()
+    assert snapshot.copied is not None
     trainer.train(1)
-    done.join()
-    assert events == ["copied", "step"]
+    copies = events.count("copy")
+    assert copies > 0 and events == ["forward"] + ["copy"] * copies + ["step"]
     assert not trainer._checkpoint.fence.active
 
 
