@@ -65,6 +65,28 @@ def checkpoint_lines(r: dict) -> list[str]:
                       else "no step completed during a save.\n")),
                   "Targets, cadence (crc32c): " + "; ".join(f"{TARGET_NAMES[t['name']]} {_target(t)}"
                                                           for t in size["targets"]) + ".\n"]
+    return lines + load_lines(r.get("loads") or [], quick=bool(r.get("quick")))
+
+
+def load_lines(loads: list[dict], *, quick: bool = False) -> list[str]:
+    """The table of ``checkpoint_throughput.measure_loads``' results (the loads alone, another shape)."""
+    if not loads:
+        return []
+    lines = [(f"## Checkpoint load alone, layers of {loads[0]['width']}x{loads[0]['width']} float32 + Adam state "
+              f"(into the live optimizer, and into a new one without state{', quick' if quick else ''})\n"),
+             "| state | contender | live: load s | live: × raw | new optimizer: load s | new optimizer: × raw |",
+             "|---|---|---|---|---|---|"]
+    for shape in loads:
+        for row in shape["rows"]:
+            lines.append(f"| {shape['label']}: {shape['layers']} layers, {shape['state_gib']:.2f} GiB, "
+                         f"{shape['repeats']} repeats | {row['contender']} | {_s(row, 'live')} | {_ratio(row, 'live')} | "
+                         f"{_s(row, 'fresh')} | {_ratio(row, 'fresh')} |")
+    lines.append("\nSeconds: median (min); × raw as above. Live: into the model and optimizer that saved the state "
+                 "(cadence writes the optimizer's state into its tensors); new optimizer: the same model, an "
+                 "optimizer without state (a resume in a new process: the load allocates the state; DCP's "
+                 "get_state_dict creates it first, within its time). Targets, cadence (crc32c), live: "
+                 + "; ".join(f"{shape['label']} {_target({**shape['target'], 'at_most': False})}" for shape in loads)
+                 + ".\n")
     return lines
 
 

@@ -28,6 +28,11 @@ training thread) of the first save and in the steady state (saves 2+, the CPU co
 fraction of a synchronous cadence save; and the time of a small training step (three 1024x1024
 layers, at the process' torch thread count: ``OMP_NUM_THREADS=1`` under ``make bench``) while a
 background save is in flight vs with none, as a ratio.
+
+Last, the loads alone on another shape (``LOAD_SHAPES``: 5 and 20 layers of 4096x4096 float32 + Adam,
+0.94 and 3.75 GiB, an independent benchmark's shape): raw, DCP and cadence, into the live model
+and optimizer as above, and into the same model with a new optimizer that holds no state yet (what
+a new process resumes into: the load allocates the state).
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ LAYERS = 8
 SIZES = {"1 GiB": 3344, "4 GiB": 6688}  # width: LAYERS * width**2 * 4 bytes * 3 tensors ~ 1 GiB / 4 GiB
 REPEATS = {"1 GiB": 3, "4 GiB": 2}
 QUICK_SIZES = {"6 MiB": 256, "24 MiB": 512}
+LOAD_SHAPES = {"1 GiB": (4096, 5), "4 GiB": (4096, 20)}  # label: (width, layers): the loads alone, another shape
+QUICK_LOAD_SHAPES = {"0.2 MiB": (64, 5)}
+LOAD_CONTENDERS = ("raw", "dcp", "cadence_crc32c")
 BIG = 64 << 20  # states from this size on are garbage-collected after each contender
 
 TARGETS = {
@@ -427,6 +435,63 @@ def measure_size(label: str, width: int, repeats: int, *, root: str | None = Non
             "rows": rows, "async": asyn, "targets": targets, "raw_times": times}
 
 
+# -- the loads alone, on another shape: into the live optimizer, and into one without state ---------------
+
+
+def measure_loads(label: str, width: int, layers: int, repeats: int, *, root: str | None = None,
+                  verify: bool = False) -> dict:
+    """The loads of ``LOAD_CONTENDERS`` on ``layers`` square layers of ``width`` (an independent
+    benchmark's shape: 5 x 4096² + Adam is 0.94 GiB), round robin: each contender saves (not
+    timed), loads into the live model and optimizer (as in :func:`measure_size`), then into the
+    same model with a new optimizer holding no state yet (a new process' resume: the optimizer's
+    state is allocated by the load; DCP's ``get_state_dict`` creates it first, inside its time)."""
+    model, opt = build(width, layers)
+    size = nbytes(model, opt)
+    reference = _reference(model, opt) if verify else None
+    base = tempfile.mkdtemp(prefix="cadence-ckpt-loads-", dir=root)
+    times: dict[str, dict[str, list[float]]] = {key: {"live": [], "fresh": []} for key in LOAD_CONTENDERS}
+    keys = list(LOAD_CONTENDERS)
+    try:
+        for i in range(repeats):
+            for key in keys[i % len(keys):] + keys[:i % len(keys)]:
+                _, save, load = CONTENDERS[key]
+                assert load is not None
+                directory = f"{base}/{key}-{i}"
+                save(model, opt, directory)
+                for target in ("live", "fresh"):
+                    into = opt if target == "live" else torch.optim.Adam(model.parameters(), lr=1e-3)
+                    if reference is not None:
+                        _scramble(model, into)  # a new optimizer has no state to scramble; opt is kept
+                    if size >= BIG:
+                        gc.collect()
+                    times[key][target].append(load(model, into, directory))
+                    if reference is not None:
+                        _check(model, into, reference, f"{key} ({target})")
+                    del into
+                shutil.rmtree(directory, ignore_errors=True)
+                if size >= BIG:
+                    gc.collect()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        del model, opt, reference
+        if size >= BIG:
+            gc.collect()
+    rows = []
+    for key in LOAD_CONTENDERS:
+        row: dict = {"key": key, "contender": CONTENDERS[key][0]}
+        for target in ("live", "fresh"):
+            s, raw = _summary(times[key][target]), _summary(times["raw"][target])
+            row[f"{target}_s_median"], row[f"{target}_s_min"] = s["median"], s["min"]
+            row[f"{target}_ratio_median"] = raw["median"] / s["median"]
+            row[f"{target}_ratio_min"] = raw["min"] / s["min"]
+        rows.append(row)
+    cad = rows[LOAD_CONTENDERS.index("cadence_crc32c")]
+    return {"label": label, "layers": layers, "width": width, "state_bytes": size, "state_gib": size / 2**30,
+            "repeats": repeats, "rows": rows, "raw_times": times,
+            "target": {"name": "load_vs_raw", "value": cad["live_ratio_median"], "bound": TARGETS["load_vs_raw"],
+                       "met": cad["live_ratio_median"] >= TARGETS["load_vs_raw"]}}
+
+
 def warm_up(root: str | None = None) -> None:
     """Every contender once on a tiny state, off the clock: imports and first-call costs."""
     model, opt = build(64, layers=2)
@@ -449,7 +514,15 @@ def run(quick: bool = False, root: str | None = None, sizes: dict[str, int] | No
     for label, width in sizes.items():
         n = repeats or (1 if quick else REPEATS.get(label, 2))
         results.append(measure_size(label, width, n, root=root, verify=quick))
-    return {"quick": quick, "sizes": results, "target": TARGET_TEXT}
+    return {"quick": quick, "sizes": results, "loads": run_loads(quick, root), "target": TARGET_TEXT}
+
+
+def run_loads(quick: bool = False, root: str | None = None, shapes: dict[str, tuple[int, int]] | None = None,
+              repeats: int | None = None) -> list[dict]:
+    """:func:`measure_loads` at each of ``LOAD_SHAPES`` (``quick``: a tiny one, loads checked)."""
+    shapes = shapes or (QUICK_LOAD_SHAPES if quick else LOAD_SHAPES)
+    return [measure_loads(label, width, layers, repeats or (1 if quick else REPEATS.get(label, 2)), root=root,
+                          verify=quick) for label, (width, layers) in shapes.items()]
 
 
 if __name__ == "__main__":
@@ -460,6 +533,12 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="two tiny sizes, one repeat")
     parser.add_argument("--size", action="append", choices=list(SIZES), help="only these sizes (repeatable)")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--loads-only", action="store_true", help="only the loads on LOAD_SHAPES (with --size: those)")
     args = parser.parse_args()
+    if args.loads_only:
+        shapes = {k: LOAD_SHAPES[k] for k in args.size} if args.size else None
+        warm_up()
+        print(json.dumps(run_loads(args.quick, shapes=shapes, repeats=args.repeats), indent=1))
+        raise SystemExit(0)
     chosen = {k: SIZES[k] for k in args.size} if args.size else None
     print(json.dumps(run(quick=args.quick, sizes=chosen, repeats=args.repeats), indent=1))

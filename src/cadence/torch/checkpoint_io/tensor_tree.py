@@ -86,9 +86,18 @@ def payload(obj: Any, metadata: Mapping[str, str] | None = None) -> SafetensorsP
     return SafetensorsPayload.from_state_dict(tensors, {**(metadata or {}), TREE_KEY: json.dumps(skeleton)})
 
 
-def load_tree(data: bytes | bytearray | memoryview, *, source: str, map_location: torch.device | str = "cpu") -> Any:
+def load_tree(data: bytes | bytearray | memoryview, *, source: str, map_location: torch.device | str = "cpu",
+              into: Any = None) -> Any:
     """The object saved by :func:`payload`, its tensors copied once from views of ``data`` onto
     ``map_location`` (they own their memory; ``data`` may be dropped).
+
+    ``into``: a live object of the same structure (``{"optimizer": optimizer.state_dict()}``)
+    whose tensors receive the loaded values where they can: a tensor at the same place in the
+    structure with the same shape, dtype and device (on ``map_location``), that owns its memory,
+    does not require grad and appears once, is copied into and returned in place of a new one (no
+    memory to allocate, and none to free when the optimizer drops its old state). They are written
+    only once the whole structure has been read: a malformed file leaves them as they were; a
+    later failure (an optimizer refusing the state) leaves them holding the loaded values.
 
     Raises :class:`~cadence.errors.CheckpointError` naming ``source`` when the file or its
     skeleton is malformed."""
@@ -101,12 +110,21 @@ def load_tree(data: bytes | bytearray | memoryview, *, source: str, map_location
         raise CheckpointError(f"{source}: {e}") from e
     device = torch.device(map_location)
     copies: dict[int, torch.Tensor] = {}  # a tensor shared by several places (aliases) is loaded once
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live tensor, view): copied once all is read
+    claimed: set[int] = set()  # the live tensors' memory already given a value
 
-    def build(node: Any, depth: int) -> Any:
+    def tensor(view: torch.Tensor, live: Any) -> torch.Tensor:
+        if _reusable(live, view, device) and live.data_ptr() not in claimed:
+            claimed.add(live.data_ptr())
+            pending.append((live, view))
+            return live
+        return view.to(device, copy=True)
+
+    def build(node: Any, live: Any, depth: int) -> Any:
         if depth > _MAX_DEPTH:
             raise CheckpointError(f"{source}: the state nests deeper than {_MAX_DEPTH} levels")
         if isinstance(node, list):
-            return [build(v, depth + 1) for v in node]
+            return [build(v, _item(live, i), depth + 1) for i, v in enumerate(node)]
         if not isinstance(node, dict):
             return node
         if len(node) == 1:
@@ -116,12 +134,16 @@ def load_tree(data: bytes | bytearray | memoryview, *, source: str, map_location
                     raise CheckpointError(f"{source}: the structure names a tensor {value!r} that is not in the file")
                 view = views[value]
                 if id(view) not in copies:
-                    copies[id(view)] = view.to(device, copy=True)
+                    copies[id(view)] = tensor(view, live)
                 return copies[id(view)]
             if tag == "$tuple":
-                return tuple(build(v, depth + 1) for v in value)
+                return tuple(build(v, _item(live, i), depth + 1) for i, v in enumerate(value))
             if tag == "$items":
-                return {build(k, depth + 1): build(v, depth + 1) for k, v in value}
+                items = {}
+                for k, v in value:
+                    key = build(k, None, depth + 1)
+                    items[key] = build(v, _entry(live, key), depth + 1)
+                return items
             if tag == "$float":
                 return float(value)
             if tag == "$dtype":
@@ -133,11 +155,31 @@ def load_tree(data: bytes | bytearray | memoryview, *, source: str, map_location
                 return torch.device(value)
             if tag == "$size":
                 return torch.Size(value)
-        return {k: build(v, depth + 1) for k, v in node.items()}
+        return {k: build(v, _entry(live, k), depth + 1) for k, v in node.items()}
 
     try:
-        return build(skeleton, 0)
+        tree = build(skeleton, into, 0)
     except (TypeError, ValueError, AttributeError, RuntimeError) as e:
         raise CheckpointError(f"{source}: malformed state structure ({type(e).__name__}: {e})") from e
-    finally:  # break the closure's cycle, which holds the views: the mapped file goes at once
-        build = None  # type: ignore[assignment]
+    finally:  # break the closures' cycle, which holds the views: the mapped file goes at once
+        build = tensor = None  # type: ignore[assignment]
+    with torch.no_grad():
+        for live, view in pending:
+            live.copy_(view)
+    return tree
+
+
+def _item(live: Any, index: int) -> Any:
+    return live[index] if isinstance(live, (list, tuple)) and index < len(live) else None
+
+
+def _entry(live: Any, key: Any) -> Any:
+    return live.get(key) if isinstance(live, Mapping) else None
+
+
+def _reusable(live: Any, view: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``live`` may receive ``view``'s values in place (see :func:`load_tree`'s ``into``)."""
+    return (type(live) is torch.Tensor and live.shape == view.shape and live.dtype == view.dtype
+            and live.device.type == device.type and (device.index is None or live.device.index == device.index)
+            and not live.requires_grad and live.numel() > 0 and live.is_contiguous() and live.storage_offset() == 0
+            and live.untyped_storage().nbytes() == live.numel() * live.element_size())

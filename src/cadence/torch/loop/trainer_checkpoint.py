@@ -238,7 +238,10 @@ class TrainerCheckpoint:
         opt_name = OPTIMIZER_TENSORS_FILE if OPTIMIZER_TENSORS_FILE in reader.names() else OPTIMIZER_FILE
         opt_source = f"{source}/{opt_name}" if source else opt_name
         if opt_name == OPTIMIZER_TENSORS_FILE:
-            opt_state = tensor_tree.load_tree(reader.view(opt_name), source=opt_source, map_location=parts.ctx.device)
+            # into the live optimizer's state tensors where they match: nothing to allocate and fault in
+            live = None if self._sharded else {"optimizer": optimizer.state_dict()}
+            opt_state = tensor_tree.load_tree(reader.view(opt_name), source=opt_source, map_location=parts.ctx.device,
+                                              into=live)
         else:
             opt_state = load_torch_state(reader.read(opt_name), name=opt_name, source=source,
                                          map_location=parts.ctx.device)
