@@ -255,3 +255,19 @@ def test_a_failed_copy_fails_the_save_and_its_tensors_are_never_reused(monkeypat
     following.copied.result()
     live = {p.data_ptr() for p in trainer.model.parameters()}
     assert not live & {t.data_ptr() for t in following.model.tensors.values()}
+
+
+@pytest.mark.parametrize("pipelined_saves", [True, False])
+def test_checkpoint_pipelined_in_the_config_reaches_the_trainer(pipelined_saves, tmp_path):
+    from pathlib import Path
+
+    from cadence.config import config_from_dict
+    from cadence.torch.experiments.runners import build_runners_from_config
+
+    tasks = Path(__file__).parents[1] / "tasks.py"
+    cfg = config_from_dict({"task": {"class": f"{tasks}:TinyTask"}, "trainer": {"device": "cpu", "train_steps": 4},
+                            "checkpoint": {"pipelined": pipelined_saves}}, model_dir=str(tmp_path))
+    _, _, trainer, _ = build_runners_from_config(cfg, train=True, evaluate=False)
+    trainer.train(1)
+    assert trainer.pipelined_snapshots is pipelined_saves
+    assert (trainer.snapshot_checkpoint().copied is not None) is pipelined_saves

@@ -172,6 +172,14 @@ class CheckpointConfig(ConfigModel):
             "flight); the copy is reused by the next save, so one extra CPU copy of the state stays resident."
         ),
     )
+    pipelined: StrictBool = Field(
+        default=True,
+        description=("With asynchronous saves, copy the parameters, optimizer state and EMA beside the next "
+                     "step's forward and backward passes (the buffers, RNG and data position at the save); the "
+                     "next optimizer step waits for what is left of the copy. The checkpoint is the synchronous "
+                     "one, bit for bit. `false`: copy everything at the save (needed only by a `train_step` that "
+                     "changes parameters in place outside the optimizer)."),
+    )
     writer_lease_ttl: float = Field(
         default=DEFAULT_WRITER_LEASE_TTL, gt=0, le=MAX_SECONDS, allow_inf_nan=False,
         description=("Seconds the trainer's writer lease on the model dir lives without renewal (renewed every "

@@ -45,6 +45,7 @@ def build_runners(
     compile_config: CompileConfig | None = None,
     max_epochs: int | None = None,
     ends_with_data: bool = False,
+    pipelined_snapshots: bool = True,
 ) -> tuple[TorchTrainer | None, TorchEvaluator | None]:
     """``(trainer, evaluator)`` sharing one model built by ``task.build_model()`` on ``ctx.device``.
 
@@ -81,6 +82,8 @@ def build_runners(
     ``None``: a re-iterable input is iterated again for as long as steps remain).
     ``ends_with_data``: only the data's end ends training (``trainer.train_steps`` is null; see
     :class:`~cadence.torch.loop.trainer.TorchTrainer`).
+    ``pipelined_snapshots``: an asynchronous save's copy runs beside the next step
+    (``checkpoint.pipelined``; see :meth:`~cadence.torch.loop.trainer.TorchTrainer.snapshot_checkpoint`).
     """
     if not (train or evaluate):
         raise ValueError("build_runners: nothing to build (train=False and evaluate=False)")
@@ -121,6 +124,7 @@ def build_runners(
             log_throughput=log_throughput,
             max_epochs=max_epochs,
             ends_with_data=ends_with_data,
+            pipelined_snapshots=pipelined_snapshots,
         )
     evaluator = None
     if evaluate:
@@ -150,7 +154,7 @@ def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: b
         grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate, strategy=t.strategy,
         lr_schedule=_lr_schedule(cfg), ema=t.ema,
         peak_tflops=t.peak_tflops, log_throughput=t.log_throughput, compile_config=t.compile if compile_model else None,
-        max_epochs=t.max_epochs, ends_with_data=t.train_steps is None,
+        max_epochs=t.max_epochs, ends_with_data=t.train_steps is None, pipelined_snapshots=cfg.checkpoint.pipelined,
     )
     return task, ctx, trainer, evaluator
 
