@@ -69,7 +69,7 @@ def _cadence_task(batches):
     return BenchTask()
 
 
-def cadence(batches, *, with_io: bool = False, async_save: bool = False) -> float:
+def cadence(batches, *, with_io: bool = False, async_save: bool | str = False) -> float:
     from cadence import CheckpointManager, Controller
     from cadence.torch import Context, build_runners
 
@@ -135,6 +135,8 @@ def contenders() -> dict[str, Callable]:
         "cadence (summaries/checkpoints off)": cadence,
         "cadence (summaries + checkpoint every 500)": lambda b: cadence(b, with_io=True),
         "cadence (summaries + async checkpoint every 500)": lambda b: cadence(b, with_io=True, async_save=True),
+        "cadence (summaries + checkpoint every 500, async_save auto)":
+            lambda b: cadence(b, with_io=True, async_save="auto"),
     }
     if importlib.util.find_spec("ignite"):
         found["ignite create_supervised_trainer"] = ignite

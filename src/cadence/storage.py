@@ -288,13 +288,17 @@ class Storage:
         self.write_bytes(path, data)
         return True
 
-    def rename(self, src: str, dst: str) -> None:
+    def rename(self, src: str, dst: str, *, sync: bool = True) -> None:
         """Move a file or directory; atomic and durable (parent fsynced) on local disks only.
 
         On local disks a non-empty directory ``dst`` makes this fail rather than be replaced.
+        ``sync=False``: the parents are not fsynced; the caller makes the move durable
+        (:meth:`fsync_dir`), e.g. together with others.
         """
         if self._local:
             os.rename(src, dst)
+            if not sync:
+                return
             self.fsync_dir(posixpath.dirname(dst))
             if posixpath.dirname(src) != posixpath.dirname(dst):
                 self.fsync_dir(posixpath.dirname(src))

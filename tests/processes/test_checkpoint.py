@@ -143,7 +143,7 @@ def test_manifest_is_written_last(ckdir: str) -> None:
     manager = CheckpointManager(ckdir)
     save_n(manager, 1)
     events: list[tuple[str, str]] = []
-    depth = [0]  # record outermost calls only (write_atomic writes through open_write)
+    depth = [0]  # record outermost calls only (write_bytes writes through open_write)
     storage = manager.storage
     for method in ("open_write", "write_atomic", "rename", "write_bytes"):
         original = getattr(storage, method)
@@ -158,6 +158,14 @@ def test_manifest_is_written_last(ckdir: str) -> None:
                 depth[0] -= 1
 
         setattr(storage, method, spy)
+    for method in ("fsync_file", "fsync_dir"):  # on helper threads: recorded once done
+        original = getattr(storage, method)
+
+        def synced(path, _original=original, _method=method):
+            _original(path)
+            events.append((_method, path))
+
+        setattr(storage, method, synced)
 
     class Inspector(Blob):
         def save_checkpoint(self, writer):
@@ -170,12 +178,19 @@ def test_manifest_is_written_last(ckdir: str) -> None:
 
     manager.save(2, {"x": Inspector({"a.bin": b"a", "b.bin": b"b"})})
 
-    assert events[-1] == ("write_atomic", os.path.join(ckdir, "ckpt-2", "MANIFEST.json"))
-    assert events[-2][0] == "rename" and "ckpt-2.tmp-" in events[-2][1]
-    written = [os.path.basename(p) for kind, p in events if kind == "open_write"]
-    assert written == ["a.bin", "b.bin", "state.json"]
-    assert all(".tmp-" in p for kind, p in events if kind == "open_write")
     ckpt = Path(ckdir, "ckpt-2")
+    renames = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
+    assert len(renames) == 2  # the directory, then the manifest's temp file: the commit
+    assert "ckpt-2.tmp-" in events[renames[0]][1] and ".tmp-" in events[renames[1]][1]
+    assert events[renames[1]][1].startswith(str(ckpt / "MANIFEST.json.tmp-"))
+    written = [os.path.basename(p) for kind, p in events if kind in ("open_write", "write_bytes")]
+    assert written[:3] == ["a.bin", "b.bin", "state.json"] and written[3].startswith("MANIFEST.json.tmp-")
+    assert all("ckpt-2.tmp-" in p for kind, p in events if kind in ("open_write", "write_bytes"))
+    # Every file, the manifest too, is durable before the commit; both directories after it.
+    synced = {os.path.basename(p) for kind, p in events[:renames[0]] if kind == "fsync_file"}
+    assert {"a.bin", "b.bin", "state.json"} <= synced and any(n.startswith("MANIFEST.json.tmp-") for n in synced)
+    assert sorted(p for kind, p in events[renames[1] + 1:] if kind == "fsync_dir") == sorted([ckdir, str(ckpt)])
+    assert not [e for e in events[renames[1] + 1:] if e[0] != "fsync_dir"]
     manifest_mtime = (ckpt / "MANIFEST.json").stat().st_mtime_ns
     assert all(f.stat().st_mtime_ns <= manifest_mtime for f in ckpt.iterdir())
 

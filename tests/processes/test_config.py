@@ -464,12 +464,34 @@ def test_only_true_and_false_are_booleans_in_every_boolean_setting(tmp_path: Pat
 
     booleans = [f"{section.path}.{name}" for section in config_sections()
                 for name, info in section.model.model_fields.items() if info.annotation is bool]
-    assert {"trainer.save_on_preemption", "checkpoint.async_save", "trainer.early_stopping.higher_is_better"} <= set(
-        booleans)
+    assert {"trainer.save_on_preemption", "trainer.early_stopping.higher_is_better"} <= set(booleans)
     config = write(tmp_path, VALID + "  early_stopping: {metric: accuracy}\n  best_checkpoint: {metric: accuracy}\n")
     for key in booleans:
         message = error_of(config, (f"{key}={word}",))
         assert f"{key}: expected true or false" in message, message
+
+
+@pytest.mark.parametrize("text, value", [("", "auto"), ("async_save: auto", "auto"), ("async_save: true", True),
+                                         ("async_save: false", False)])
+def test_async_save_is_true_false_or_auto_by_default(tmp_path: Path, text: str, value: object) -> None:
+    cfg = load_config(write(tmp_path, VALID + (f"checkpoint:\n  {text}\n" if text else "")))
+    assert cfg.checkpoint.async_save == value and type(cfg.checkpoint.async_save) is type(value)
+
+
+@pytest.mark.parametrize("word", ["yes", "'true'", "Auto", "1", "null"])
+def test_a_bad_async_save_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], word: str) -> None:
+    from cadence.cli.main import main
+
+    config = write(tmp_path, VALID)
+    shown = {"yes": "'yes'", "'true'": "'true'", "Auto": "'Auto'", "1": "1", "null": "null"}[word]
+    assert error_of(config, (f"checkpoint.async_save={word}",)) == (
+        f"--set checkpoint.async_save={word}: checkpoint.async_save: expected true, false or 'auto', got {shown}")
+    run = tmp_path / "run"
+    assert main(["train", str(config), "--model-dir", str(run), "--set", f"checkpoint.async_save={word}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"cadence: error: --set checkpoint.async_save={word}: checkpoint.async_save: expected true, "
+                   f"false or 'auto', got {shown}"), err
+    assert not run.exists()
 
 
 def test_export_on_best_needs_best_checkpoint(tmp_path: Path) -> None:

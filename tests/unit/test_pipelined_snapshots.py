@@ -8,6 +8,7 @@ reaches those changes while it is still in flight."""
 from __future__ import annotations
 
 import inspect
+import os
 import json
 import threading
 import time
@@ -271,3 +272,17 @@ def test_checkpoint_pipelined_in_the_config_reaches_the_trainer(pipelined_saves,
     trainer.train(1)
     assert trainer.pipelined_snapshots is pipelined_saves
     assert (trainer.snapshot_checkpoint().copied is not None) is pipelined_saves
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority") or not os.path.exists("/proc/self/task"), reason="Linux thread priorities")
+def test_the_copy_runs_at_the_training_threads_priority_and_the_writer_below_it():
+    """The next optimizer step waits for the copy: its thread is not lowered as the writer threads are."""
+    from cadence.checkpoint.background import BACKGROUND_NICE, Worker
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    own = nice()
+    copying = pipelined.stage_in_background(nice).result()
+    writing = Worker("cadence-test-writer").submit(nice).result()
+    assert copying == own and writing == min(19, own + BACKGROUND_NICE)

@@ -12,6 +12,7 @@ The threads doing checkpoint I/O in the background run at a lower CPU priority
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -78,8 +79,9 @@ class Worker:
     """One daemon thread running submitted calls in order (started on first use, and again after
     a fork)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, lower_priority: bool = True) -> None:
         self.name = name
+        self.lower_priority = lower_priority  # False: at the training thread's priority (work it waits for)
         self._queue: queue.SimpleQueue[Pending] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -88,17 +90,32 @@ class Worker:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._queue = queue.SimpleQueue()  # after a fork, the old queue belongs to no thread
-                self._thread = threading.Thread(target=self._serve, args=(self._queue,), name=self.name, daemon=True)
+                self._thread = threading.Thread(target=self._serve, args=(self._queue, self.lower_priority),
+                                                name=self.name, daemon=True)
                 self._thread.start()
             pending = Pending(fn, args)
             self._queue.put(pending)
         return pending
 
     @staticmethod
-    def _serve(tasks: queue.SimpleQueue[Pending]) -> None:
-        yield_cpu()
+    def _serve(tasks: queue.SimpleQueue[Pending], lower_priority: bool) -> None:
+        if lower_priority:
+            yield_cpu()
         while True:
             tasks.get()._run()
+
+
+class Workers:
+    """``size`` :class:`Worker` threads sharing the calls submitted, round robin: up to ``size`` run
+    at once. For fsyncs: issued together, they reach the disk in one journal commit rather than
+    one after the other."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self._workers = [Worker(f"{name}-{i}") for i in range(size)]
+        self._turn = itertools.count()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Pending:
+        return self._workers[next(self._turn) % len(self._workers)].submit(fn, *args)
 
 
 class BackgroundSave:

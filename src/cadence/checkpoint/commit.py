@@ -1,12 +1,14 @@
 """Writing one checkpoint and committing it: the steps of the commit protocol.
 
-On local disks the files go into ``ckpt-N.tmp-<hex>/`` and are fsynced, the directory is renamed
-to ``ckpt-N/`` (parent fsynced) and ``MANIFEST.json`` is written last (temp file + rename). On
-stores without atomic rename the files go straight into ``ckpt-N/`` and the manifest, still last,
-is a conditional create (:meth:`~cadence.storage.Storage.create_exclusive`; S3 ``If-None-Match:
-*``): a step is committed at most once, and a writer finding a manifest already there (another
-writer committed the step meanwhile) raises :class:`CheckpointError` without replacing it. Until
-the manifest exists the checkpoint is invisible to readers.
+On local disks the files go into ``ckpt-N.tmp-<hex>/``, the manifest into a temp file beside them;
+once all of them are fsynced (together, on helper threads), the directory is renamed to
+``ckpt-N/`` and the manifest's temp file to ``MANIFEST.json`` (the commit), and both ``ckpt-N/``
+and its parent are fsynced (see :meth:`Committer.commit`). On stores without atomic rename the
+files go straight into ``ckpt-N/`` and the manifest, still last, is a conditional create
+(:meth:`~cadence.storage.Storage.create_exclusive`; S3 ``If-None-Match: *``): a step is committed
+at most once, and a writer finding a manifest already there (another writer committed the step
+meanwhile) raises :class:`CheckpointError` without replacing it. Until the manifest exists the
+checkpoint is invisible to readers.
 
 There, before writing, the writer creates ``ckpt-N/.claim`` (:data:`CLAIM_NAME`) exclusively: a
 second writer finding another's claim raises :class:`CheckpointError` having written nothing, so
@@ -28,10 +30,10 @@ import posixpath
 import secrets
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from cadence.checkpoint import checksum as checksum_lib
-from cadence.checkpoint.files import DirectoryWriter
+from cadence.checkpoint.files import SYNCERS, DirectoryWriter
 from cadence.checkpoint.listing import has_manifest, step_dir
 from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.checkpoint.objects import save_object
@@ -125,28 +127,54 @@ class Committer:
                 and token < fence.token)
 
     def write_files(self, directory: str, step: int, objects: Mapping[str, object],
-                    checksum: str = checksum_lib.DEFAULT_ALGORITHM) -> tuple[dict[str, tuple[int, str]], dict[str, int]]:
+                    checksum: str = checksum_lib.DEFAULT_ALGORITHM) -> DirectoryWriter:
         """Write each object's files and ``state.json`` into ``directory``, checksummed with
-        ``checksum``; return the manifest's ``(files, ranks)`` (see
-        :class:`~cadence.checkpoint.files.DirectoryWriter`)."""
+        ``checksum``; return the writer, closed: its ``written()`` and ``ranks()`` are the
+        manifest's ``(files, ranks)`` (see :class:`~cadence.checkpoint.files.DirectoryWriter`); the
+        files' fsyncs may still be running (:meth:`commit` waits for them)."""
         writer = DirectoryWriter(self.storage, directory, step, checksum)
         state: dict[str, Any] = {}
         for name, obj in objects.items():
             state[name] = save_object(name, obj, writer)
         document = {"step": step, "time": time.time(), "cadence_version": _cadence_version(), "state": state}
         writer.write_state(encode_state(document))
-        return writer.files(), writer.ranks()
+        writer.written()  # closed: raises for a file opened and never completed
+        return writer
 
-    def commit_manifest(self, step: int, data: bytes) -> None:
-        """Write ``ckpt-<step>/MANIFEST.json``, the commit. Local disks: temp file + rename (the
-        directory was just renamed into place, which fails when another writer's is there).
-        Other stores: a conditional create, so a manifest is never replaced."""
-        path = self.storage.join(f"ckpt-{step}", MANIFEST_NAME)
-        if self.storage.atomic_rename:
-            self.storage.write_atomic(path, data)
-        elif not self.storage.create_exclusive(path, data):
-            raise CheckpointError(f"checkpoint {self._path(step)} was committed by another writer while this one "
-                                  "wrote it; its manifest is left as it is (two writers on one model dir?)")
+    def commit(self, step: int, work: str, writer: DirectoryWriter, data: bytes, check: Callable[[], None]) -> None:
+        """Commit checkpoint ``step``, whose files ``writer`` wrote into ``work``, with the manifest
+        ``data``; ``check()`` (the fence) runs right before the commit, once every file is durable.
+
+        Local disks: the manifest goes into a temp file in ``work``, fsynced beside the files
+        (the fsyncs run together: one journal commit rather than one per file); then ``check()``,
+        ``work`` is renamed to ``ckpt-N/`` and the temp file to ``MANIFEST.json`` (the commit:
+        every file it lists is durable by then), and ``ckpt-N/`` and its parent are fsynced
+        (together) before this returns. A crash before the manifest's rename leaves a temp dir or
+        a ``ckpt-N/`` without a manifest: invisible, removed by the writer's next start. The
+        rename of ``work`` fails when another writer's ``ckpt-N/`` is there.
+        Other stores: ``check()``, then the manifest by a conditional create, so a manifest is
+        never replaced."""
+        final = step_dir(self.storage, step)
+        manifest = self.storage.join(f"ckpt-{step}", MANIFEST_NAME)
+        if not self.storage.atomic_rename:
+            writer.wait_durable()
+            check()
+            if not self.storage.create_exclusive(manifest, data):
+                raise CheckpointError(f"checkpoint {self._path(step)} was committed by another writer while this "
+                                      "one wrote it; its manifest is left as it is (two writers on one model dir?)")
+            return
+        temp = f"{MANIFEST_NAME}.tmp-{secrets.token_hex(6)}"
+        self.storage.write_bytes(posixpath.join(work, temp), data, fsync=False)
+        writer.sync(posixpath.join(work, temp))
+        writer.wait_durable()
+        check()
+        if work != final:
+            self.storage.rename(work, final, sync=False)
+        self.storage.rename(posixpath.join(final, temp), manifest, sync=False)
+        entries = SYNCERS.submit(self.storage.fsync_dir, final)
+        parent = posixpath.dirname(final)
+        self.storage.fsync_dir(parent)
+        entries.result()
 
     def discard_failed(self, work: str, final: str) -> None:
         """Remove what a failed save wrote: its work dir, and ``final`` unless it is committed (a

@@ -8,7 +8,7 @@ import threading
 from typing import IO, Any, Callable, Iterator, Mapping, cast
 
 from cadence.checkpoint import checksum as checksum_lib
-from cadence.checkpoint.background import Pending, Worker
+from cadence.checkpoint.background import Pending, Workers
 from cadence.checkpoint.manifest import HashingStream, name_problem
 from cadence.checkpoint.protocol import CheckpointWriter
 from cadence.storage import Storage
@@ -16,7 +16,9 @@ from cadence.errors import CheckpointError
 
 STATE_NAME = "state.json"
 
-_SYNCER = Worker("cadence-fsync")  # fsyncs closed checkpoint files while the next ones are written
+SYNCERS = Workers("cadence-fsync", 4)
+"""fsync closed checkpoint files while the next ones are written, several at once (one journal
+commit for all of them rather than one per file)."""
 
 
 class DirectoryWriter:
@@ -28,9 +30,9 @@ class DirectoryWriter:
     not ``state.json`` / ``MANIFEST.json``: anything else raises ``ValueError``. After the save the
     writer is closed and refuses further files.
 
-    Each file is fsynced on a helper thread once closed, while the next file is being written;
-    :meth:`files` waits for those fsyncs (raising their errors), so everything is durable before
-    the manager renames the checkpoint into place.
+    Each file is fsynced on a helper thread once closed (:data:`SYNCERS`), while the next file is
+    being written; :meth:`files` (or :meth:`wait_durable`) waits for those fsyncs, raising their
+    errors, so that everything is durable before the checkpoint is committed.
 
     Several files may be written at once from several threads (each file from one thread).
     """
@@ -90,18 +92,34 @@ class DirectoryWriter:
             f.write(data)
 
     def files(self) -> dict[str, tuple[int, str]]:
-        """``{name: (size, hex checksum)}`` of the files written, in order; closes the writer.
+        """``{name: (size, hex checksum)}`` of the files written, in order, once durable; closes the writer.
 
         Raises :class:`CheckpointError` when a file was opened but never completed.
         """
         self._closed = True
-        syncs, self._syncs = self._syncs, []
-        for sync in syncs:
-            sync.result()
+        self.wait_durable()
+        return self.written()
+
+    def written(self) -> dict[str, tuple[int, str]]:
+        """As :meth:`files`, but at once: their fsyncs may still be running (:meth:`wait_durable`)."""
+        self._closed = True
         unfinished = sorted(self._claimed - self._files.keys())
         if unfinished:
             raise CheckpointError(f"checkpoint files {unfinished} were opened but not completed")
         return dict(self._files)
+
+    def sync(self, path: str) -> None:
+        """fsync ``path`` (a file of the checkpoint not written through this writer: the manifest's
+        temp file) beside the files' fsyncs; :meth:`wait_durable` waits for it too."""
+        self._syncs.append(SYNCERS.submit(self._storage.fsync_file, path))
+
+    def wait_durable(self) -> None:
+        """Wait for the fsyncs of the files written so far, raising the first error."""
+        syncs, self._syncs = self._syncs, []
+        for sync in syncs:
+            sync.wait()
+        for sync in syncs:
+            sync.result()
 
     def _claim(self, name: str, *, reserved: tuple[str, ...]) -> None:
         if self._closed:
@@ -131,7 +149,7 @@ class DirectoryWriter:
             stream.raise_write_error()  # a failed write that the code writing the file ignored
             stream.flush()
             stream.close()
-        self._syncs.append(_SYNCER.submit(self._storage.fsync_file, path))
+        self.sync(path)
         self._files[name] = (stream.size, stream.hexdigest())
 
 

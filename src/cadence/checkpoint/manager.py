@@ -13,6 +13,7 @@ made by a writer, checked against its ``fence`` first.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from cadence.checkpoint import checksum as checksum_lib
@@ -26,6 +27,7 @@ from cadence.checkpoint.listing import check_step
 from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.checkpoint.objects import snapshot_objects
 from cadence.checkpoint.protocol import Savable
+from cadence.checkpoint.save_mode import AsyncSave, SaveMode, StateSize
 from cadence.extensions import Stateful
 from cadence.checkpoint.space import raise_if_full
 from cadence.errors import CheckpointError, CheckpointSpaceError, CorruptCheckpointError
@@ -63,13 +65,16 @@ class CheckpointManager:
         (the manifest write), each deletion (retention, :meth:`delete`, clean-up), moving aside,
         and FINAL; a lost lease raises :class:`~cadence.errors.WriterLeaseLostError` and nothing
         more is changed. Not released by this manager. None: no fencing (one writer is assumed).
-      async_save: :meth:`save` returns once the objects are snapshotted into memory (an object's
-        ``snapshot_checkpoint()`` when it has one, see :mod:`cadence.checkpoint.protocol`); a
-        background thread writes and commits (same protocol). At most one save is in flight: the
+      async_save: True: :meth:`save` returns once the objects are snapshotted into memory (an
+        object's ``snapshot_checkpoint()`` when it has one, see :mod:`cadence.checkpoint.protocol`);
+        a background thread writes and commits (same protocol). At most one save is in flight: the
         next :meth:`save` waits for it. A failed background save is raised (as
         :class:`CheckpointError`) by the next :meth:`save`, :meth:`wait` or
         :meth:`raise_if_failed`. :meth:`close` (and interpreter exit: the thread is not a daemon)
-        waits for the pending commit.
+        waits for the pending commit. ``"auto"``: each save is synchronous or asynchronous by the
+        measured cost of the last one (see :mod:`cadence.checkpoint.save_mode`; :meth:`asynchronous`).
+      state_size: with ``async_save="auto"``, an estimate of the bytes a save writes, which decides
+        the first save (see :mod:`cadence.checkpoint.save_mode`).
       checksum: the algorithm of the checksums new manifests record
         (:data:`~cadence.checkpoint.checksum.ALGORITHMS`; CRC32C by default). Reading verifies
         each file with the algorithm its manifest names, whatever this is.
@@ -85,6 +90,11 @@ class CheckpointManager:
     when they, or ``protected_steps``, cannot be read, nothing is deleted that time (a warning is
     logged). ``.leases/`` is not a checkpoint: listing, restoring and clean-up ignore it.
     :meth:`delete` is an explicit request and ignores leases.
+
+    Retention runs after each commit on a helper thread (not a daemon), in the background of a
+    synchronous save too: :meth:`steps`, :meth:`wait` and every change to the directory (the next
+    save included) wait for it first; a lost writer lease it met is raised by the next
+    :meth:`save`, :meth:`wait` or :meth:`raise_if_failed`.
     """
 
     def __init__(
@@ -96,9 +106,10 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         protected_steps: Callable[[], Iterable[int]] | None = None,
         writer: bool = True,
-        async_save: bool = False,
+        async_save: AsyncSave = False,
         fence: WriterLease | None = None,
         checksum: str = checksum_lib.DEFAULT_ALGORITHM,
+        state_size: StateSize | None = None,
     ) -> None:
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 0):
             raise ValueError(f"max_to_keep must be None or an int >= 0, got {max_to_keep!r}")
@@ -109,11 +120,14 @@ class CheckpointManager:
         self.keep_every_n_steps = keep_every_n_steps
         self.protected_steps = protected_steps
         self.writer = writer
+        self.save_mode = SaveMode(async_save, state_size=state_size)  # ValueError for another value
         self.async_save = async_save
         self.fence = fence
         checksum_lib.new(checksum)  # ValueError naming the known algorithms
         self.checksum = checksum
         self._background = BackgroundSave()
+        self._retention = BackgroundSave()  # the retention pass after the last commit
+        self._decided: tuple[int, bool] | None = None  # (step, asynchronous) of the save about to be made
         self._just_committed: list[tuple[int, str]] = []  # appended by the saving thread, taken by take_committed()
         self._committed_here: set[int] = set()  # steps this manager committed: known good
         self._begun: dict[int, str] = {}  # step -> its work dir, from begin() until save()
@@ -134,8 +148,9 @@ class CheckpointManager:
         """Steps of the committed checkpoints, ascending: ``ckpt-<step>`` dirs with a manifest.
 
         Cheap (no hashing): a listed checkpoint may still turn out corrupt when read. Empty when
-        ``directory`` does not exist yet.
+        ``directory`` does not exist yet. Waits for this manager's retention pass in flight.
         """
+        self._retention.join()
         return listing.committed_steps(self.storage)
 
     def latest_step(self) -> int | None:
@@ -182,20 +197,32 @@ class CheckpointManager:
     # -- saving --------------------------------------------------------------------------------
 
     def save(self, step: int, objects: Mapping[str, object]) -> str:
-        """Commit checkpoint ``step`` holding ``objects`` and apply retention; return its path.
+        """Commit checkpoint ``step`` holding ``objects`` and apply retention (on a helper thread,
+        see the class doc); return its path.
 
-        With ``async_save``, returns once ``objects`` are snapshotted; see the class doc.
+        An asynchronous save (:meth:`asynchronous`) returns once ``objects`` are snapshotted; see
+        the class doc.
         """
-        if not self.async_save:
-            return self._save_now(step, objects)
         self.wait()  # one save in flight at most; raises a previous failure
         step = check_step(step)
+        asynchronous = self.asynchronous(step)
+        self._decided = None
+        if not asynchronous:
+            return self._save_now(step, objects, retain_later=True)
         self._require_writer("save")
         if self._already_saved(step):
             return self.path(step)
         snapshot = snapshot_objects(step, objects)
         self._background.start(f"cadence-save-{step}", lambda: self._save_now(step, snapshot))
         return self.path(step)
+
+    def asynchronous(self, step: int) -> bool:
+        """Whether the save of ``step`` is asynchronous: ``async_save``, or with ``"auto"`` the
+        choice made now from the last save's measured cost (kept for this step's :meth:`save`).
+        Called before a sharded save, so that every rank writes its shards the same way."""
+        if self._decided is None or self._decided[0] != step:
+            self._decided = (step, self.save_mode.asynchronous())
+        return self._decided[1]
 
     def begin(self, step: int) -> str | None:
         """Start checkpoint ``step`` for a sharded save: create the directory every rank writes
@@ -222,16 +249,22 @@ class CheckpointManager:
             self._committer.discard_failed(work, self._dir(step))
 
     def wait(self) -> None:
-        """Block until an asynchronous save in flight is committed; raise its failure if it failed."""
+        """Block until an asynchronous save in flight is committed and the retention pass after
+        the last commit is done; raise their failure."""
         self._background.join()
+        self._retention.join()
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
-        """Raise :class:`CheckpointError` if a finished asynchronous save failed (does not block)."""
+        """Raise :class:`CheckpointError` if a finished asynchronous save failed, and the
+        :class:`~cadence.errors.WriterLeaseLostError` a finished retention pass met (does not block)."""
         error = self._background.take_error()
         if error is not None:
             kind = CheckpointSpaceError if isinstance(error, CheckpointSpaceError) else CheckpointError
             raise kind(f"asynchronous checkpoint save failed: {error}") from error
+        error = self._retention.take_error()
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         """Wait for a pending asynchronous save (raising its failure)."""
@@ -247,8 +280,9 @@ class CheckpointManager:
             taken.append(self._just_committed.pop(0))
         return taken
 
-    def _save_now(self, step: int, objects: Mapping[str, object]) -> str:
-        """Commit checkpoint ``step`` holding ``objects`` and apply retention; return its path.
+    def _save_now(self, step: int, objects: Mapping[str, object], *, retain_later: bool = False) -> str:
+        """Commit checkpoint ``step`` holding ``objects`` and apply retention (``retain_later``: on
+        a helper thread, see the class doc); return its path.
 
         Each object with ``save_checkpoint(writer)`` writes its files through the writer and its
         return value (JSON) is stored under its name in ``state.json``; an object with only
@@ -287,56 +321,37 @@ class CheckpointManager:
                 raise TypeError(f"cannot checkpoint {name!r}: {type(obj).__name__} has neither save_checkpoint nor state_dict")
         work = begun if begun is not None else final_dir
         owned = begun is not None  # work is this save's to remove on failure (not another writer's)
+        start = time.perf_counter()
         try:
             if begun is None:
                 work = committer.new_work_dir(step, self.fence)
                 owned = True
-            files, ranks = committer.write_files(work, step, objects, self.checksum)
-            if work != final_dir:
-                self.storage.rename(work, final_dir)
-            document = manifest_lib.build(step, files, algorithm=self.checksum, ranks=ranks)
-            self._require_writer(f"commit checkpoint {self.path(step)}")  # the fence, right before the commit
-            committer.commit_manifest(step, manifest_lib.encode(document))
+            writer = committer.write_files(work, step, objects, self.checksum)
+            document = manifest_lib.build(step, writer.written(), algorithm=self.checksum, ranks=writer.ranks())
+            committer.commit(step, work, writer, manifest_lib.encode(document),  # the fence, right before the commit
+                             check=lambda: self._require_writer(f"commit checkpoint {self.path(step)}"))
         except BaseException as e:
             if owned:
                 committer.discard_failed(work, final_dir)
             raise_if_full(e, self.storage, f"save checkpoint step {step}")
             raise
+        self.save_mode.record(time.perf_counter() - start)
         logger.info("saved checkpoint %s", self.path(step))
         self._just_committed.append((step, self.path(step)))
         self._committed_here.add(step)
-        self._apply_retention(step)
+        if retain_later:
+            self._retention.start(f"cadence-retention-{step}", lambda: self._apply_retention(step))
+        else:
+            self._apply_retention(step)
         return self.path(step)
 
     # -- retention -----------------------------------------------------------------------------
 
     def _apply_retention(self, just_saved: int) -> None:
-        if self.max_to_keep is None:
-            return  # keeps everything: no need to read the leases
-        steps = self.steps()
-        protected = retention.protected_steps(steps, self.leases, self.protected_steps)
-        if protected is None:  # unknown: delete nothing this time
-            return
-        doomed = retention.steps_to_delete(
-            steps,
-            just_saved=just_saved,
-            max_to_keep=self.max_to_keep,
-            keep_every_n_steps=self.keep_every_n_steps,
-            protected=protected,
-        )
-        if doomed:
-            self._require_writer("delete old checkpoints (retention)")
-            try:  # readers record the ones they never saw as skipped
-                self.leases.record_deleted(doomed)
-            except Exception:  # noqa: BLE001 - unnoted, they could vanish unseen: delete nothing this time
-                logger.warning("could not note the checkpoints retention deletes in %s; skipping retention "
-                               "this time", self.leases, exc_info=True)
-                return
-        for step in doomed:
-            try:
-                self._delete(step)
-            except Exception:  # noqa: BLE001 - the save itself succeeded
-                logger.warning("could not delete checkpoint %s", self.path(step), exc_info=True)
+        if self.max_to_keep is not None:  # None keeps everything: no need to read the leases
+            retention.apply(self.storage, self.leases, just_saved, max_to_keep=self.max_to_keep,
+                            keep_every_n_steps=self.keep_every_n_steps, extra=self.protected_steps,
+                            check=self._require_writer, delete=self._delete, path=self.path)
 
     def delete(self, step: int) -> None:
         """Delete committed checkpoint ``step``: its manifest first (readers stop seeing it at

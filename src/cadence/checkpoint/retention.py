@@ -1,5 +1,6 @@
 """Which committed checkpoints retention deletes: a pure function of the steps present
-(:func:`steps_to_delete`) and of what is protected besides (:func:`protected_steps`)."""
+(:func:`steps_to_delete`) and of what is protected besides (:func:`protected_steps`); one
+retention pass (:func:`apply`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import logging
 from typing import Callable, Iterable
 
 from cadence.checkpoint.leases import Leases
+from cadence.checkpoint.listing import committed_steps
+from cadence.storage import Storage
 
 logger = logging.getLogger("cadence.checkpoint")
 
@@ -75,3 +78,33 @@ def protected_steps(steps: Iterable[int], leases: Leases,
         logger.warning("protected_steps failed; skipping retention this time", exc_info=True)
         return None
     return protected
+
+
+def apply(storage: Storage, leases: Leases, just_saved: int, *, max_to_keep: int, keep_every_n_steps: int | None,
+          extra: Callable[[], Iterable[int]] | None, check: Callable[[str], None], delete: Callable[[int], None],
+          path: Callable[[int], str]) -> None:
+    """One retention pass after ``just_saved`` was committed: note the doomed steps for readers
+    (:meth:`~cadence.checkpoint.leases.Leases.record_deleted`), then ``delete`` each. ``check(what)``
+    (the writer's fence) runs before anything is deleted and may raise. Nothing is deleted when the
+    leases or ``extra()`` cannot be read, or the note cannot be written; a failed deletion is
+    logged and the others go on."""
+    steps = committed_steps(storage)
+    protected = protected_steps(steps, leases, extra)
+    if protected is None:  # unknown: delete nothing this time
+        return
+    doomed = steps_to_delete(steps, just_saved=just_saved, max_to_keep=max_to_keep,
+                             keep_every_n_steps=keep_every_n_steps, protected=protected)
+    if not doomed:
+        return
+    check("delete old checkpoints (retention)")
+    try:  # readers record the ones they never saw as skipped
+        leases.record_deleted(doomed)
+    except Exception:  # noqa: BLE001 - unnoted, they could vanish unseen: delete nothing this time
+        logger.warning("could not note the checkpoints retention deletes in %s; skipping retention this time",
+                       leases, exc_info=True)
+        return
+    for step in doomed:
+        try:
+            delete(step)
+        except Exception:  # noqa: BLE001 - the save itself succeeded
+            logger.warning("could not delete checkpoint %s", path(step), exc_info=True)

@@ -132,7 +132,7 @@ class CheckpointSession:
             if self.coordinator.is_chief:
                 directory = self.manager.begin(step)
                 if directory is not None:
-                    target = ShardTarget(step, directory, self.manager.checksum, self.manager.async_save,
+                    target = ShardTarget(step, directory, self.manager.checksum, self.manager.asynchronous(step),
                                          self.manager.storage.options)
             target = self.coordinator.broadcast(target)
             if target is not None:

@@ -165,11 +165,15 @@ class SidecarConfig(ConfigModel):
 class CheckpointConfig(ConfigModel):
     """How checkpoints are written (the CheckpointManager's own settings; what is kept is `trainer:`'s)."""
 
-    async_save: StrictBool = Field(
-        default=False,
+    async_save: StrictBool | Literal["auto"] = Field(
+        default="auto",
+        json_schema_extra={"expected": "true, false or 'auto'"},
         description=(
-            "Copy the state to CPU memory at a save and commit it from a background thread (one save in "
-            "flight); the copy is reused by the next save, so one extra CPU copy of the state stays resident."
+            "`true`: copy the state to CPU memory at a save and commit it from a background thread (one save "
+            "in flight); the copy is reused by the next save, so one extra CPU copy of the state stays "
+            "resident. `auto`: asynchronous only once the last two saves' write and commit each took longer "
+            "than 20 ms (the first save: a state of 16 MiB or more), as a small state is saved sooner "
+            "synchronously."
         ),
     )
     pipelined: StrictBool = Field(
@@ -193,6 +197,13 @@ class CheckpointConfig(ConfigModel):
                      "xxh3_128, both at memory speed, or sha256 (cryptographic, ~8x slower). Checkpoints "
                      "keep verifying with the algorithm they were written with."),
     )
+
+    @field_validator("async_save", mode="before")
+    @classmethod
+    def _true_false_or_auto(cls, value: object) -> object:
+        if value is True or value is False or value == "auto":
+            return value
+        raise ValueError("expected true, false or 'auto'")  # one message, not one per member of the union
 
 
 class EvalSpecConfig(ConfigModel):

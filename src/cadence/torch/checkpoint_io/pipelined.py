@@ -22,7 +22,7 @@ import torch
 from cadence.checkpoint.background import Pending, Worker
 from cadence.torch.checkpoint_io.staging import clone_tree, copy_tensor
 
-__all__ = ["CopyJobs", "PendingCopy", "StateFence", "defer_tree"]
+__all__ = ["CopyJobs", "PendingCopy", "StateFence", "defer_tree", "stage_in_background"]
 
 _Slot = tuple[Any, Any]  # (container, key): where a copy goes, a dict or a list and its key / index
 
@@ -126,7 +126,14 @@ class PendingCopy:
             event.synchronize()
 
 
-_STAGER = Worker("cadence-stage")  # runs the copies of pipelined snapshots, one after the other
+# Runs the copies of pipelined snapshots, one after the other, at the training thread's CPU priority: the
+# next optimizer step waits for them (the writer threads, which nothing waits for, run at a lower one).
+_STAGER = Worker("cadence-stage", lower_priority=False)
+
+
+def stage_in_background(fn: Callable[..., Any], *args: Any) -> Pending:
+    """Run ``fn(*args)`` on the thread that copies pipelined snapshots (after the copies queued before)."""
+    return _STAGER.submit(fn, *args)
 
 
 class StateFence:

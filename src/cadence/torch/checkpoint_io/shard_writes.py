@@ -12,6 +12,7 @@ import torch
 from cadence.checkpoint.background import Pending, Worker, yield_cpu
 from cadence.checkpoint.protocol import ShardTarget
 from cadence.errors import CheckpointError
+from cadence.torch.checkpoint_io.pipelined import stage_in_background
 from cadence.torch.parallel import sharding
 
 __all__ = ["ShardFiles", "ShardWrites"]
@@ -50,8 +51,8 @@ class ShardWrites:
         from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
 
         if target.background and pipelined:
-            staging = _WORKER.submit(self._stage, state)
-            self._pending = _WORKER.submit(self._write_staged, staging, target)  # runs after the staging
+            staging = stage_in_background(self._stage, state)  # at the training thread's priority: it waits for it
+            self._pending = _WORKER.submit(self._write_staged, staging, target)  # writes once it is staged
             return staging
         if target.background:
             staged, self._stager = sharded_checkpoint.stage(state, self._stager)

@@ -17,6 +17,7 @@ from cadence.errors import WriterLeaseHeldError
 from cadence.loop.controller import Controller
 from cadence.runtime.coordination import Coordinator, LocalCoordinator
 from cadence.runtime.watchdog import Heartbeat, Watchdog
+from cadence.torch.checkpoint_io.state_size import StateSizeEstimate
 from cadence.torch.components.ema import ModelEMA
 from cadence.torch.experiments.actions import build_actions
 from cadence.torch.experiments.callbacks import build_callbacks, tracking_callbacks
@@ -148,7 +149,8 @@ def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any,
     manager = CheckpointManager(  # one writer: the chief; the other ranks only read
         layout.checkpoints_dir(model_dir), max_to_keep=t.max_to_keep,
         keep_every_n_steps=t.keep_every_n_steps, writer=train and ctx.is_chief,
-        async_save=cfg.checkpoint.async_save and train, fence=lease, checksum=cfg.checkpoint.checksum,
+        async_save=cfg.checkpoint.async_save if train else False, fence=lease, checksum=cfg.checkpoint.checksum,
+        state_size=StateSizeEstimate(model, trainer.optimizer, ema) if train else None,
     )
     controller = Controller(
         trainer=trainer,
