@@ -1,13 +1,14 @@
 """``make bench``: run every benchmark, write ``results/latest.json`` and ``results/latest.md``.
 
     python benchmarks/run.py [--quick]
-        [--only loop,checkpoint,sharded,sidecar,resume,goodput,goodput_nodes,profiler,throughput,ema,compile]
+        [--only loop,checkpoint,stall,sharded,sidecar,resume,goodput,goodput_nodes,profiler,throughput,ema,compile]
 
 ``--only`` updates those entries of ``latest.json`` and keeps the others. ``--quick`` runs the
 benchmarks that have a quick mode (the checkpoint one: two tiny sizes, one repeat, every load
-checked; the sharded one: a 6 MiB state on 1, 2 and 3 ranks; goodput: 100 steps with and without
-kills; goodput_nodes: 40 steps on two nodes, with and without a node lost) as a smoke test in a few minutes,
-and writes ``results/quick.json`` and ``results/quick.md`` instead, so ``latest`` keeps the real
+checked; the stall one: a 6 MiB state and a tiny charlm, two saves each; the sharded one: a 6 MiB
+state on 1, 2 and 3 ranks; goodput: 100 steps with and without kills; goodput_nodes: 40 steps on
+two nodes, with and without a node lost) as a smoke test in a few minutes, and writes
+``results/quick.json`` and ``results/quick.md`` instead, so ``latest`` keeps the real
 measurements. A full run of ``sharded`` also writes its own ``results/sharded_checkpoint.*``.
 """
 
@@ -24,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import checkpoint_markdown  # noqa: E402
+import checkpoint_stall  # noqa: E402
 import checkpoint_throughput  # noqa: E402
 import compile_speed  # noqa: E402
 import ema_overhead  # noqa: E402
@@ -40,6 +42,7 @@ from results_file import header, machine, write_results  # noqa: E402
 BENCHMARKS = {
     "loop": loop_overhead.run,
     "checkpoint": checkpoint_throughput.run,  # includes the asynchronous save (the former "async" entry)
+    "stall": checkpoint_stall.run,  # the training thread's stall for an async save (pipelined, DCP's stager)
     "sharded": sharded_checkpoint.run,
     "sidecar": sidecar_latency.run,
     "resume": resume_cost.run,
@@ -55,6 +58,7 @@ BENCHMARKS = {
 MARKDOWN = {
     "loop": loop_overhead.markdown_lines,
     "checkpoint": checkpoint_markdown.checkpoint_lines,
+    "stall": checkpoint_stall.markdown_lines,
     "sharded": checkpoint_markdown.sharded_lines,
     "sidecar": sidecar_latency.markdown_lines,
     "resume": resume_cost.markdown_lines,

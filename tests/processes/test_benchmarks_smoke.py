@@ -7,6 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import torch
 from cli_run import run_python
 from zygote import forking_children
 
@@ -113,3 +114,42 @@ def test_goodput_nodes_benchmark_quick(tmp_path, monkeypatch):
     bench_run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_run)
     assert bench_run.BENCHMARKS["goodput_nodes"] is goodput_nodes.run  # part of `make bench`
+
+
+def test_checkpoint_stall_benchmark_quick(tmp_path, monkeypatch):
+    """The stall benchmark's quick mode (a tiny state and a tiny charlm, two saves each): every
+    contender saves while training, the stalls, step ratios and peak RSS are positive, the table
+    renders with a row per contender and the targets, and it is part of `make bench`. Timings are
+    not compared (a noisy machine)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import checkpoint_stall
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as `make bench` trains (OMP_NUM_THREADS=1); 2 threads on 2 busy cores crawl
+    try:
+        result = checkpoint_stall.run(quick=True, root=str(tmp_path), sizes={"tiny": 64})
+    finally:
+        torch.set_num_threads(threads)
+    assert [s["label"] for s in result["states"]] == ["tiny", "charlm"]
+    for state in result["states"]:
+        rows = {row["key"]: row for row in state["rows"]}
+        assert list(rows) == list(checkpoint_stall.CONTENDERS)
+        assert all(row["stall_s"] > 0 and row["stall_fraction"] > 0 for row in rows.values())
+        for key in ("boundary", "pipelined", "dcp"):
+            row = rows[key]
+            assert row["first_stall_s"] > 0 and len(row["stalls_s"]) == 2 and row["boundary_s"] > 0
+            assert row["wait_s"] >= 0 and row["background_s"] >= row["boundary_s"]
+            assert row["steps_idle"] >= 2 and row["steps_during_save"] >= 1 and row["step_ratio_during_save"] > 0
+            assert row["peak_rss_x_state"] > 1 and row["rss_alone_x_state"] > 1
+        assert {t["name"] for t in state["targets"]} <= set(checkpoint_stall.TARGETS)
+        assert all(t["met"] in (True, False) for t in state["targets"])
+    assert list(tmp_path.iterdir()) == []  # every checkpoint written was deleted
+    text = "\n".join(checkpoint_stall.markdown_lines(result))
+    assert text.count("## Checkpoint stall") == 2 and text.count("Targets, cadence pipelined: ") == 2
+    for contender in checkpoint_stall.CONTENDERS.values():
+        assert text.count(f"\n| {contender} | ") == 2
+    spec = importlib.util.spec_from_file_location("cadence_benchmarks_run", BENCHMARKS / "run.py")
+    bench_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_run)
+    assert bench_run.BENCHMARKS["stall"] is checkpoint_stall.run  # part of `make bench`
+    assert "## Checkpoint stall" in bench_run.markdown({"machine": bench_run.machine(), "stall": result})
