@@ -86,6 +86,7 @@ class TrainerCheckpoint:
         self._gathered_data: list[dict[str, Any] | None] | None = None  # ditto: every rank's data position
         self._staging: TrainerSnapshot | None = None  # the last asynchronous snapshot (its tensors are reused)
         self._shard_writes = ShardWrites(ctx.rank, ctx.world_size)  # a sharded model's checkpoints
+        self._param_names: tuple[nn.Module, frozenset[str]] | None = None  # the model's, for pipelined snapshots
         self.fence = StateFence()
         """Where training waits for a pipelined snapshot's copy before the state changes."""
 
@@ -166,7 +167,7 @@ class TrainerCheckpoint:
         }
         module = unwrap_model(parts.model)
         later = later if copy else None
-        params = {name for name, _ in module.named_parameters(remove_duplicate=False)} if later is not None else None
+        params = self._parameter_names(module) if later is not None else None
         model = SafetensorsPayload.from_state_dict(
             module.state_dict(), copy=copy, reuse=reuse.model if reuse is not None else None, later=later,
             deferred=params,
@@ -185,6 +186,12 @@ class TrainerCheckpoint:
         if copy:  # CUDA tensors were copied to pinned memory without blocking: the writer waits for them
             snapshot.ready = staged({p.device for p in parts.model.parameters()} | {parts.ctx.device})
         return snapshot
+
+    def _parameter_names(self, module: nn.Module) -> frozenset[str]:
+        """``module``'s parameter names, tied ones included (computed once per module)."""
+        if self._param_names is None or self._param_names[0] is not module:
+            self._param_names = (module, frozenset(n for n, _ in module.named_parameters(remove_duplicate=False)))
+        return self._param_names[1]
 
     def snapshot(self, global_step: int, data_state: Callable[[], dict[str, Any] | None], *,
                  pipelined: bool = True) -> TrainerSnapshot:
