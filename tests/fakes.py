@@ -90,3 +90,16 @@ def _then(first: Callable[[], None] | None, step_end: Callable[[int], None], ste
         step_end(step)
 
     return both
+
+
+class Counter:
+    """The smallest checkpointable object: ``value``, saved through ``state_dict`` / ``load_state_dict``."""
+
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, int]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"]

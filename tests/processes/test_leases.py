@@ -21,21 +21,11 @@ from cadence.checkpoint.lease_file import Lease
 from cadence.checkpoint.lease_keeper import LeaseKeeper
 from cadence.checkpoint.leases import Leases
 from cadence.storage import Storage
+from fakes import Counter
 
 HERE = Path(__file__).resolve().parents[1]
 SRC = HERE.parent / "src"
 T0 = 1_700_000_000.0
-
-
-class Counter:
-    def __init__(self, value: int = 0) -> None:
-        self.value = value
-
-    def state_dict(self):
-        return {"value": self.value}
-
-    def load_state_dict(self, state):
-        self.value = state["value"]
 
 
 def save(manager: CheckpointManager, *steps: int) -> list[int]:

@@ -12,17 +12,7 @@ import pytest
 
 from cadence.checkpoint import CheckpointManager
 from cadence.checkpoint.save_mode import AUTO_COST_THRESHOLD, AUTO_SIZE_THRESHOLD, SaveMode, check_async_save
-
-
-class Counter:
-    def __init__(self, value: int = 0) -> None:
-        self.value = value
-
-    def state_dict(self):
-        return {"value": self.value}
-
-    def load_state_dict(self, state):
-        self.value = state["value"]
+from fakes import Counter
 
 
 class Slow:
