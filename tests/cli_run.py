@@ -101,18 +101,24 @@ def run_cadence(*args: str, env: dict[str, str] | None = None, timeout: float = 
     return proc
 
 
-def torchrun_command(nproc: int, *args: str, tee: int | None = None) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node NPROC [--tee T] ARGS...``: a
-    one-node job whose rendezvous port torchrun binds itself (port 0), so parallel jobs never collide."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+def torchrun_command(nproc: int, *args: str, tee: int | None = None, external: bool = False) -> list[str]:
+    """``python -m cadence.cli.torchrun_agent --standalone --nproc-per-node NPROC [--tee T] ARGS...``: a
+    one-node job whose rendezvous port torchrun binds itself (port 0), so parallel jobs never collide.
+
+    The agent is torchrun's launcher as ``cadence train --nproc`` runs it (torch's ``main``, with its workers
+    ending with it and torch's rendezvous events named cheaply: torch's own agent spends about a third more
+    CPU on a test's job). ``external``: ``python -m torch.distributed.run``, torch's own, for the tests of a
+    job under a torchrun that is not cadence's."""
+    launcher = "torch.distributed.run" if external else "cadence.cli.torchrun_agent"
+    return [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", str(nproc),
             *(["--tee", str(tee)] if tee is not None else []), *args]
 
 
 def run_torchrun(nproc: int, *args: str, env: dict[str, str] | None = None, timeout: float = 180,
-                 tee: int | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
+                 tee: int | None = None, external: bool = False, **kwargs: Any) -> subprocess.CompletedProcess:
     """:func:`torchrun_command` to completion, output captured as text; ``env`` adds to :data:`ENV`."""
-    return run_python(torchrun_command(nproc, *args, tee=tee)[1:], env={**ENV, **(env or {})}, timeout=timeout,
-                      **kwargs)
+    return run_python(torchrun_command(nproc, *args, tee=tee, external=external)[1:], env={**ENV, **(env or {})},
+                      timeout=timeout, **kwargs)
 
 
 def alive(pid: int) -> bool:

@@ -162,7 +162,7 @@ def test_a_rank_raising_ends_the_job_with_its_error_and_rank(tmp_path):
 def test_train_under_an_external_torchrun(tmp_path):
     model_dir = tmp_path / "run"
     proc = run_torchrun(2, "-m", "cadence", "train", str(config(tmp_path, tmp_path / "pids", steps=8)),
-                        "--model-dir", str(model_dir), "--no-progress", env={"COLUMNS": "200"}, timeout=120)
+                        "--model-dir", str(model_dir), "--no-progress", env={"COLUMNS": "200"}, timeout=120, external=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     state = json.loads((model_dir / "checkpoints" / "ckpt-8" / "state.json").read_text())["state"]["trainer"]
     assert len(state["rng"]) == 2 and state["data"]["state"] == {"epoch": 0, "offset": 8 * 2 * 8}

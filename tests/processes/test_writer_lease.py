@@ -322,7 +322,7 @@ def test_the_ranks_of_a_job_all_refuse_when_another_trainer_holds_the_lease(tmp_
     try:
         config = write_config(tmp_path, steps=10)
         job = run_torchrun(2, "-m", "cadence", "train", str(config), "--model-dir", str(tmp_path / "run"),
-                           "--no-progress", tee=3, timeout=180)
+                           "--no-progress", tee=3, timeout=180, external=True)
         assert job.returncode != 0
         text = one_line(job.stdout + job.stderr)
         assert text.count(f"is being written by pid {proc.pid}") >= 2, text[-3000:]

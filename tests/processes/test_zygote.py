@@ -134,7 +134,7 @@ def test_torchruns_agent_and_ranks_are_forked(tmp_path):
     runs to its end with every rank's output, prefixed, and exit status 0."""
     worker = tmp_path / "worker.py"
     worker.write_text("import os\nprint('rank', os.environ['RANK'], 'parent', os.getppid(), flush=True)\n")
-    with popen(torchrun_command(2, str(worker), tee=3)[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    with popen(torchrun_command(2, str(worker), tee=3, external=True)[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                text=True) as agent:
         out = agent.communicate(timeout=120)[0]
     assert agent.returncode == 0, out
