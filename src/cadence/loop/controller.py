@@ -1,13 +1,9 @@
-"""The training loop: :class:`Controller` (Orbit's, with the differences the guide's "coming from
-another tool" page lists).
-
-The loop alone; its parts have one job each: :mod:`cadence.checkpoint.session` (restore, save,
-FINAL, rollback), :mod:`cadence.loop.hooks` (callbacks), :mod:`cadence.loop.schedule` (intervals,
-segments, throttling), :mod:`cadence.loop.reports` (summaries, rates, progress),
-:mod:`cadence.loop.members` (the actions' and callbacks' parts), :mod:`cadence.sidecar.continuous`
-(continuous evaluation), :mod:`cadence.extensions` (what the roles, actions and callbacks may use
-and be). No framework is imported.
-"""
+"""The training loop: :class:`Controller` (Orbit's; the guide's "coming from another tool" page lists
+the differences). The loop alone, its parts one job each: :mod:`cadence.checkpoint.session` (restore,
+save, FINAL, rollback), :mod:`cadence.loop.hooks` (callbacks), :mod:`cadence.loop.schedule`
+(intervals, segments, throttling), :mod:`cadence.loop.reports` (summaries, rates, progress),
+:mod:`cadence.loop.members`, :mod:`cadence.sidecar.continuous`, :mod:`cadence.extensions` (what roles,
+actions and callbacks may use and be). No framework is imported."""
 
 from __future__ import annotations
 
@@ -55,8 +51,8 @@ class Controller:
       summary_interval: write train summaries after a loop that crossed a multiple of it (a
         multiple of an int ``steps_per_loop``). ``None``: after every loop.
       summary_dir, eval_summary_dir: where train / eval summaries go (TensorBoard events +
-        ``metrics.jsonl``; a nested output's top-level keys get a subdirectory each, as in
-        Orbit). ``None``: none; ``eval_summary_dir=None`` uses ``summary_dir``.
+        ``metrics.jsonl``; a nested output's top-level keys get a subdirectory each, as in Orbit).
+        ``None``: none; ``eval_summary_dir=None`` uses ``summary_dir``.
       train_actions: callables run on each inner loop's output (with its rates:
         :meth:`LoopReports.after_loop <cadence.loop.reports.LoopReports.after_loop>`).
       eval_actions: callables run on each evaluation's metrics.
@@ -67,8 +63,8 @@ class Controller:
         (a corrupt one is reported and skipped); an int: exactly that step (missing or corrupt
         raises :class:`~cadence.errors.CheckpointError`).
       restore: False restores nothing on construction, nor calls ``initialize()`` (a continuous
-        evaluator restores each checkpoint itself); :attr:`restored_step` stays None.
-      progress: a bar on a terminal, periodic lines otherwise. ``None``: on, but for non-zero ranks.
+        evaluator restores each checkpoint itself). progress: a bar on a terminal, periodic lines
+        otherwise; ``None``: on, but for non-zero ranks.
       coordinator: how the ranks of a job agree (``None``: one process). The chief alone writes
         checkpoints, ``FINAL`` and summaries; no rank goes on past a save before its commit; a stop
         on any rank is agreed at the end of the loop, so all ranks save and stop at one step.
@@ -76,14 +72,12 @@ class Controller:
         ``actions``, ``checkpoint``, ``evaluate``) for a :class:`~cadence.runtime.watchdog.Watchdog`
         (``trainer.hang_timeout``); the runners beat it at each step. ``None``: nobody watches.
 
-    Actions and callbacks take part through :mod:`cadence.extensions`' protocols: ``RunAware``
-    ones are attached to this controller once, before the restore (wrapped ones too); ``Stateful``
-    ones are in every checkpoint (:class:`~cadence.loop.run_state.RunState`); ``Closeable``
-    actions are closed by :meth:`close`.
-
-    On construction the latest checkpoint is restored (model, optimizer, data position, RNG,
-    actions' state); when there is none, the trainer's (or a lone evaluator's) ``initialize()``
-    runs if it is :class:`~cadence.extensions.Initializable`. With a trainer, what a killed run
+    Actions and callbacks take part through :mod:`cadence.extensions`' protocols: ``RunAware`` ones
+    are attached once, before the restore (wrapped ones too); ``Stateful`` ones are in every
+    checkpoint (:class:`~cadence.loop.run_state.RunState`); ``Closeable`` actions are closed by
+    :meth:`close`. On construction the latest checkpoint is restored (model, optimizer, data
+    position, RNG, actions' state); without one, an :class:`~cadence.extensions.Initializable`
+    trainer's (or lone evaluator's) ``initialize()`` runs. With a trainer, what a killed run
     summarized past the restored step is dropped (:meth:`LoopReports.resume_at
     <cadence.loop.reports.LoopReports.resume_at>`).
 
@@ -162,7 +156,7 @@ class Controller:
 
     @property
     def global_step(self) -> int:
-        """The trainer's global step; without a trainer, the step of the restored checkpoint."""
+        """The trainer's global step; without a trainer, the restored checkpoint's."""
         return self.trainer.global_step if self.trainer is not None else self._step
 
     @property
@@ -277,14 +271,10 @@ class Controller:
 
     def evaluate(self, steps: int = -1) -> dict[str, Any]:
         """Evaluate ``steps`` batches (``-1``: all) of the current model state; return the metrics.
-
-        Writes eval summaries at the global step, runs the eval actions, then ``on_eval_end``. An
-        eval action's stop sets :attr:`stop_reason` (a running ``train_and_evaluate`` ends
-        cleanly). With ``steps`` > 0 the metrics (summaries, ``on_eval_end``, the return value)
-        also hold ``steps_per_second`` (``steps`` over the evaluator's time), as Orbit's do; the
-        eval actions never see it. Raises ValueError without an evaluator or for ``steps`` not -1
-        or >= 1.
-        """
+        Writes eval summaries at the global step, runs the eval actions (a stop sets
+        :attr:`stop_reason`), then ``on_eval_end``. With ``steps`` > 0 the metrics (not the eval
+        actions') also hold ``steps_per_second``, as Orbit's do. ValueError without an evaluator
+        or for ``steps`` not -1 or >= 1."""
         return self._evaluate(steps, run_actions=True)
 
     def _evaluate(self, steps: int, *, run_actions: bool) -> dict[str, Any]:
@@ -306,62 +296,43 @@ class Controller:
         self._hooks.eval_end(metrics, step)
         return metrics
 
-    def evaluate_continuously(
-        self,
-        steps: int = -1,
-        timeout: float | None = None,
-        timeout_fn: Callable[[], bool] | None = None,
-        *,
-        mode: str | None = None,
-        poll_interval: float | None = None,
-    ) -> dict[str, Any] | None:
+    def evaluate_continuously(self, steps: int = -1, timeout: float | None = None,
+                              timeout_fn: Callable[[], bool] | None = None, *, mode: str | None = None,
+                              poll_interval: float | None = None) -> dict[str, Any] | None:
         """Evaluate checkpoints as they are committed; the last evaluation's metrics (None: none).
-        Orbit's contract, run by :class:`~cadence.sidecar.continuous.ContinuousEvaluation` (which
-        documents ``mode``, ``timeout``, ``timeout_fn`` and ``poll_interval``; ``None``: its
-        defaults). Raises ValueError without an evaluator or a checkpoint manager."""
+        Orbit's contract, run by :class:`~cadence.sidecar.continuous.ContinuousEvaluation` (its
+        options; ``None``: its defaults). ValueError without an evaluator or a checkpoint manager."""
         self._require(self.evaluator, "evaluator", "evaluate_continuously")
         self._require(self.checkpoint_manager, "checkpoint_manager", "evaluate_continuously")
         result = ContinuousEvaluation(self, steps=steps, timeout=timeout, timeout_fn=timeout_fn, mode=mode,
                                       poll_interval=poll_interval).run()
         return result.last_metrics
 
-    def train_and_evaluate(
-        self,
-        train_steps: int | None = None,
-        eval_steps: int = -1,
-        eval_interval: int | None = None,
-        *,
-        throttle_secs: float = 0.0,
-        start_delay_secs: float = 0.0,
-        sanity_steps: int = 0,
-        eval_at_start: bool = False,
-    ) -> dict[str, Any]:
+    def train_and_evaluate(self, train_steps: int | None = None, eval_steps: int = -1,
+                           eval_interval: int | None = None, *, throttle_secs: float = 0.0,
+                           start_delay_secs: float = 0.0, sanity_steps: int = 0,
+                           eval_at_start: bool = False) -> dict[str, Any]:
         """Alternate training and evaluation; return the last evaluation's metrics.
 
         Args:
           train_steps: absolute global-step target; ``None``: until the training data is exhausted.
           eval_steps: batches per evaluation (``-1``: all).
-          eval_interval: evaluate whenever the global step reaches a multiple of it (segments are
-            cut at absolute multiples, so resumed runs evaluate at the same steps). ``None``:
-            evaluate once, at the end.
-          throttle_secs, start_delay_secs: tf.estimator's ``EvalSpec`` throttling (see
-            :class:`~cadence.loop.schedule.EvalThrottle`); the final evaluation is never skipped.
+          eval_interval: evaluate whenever the global step reaches a multiple of it (absolute
+            multiples: resumed runs evaluate at the same steps). ``None``: once, at the end.
+          throttle_secs, start_delay_secs: tf.estimator's ``EvalSpec`` throttling
+            (:class:`~cadence.loop.schedule.EvalThrottle`); the final evaluation is never skipped.
           sanity_steps: first evaluate this many batches, without summaries, and let the eval
-            actions check the metrics (:func:`~cadence.loop.sanity.sanity_check`; SanityCheckError).
-            0: no sanity check.
-          eval_at_start: evaluate at step 0, before the first step, the untrained (or
-            ``initialize``d) weights: summaries and ``on_eval_end`` as any evaluation, but no eval
-            action sees it (a baseline: not a best checkpoint, nor early stopping's). A run
-            resumed past step 0 does not evaluate it again.
+            actions check the metrics (:func:`~cadence.loop.sanity.sanity_check`). 0: none.
+          eval_at_start: evaluate the weights at step 0, before the first step: summaries and
+            ``on_eval_end``, but no eval action sees it (a baseline). Not again on a resume.
 
-        Each segment ends with an evaluation, *then* the checkpoint due at that step (which so
-        holds the eval actions' state after it); a run resumed at an evaluation step whose
-        evaluation never ran evaluates first; an evaluation's error after steps no checkpoint holds
-        commits them first, with the state before it (:meth:`CheckpointSession.commit_on_error
+        Each segment ends with an evaluation, *then* the checkpoint due at that step (holding the
+        eval actions' state after it); a run resumed at an evaluation step whose evaluation never
+        ran evaluates first; an evaluation's error after steps no checkpoint holds commits them
+        first (:meth:`CheckpointSession.commit_on_error
         <cadence.checkpoint.session.CheckpointSession.commit_on_error>`). At the end (target, data
-        exhausted, a stop) the final checkpoint and ``FINAL`` are written. A run already evaluated
-        at ``train_steps`` or past it does nothing (a warning when past) and returns the metrics
-        recorded then (``{}`` without them). Callbacks as in :meth:`train`.
+        exhausted, a stop) the final checkpoint and ``FINAL`` are written. A run already at
+        ``train_steps`` does nothing and returns the metrics recorded then (``{}``: none).
         """
         self._require(self.trainer, "trainer", "train_and_evaluate")
         evaluator = self._require(self.evaluator, "evaluator", "train_and_evaluate")
@@ -432,11 +403,9 @@ class Controller:
         return ProgressReporter(total, initial_step=self.global_step, enabled=self.progress if enabled else False)
 
     def close(self) -> None:
-        """Wait for a pending asynchronous checkpoint (raising its failure) and report its
-        commit, then -- always -- close the summary writers, the ``Closeable`` actions (wrapped
-        ones too) and the callbacks (``on_close``, once; see
-        :meth:`CallbackHooks.close_run <cadence.loop.hooks.CallbackHooks.close_run>`: leaving a
-        ``with controller:`` block on an exception never replaces it with an ``on_close`` error)."""
+        """Wait for a pending asynchronous checkpoint (raising its failure) and report its commit,
+        then -- always -- close the summary writers, the ``Closeable`` actions and the callbacks
+        (``on_close``, once: :meth:`CallbackHooks.close_run <cadence.loop.hooks.CallbackHooks.close_run>`)."""
         self._close(propagating=False)
 
     def _close(self, propagating: bool) -> None:
