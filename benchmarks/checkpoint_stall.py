@@ -181,11 +181,9 @@ def layers_workload(width: int) -> Workload:
 
 
 def charlm_workload(params: dict[str, int]) -> Workload:
-    sys.path.insert(0, str(HERE.parent / "examples" / "charlm"))
-    try:
-        from task import CharLMTask
-    finally:
-        sys.path.remove(str(HERE.parent / "examples" / "charlm"))
+    from example_tasks import example_task_class
+
+    CharLMTask = example_task_class("charlm", "CharLMTask")
     torch.manual_seed(0)
     task = CharLMTask(train_samples=params["batch_size"], validation_samples=8, **params)
     model = task.build_model()

@@ -54,12 +54,9 @@ def mlp_task() -> Any:
 
 
 def charlm_task() -> Any:
-    sys.path.insert(0, str(ROOT / "examples" / "charlm"))
-    try:
-        from task import CharLMTask
-    finally:
-        sys.path.remove(str(ROOT / "examples" / "charlm"))
-    return CharLMTask()
+    from example_tasks import example_task_class
+
+    return example_task_class("charlm", "CharLMTask")()
 
 
 WORKLOADS: dict[str, tuple[str, Callable[[], Any]]] = {
