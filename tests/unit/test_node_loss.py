@@ -73,3 +73,11 @@ def test_the_rendezvous_names_its_events_as_before_without_inspecting_the_stack(
     assert dynamic_rendezvous.get_method_name is not torch_version
     monkeypatch.setattr(inspect, "stack", lambda *a: (_ for _ in ()).throw(AssertionError("inspect.stack() called")))
     assert [join_rendezvous(), join_rendezvous(1), join_rendezvous(3), join_rendezvous(500)] == expected
+
+
+def test_an_agent_of_several_nodes_lingers_after_bad_input_and_one_of_one_node_does_not():
+    from cadence.cli.torchrun_agent import _several_nodes
+
+    assert _several_nodes(["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "0"])
+    assert _several_nodes(["--nnodes=1:3"]) and not _several_nodes(["--nnodes", "1"])
+    assert not _several_nodes(["--standalone", "--nproc-per-node", "2"]) and not _several_nodes(["--nnodes", "x"])

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 from cadence.cli.torchrun import REPORT_ENV, bad_input
@@ -90,6 +91,26 @@ def bound_the_exit_barrier(seconds: float) -> None:
     launcher_api.LocalElasticAgent = BoundedExitBarrierAgent  # type: ignore[misc]
 
 
+BAD_INPUT_LINGER_S = 5.0
+"""How long the agent of a job of several nodes stays up after its ranks ended on bad input (exit 2)."""
+
+
+def _several_nodes(argv: list[str]) -> bool:
+    """Whether torchrun's ``argv`` runs a job on more than one node (``--nnodes N`` or ``MIN:MAX``)."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--nnodes="):
+            value = arg.split("=", 1)[1]
+        elif arg == "--nnodes" and i + 1 < len(argv):
+            value = argv[i + 1]
+        else:
+            continue
+        try:
+            return int(value.split(":")[-1]) > 1
+        except ValueError:
+            return False
+    return False
+
+
 def launcher_main(argv: list[str]) -> None:
     """``python -m cadence.cli.torchrun_agent TORCHRUN_ARGS...``: torch's launcher (``torch.distributed.run``'s
     ``main``) in this process. When the job gives up (``ChildFailedError``: a rank failed with no
@@ -110,6 +131,11 @@ def launcher_main(argv: list[str]) -> None:
         main(argv)
     except ChildFailedError as e:
         if report and bad_input(write_report(report, e)) is not None:
+            if _several_nodes(argv):
+                # The other nodes' ranks meet the same bad input about now. This agent may host the
+                # rendezvous store: had it gone at once, their agents would fail on the lost store (a
+                # traceback) before they see their own ranks' one line.
+                time.sleep(BAD_INPUT_LINGER_S)
             raise SystemExit(2) from None  # cadence train prints the ranks' one line
         raise
     finally:
