@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-gpu lint bench docs clean
+.PHONY: install demo test test-fast test-gpu lint bench bench-gpu docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,10 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run.py
+
+# On a machine with CUDA (and transformers): the stall of a GPT-2-small-sized state's asynchronous save.
+bench-gpu: $(STAMP)
+	$(BIN)/python benchmarks/checkpoint_stall_cuda.py --out benchmarks/results/checkpoint_stall_cuda.md
 
 $(VENV)/.docs-installed: $(STAMP) pyproject.toml
 	$(BIN)/pip install -q -e ".[docs]"

@@ -144,8 +144,14 @@ class Workload:
     contenders), one ``batch`` repeated, ``step`` the task's train step."""
 
     def __init__(self, label: str, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
-                 step: Callable[[nn.Module, Any], torch.Tensor]) -> None:
+                 step: Callable[[nn.Module, Any], torch.Tensor], device: str = "cpu") -> None:
         self.label, self.model, self.optimizer, self.batch, self.step = label, model, optimizer, batch, step
+        self.device = device
+
+    def synchronize(self) -> None:
+        """On CUDA, wait for the queued kernels: a step's time is then the device's, waits included."""
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
 
     def trainer(self, pipelined: bool = True) -> Any:
         from cadence.torch import Context, Task, build_runners
@@ -168,9 +174,18 @@ class Workload:
             def validation_step(self, model, batch):
                 return {}
 
-        trainer, _ = build_runners(Bench(), Context.create(device="cpu"), evaluate=False)
+        trainer, _ = build_runners(Bench(), Context.create(device=self.device), evaluate=False)
         trainer.pipelined_snapshots = pipelined
         return trainer
+
+
+def optimizer_state_made(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
+                         step: Callable[[nn.Module, Any], torch.Tensor]) -> None:
+    """One step of ``step`` on ``batch``: the optimizer's state (Adam's moments) exists, and counts in the
+    state's size, before any contender runs."""
+    step(model, batch).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def layers_workload(width: int) -> Workload:
@@ -187,27 +202,30 @@ def charlm_workload(params: dict[str, int]) -> Workload:
     torch.manual_seed(0)
     task = CharLMTask(train_samples=params["batch_size"], validation_samples=8, **params)
     model = task.build_model()
+    optimizer = task.build_optimizer(model)
+    optimizer_state_made(model, optimizer, task.train_set.tensors, task.train_step)
     n = sum(p.numel() for p in model.parameters())
     label = (f"charlm transformer ({params['layers']} layers, d_model {params['d_model']}, ff {params['ff']}, "
              f"seq {params['seq_len']}; {n / 1e6:.1f} M parameters) + AdamW, batch {params['batch_size']}")
-    return Workload(label, model, task.build_optimizer(model), task.train_set.tensors, task.train_step)
+    return Workload(label, model, optimizer, task.train_set.tensors, task.train_step)
 
 
 # -- the contenders ---------------------------------------------------------------------------------
 
 
-def _steps_for(trainer: Any, seconds: float, least: int = 1) -> list[float]:
+def _steps_for(trainer: Any, work: Workload, seconds: float, least: int = 1) -> list[float]:
     """Train one step at a time for ``seconds`` (at least ``least`` steps): each step's seconds."""
     times: list[float] = []
     end = time.perf_counter() + seconds
     while len(times) < least or time.perf_counter() < end:
         start = time.perf_counter()
         trainer.train(1)
+        work.synchronize()
         times.append(time.perf_counter() - start)
     return times
 
 
-def _steps_until(trainer: Any, done: Callable[[], bool], waits: Waits) -> tuple[list[float], float]:
+def _steps_until(trainer: Any, work: Workload, done: Callable[[], bool], waits: Waits) -> tuple[list[float], float]:
     """Train one step at a time until ``done()``: each step's seconds less the waits in it, and
     the waits in the first step (after a save, the rest of the stall)."""
     times: list[float] = []
@@ -216,6 +234,7 @@ def _steps_until(trainer: Any, done: Callable[[], bool], waits: Waits) -> tuple[
         before = waits.total
         start = time.perf_counter()
         trainer.train(1)
+        work.synchronize()
         elapsed, waited = time.perf_counter() - start, waits.total - before
         if not times:
             first_wait = waited
@@ -254,8 +273,11 @@ def measure(work: Workload, key: str, saves: int, idle_s: float, base: str, rss:
     if key == "dcp":
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                              use_async_staging=True, use_non_blocking_copy=False))
+        from cadence.torch.checkpoint_io.sharded import reusable
+
+        cuda = work.device.startswith("cuda")  # DCP's GPU set-up: pinned memory, non-blocking copies
+        stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                              use_async_staging=True, use_non_blocking_copy=cuda))
 
         def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             if staging:
@@ -265,6 +287,7 @@ def measure(work: Workload, key: str, saves: int, idle_s: float, base: str, rss:
 
         hook = work.optimizer.register_step_pre_hook(before_step)
     stalls: list[float] = []
+    lost_steps: list[tuple[list[float], float]] = []  # per save: the steps beside it (less waits), their waits
     boundary: list[float] = []
     background: list[float] = []
     idle: list[float] = []
@@ -276,13 +299,13 @@ def measure(work: Workload, key: str, saves: int, idle_s: float, base: str, rss:
             trainer.train(1)  # warm-up: the gradients allocated
             rss.reset()
             for i in range(saves):
-                idle += _steps_for(trainer, idle_s)
+                idle += _steps_for(trainer, work, idle_s)
                 if i == 0:
                     alone = rss.peak
                 rss.reset()
                 start = time.perf_counter()
-                if key == "dcp":
-                    done_fn, failed = _dcp_save(work, stager, f"{directory}/{i}", staging)
+                if key == "dcp":  # (reusable: torch 2.11's stager fails its second save without it)
+                    done_fn, failed = _dcp_save(work, reusable(stager), f"{directory}/{i}", staging)
                 else:
                     manager.save(trainer.global_step, {"trainer": trainer})
                     done, failed = _in_background(manager.wait)
@@ -293,7 +316,8 @@ def measure(work: Workload, key: str, saves: int, idle_s: float, base: str, rss:
                     background.append(boundary[-1])
                     peaks.append(rss.peak)
                     continue
-                steps, wait = _steps_until(trainer, done_fn, waits)
+                steps, wait = _steps_until(trainer, work, done_fn, waits)
+                lost_steps.append((steps, wait))
                 background.append(time.perf_counter() - start)
                 peaks.append(rss.peak)
                 if failed:
@@ -314,6 +338,11 @@ def measure(work: Workload, key: str, saves: int, idle_s: float, base: str, rss:
     idle_mean = statistics.fmean(idle)
     busy_mean = statistics.fmean(busy) if busy else None
     later = stalls[1:] or stalls
+    # training time lost to each save: from the save call to the commit, less as many steps alone
+    lost = [b - len(steps) * idle_mean for b, (steps, _) in zip(background, lost_steps)] or stalls
+    # the save call and the first step after it (its wait included), less a step alone: the stall as the device
+    # sees it (on CUDA the wait before the optimizer step is the stream's, and the host does not block)
+    stepped = [b + steps[0] + wait - idle_mean for b, (steps, wait) in zip(boundary, lost_steps) if steps] or stalls
     return {
         "key": key, "contender": CONTENDERS[key], "saves": saves,
         "first_stall_s": stalls[0], "stall_s": statistics.median(later), "stalls_s": stalls,
@@ -321,6 +350,8 @@ def measure(work: Workload, key: str, saves: int, idle_s: float, base: str, rss:
         "boundary_s": statistics.median(boundary[1:] or boundary), "wait_s": statistics.median(
             [s - b for s, b in zip(later, boundary[1:] or boundary)]),
         "background_s": statistics.median(background),
+        "first_lost_s": lost[0], "lost_s": statistics.median(lost[1:] or lost),
+        "first_step_stall_s": stepped[0], "step_stall_s": statistics.median(stepped[1:] or stepped),
         "step_s_idle": idle_mean, "steps_idle": len(idle),
         "step_s_during_save": busy_mean, "steps_during_save": len(busy),
         "step_ratio_during_save": busy_mean / idle_mean if busy_mean is not None else None,

@@ -352,3 +352,28 @@ def test_a_failed_load_names_the_rank_and_the_cause(saved) -> None:
     with pytest.raises(CheckpointError, match=r"cannot load the sharded checkpoint: rank 0: FileNotFoundError") as e:
         sc.read_model_state(str(directory))
     assert "\n" not in str(e.value) and not isinstance(e.value, UnsafeCheckpointError)
+
+
+def test_the_stager_stages_again_a_state_holding_objects_rebuilt_from_their_reduction() -> None:
+    """With torch 2.11 a DCP stager's deep-copy table was empty after each stage: the second save of an
+    FSDP2 state on CUDA failed with ``KeyError: <class 'type'>`` (seen on an H100 and an H200). ``stage``
+    puts the table back before each stage."""
+    from cadence.torch.checkpoint_io.sharded import stage
+
+    @dataclass
+    class Spec:  # rebuilt by the stager from its reduction, whose arguments hold its class
+        placement: int
+
+    state = {"w": torch.arange(4.0), "spec": Spec(1)}
+    staged, stager = stage(state)
+    table = stager._state_dict_stager._deepcopy_dispatch
+    table.pop(type, None)  # as torch 2.11 left it
+    with pytest.raises(KeyError):
+        stager.stage(dict(state))
+    for _ in range(2):  # torch 2.11 empties the table at every stage: each one puts it back
+        state["w"] += 1
+        table.clear()
+        again, same = stage(state, stager)
+        assert same is stager and again["spec"] == Spec(1) and torch.equal(again["w"], state["w"])
+    assert staged["spec"] == Spec(1)
+    stager.close()

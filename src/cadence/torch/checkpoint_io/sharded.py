@@ -21,6 +21,8 @@ DCP's own metadata classes, and its non-tensor values with ``torch.load(weights_
 
 from __future__ import annotations
 
+import copy
+
 import io
 import pickle
 import sys
@@ -412,4 +414,23 @@ def stage(state: Mapping[str, Any], reuse: Any = None) -> tuple[dict[str, Any], 
         cuda = torch.cuda.is_available()
         reuse = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                              use_async_staging=False, use_non_blocking_copy=cuda))
-    return reuse.stage(dict(state)), reuse
+    return reusable(reuse).stage(dict(state)), reuse
+
+
+def reusable(stager: Any) -> Any:
+    """``stager`` (DCP's ``DefaultStager``), ready for its next ``stage``: its deep-copy table as it was
+    built, with an entry for classes. Call it before each ``stage``. With torch 2.11 (seen on CUDA, on an
+    H100 and an H200) a stager's table was empty after each ``stage``: the next one failed with
+    ``KeyError: <class 'type'>`` on the first object it rebuilt from its reduction (an FSDP2 state).
+    Torch 2.13's keeps its table; this then changes nothing."""
+    inner: Any = getattr(stager, "_state_dict_stager", None)
+    table = getattr(inner, "_deepcopy_dispatch", None)
+    if inner is None or not isinstance(table, dict):
+        return stager
+    built = getattr(inner, "_cadence_built_table", None)
+    if built is None:
+        built = {type: copy._deepcopy_atomic, **table}  # type: ignore[attr-defined]
+        inner._cadence_built_table = built
+    for kind, copier in built.items():
+        table.setdefault(kind, copier)
+    return stager
