@@ -28,9 +28,11 @@ import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200",
+       "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 """The environment of the processes: the caller's, one torch thread, this checkout's ``src``, a
-console 200 columns wide (so that no log line a test looks for is wrapped)."""
+console 200 columns wide (so that no log line a test looks for is wrapped), Hugging Face's libraries
+offline (nothing is downloaded: they read these when imported, in the zygote too)."""
 
 
 class _Zygote:

@@ -63,12 +63,14 @@ child applies itself (``PYTHONUNBUFFERED``)."""
 
 PRELOAD = ("torch", "numpy", "cadence", "torch._dynamo", "torch.distributed.launcher.api",
            "torch.distributed.checkpoint", "tensorboard.summary.writer.event_file_writer",
-           "tensorboard.compat.proto.summary_pb2", "sklearn.datasets", "s3fs", "onnxscript", "optuna", "mlflow")
+           "tensorboard.compat.proto.summary_pb2", "sklearn.datasets", "s3fs", "onnxscript", "optuna", "mlflow",
+           "datasets", "transformers.models.gpt2.modeling_gpt2", "transformers.models.auto.tokenization_auto")
 """What the server imports before it forks: torch, every module of cadence (but ``__main__``), and what
 cadence imports lazily that the tests' commands need (torch's compiler, which an optimizer imports;
 torchrun; DCP; TensorBoard's event writer; scikit-learn's datasets for the digits example; s3fs, ONNX,
-Optuna, MLflow). Each would cost every command that uses it its import. Not inductor: importing it
-takes 2 s and only the compile tests use it."""
+Optuna, MLflow; Hugging Face's datasets, GPT-2 and AutoTokenizer, 3.5 s, for the hf_gpt2 example).
+Each would cost every command that uses it its import. Not inductor: importing it takes 2 s and only
+the compile tests use it."""
 
 MESSAGE = 1 << 20
 _DIE_WITH_PARENT = ("cadence.cluster.launch", "die_with_parent.<locals>.preexec")

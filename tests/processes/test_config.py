@@ -616,10 +616,10 @@ def test_sections_and_list_items_say_what_they_hold() -> None:
     cases = {
         "trainer.early_stopping=5": "trainer.early_stopping: expected a mapping with 'metric', 'patience' and "
                                     "optional 'min_delta', 'higher_is_better', or null, got 5",
-        "task=5": "task: expected a mapping with 'class' and optional 'params', got 5",
+        "task=5": "task: expected a mapping with 'class' and optional 'params', 'init_from_pretrained', got 5",
         "trainer=5": "trainer: expected a mapping, got 5",
         "export={formats: [x]}": "export.formats[0]: expected one of 'safetensors', 'torch_export', "
-                                 "'torchscript', 'onnx', got 'x'",
+                                 "'torchscript', 'onnx', 'hf', got 'x'",
         "callbacks=[{class: 5}]": "callbacks[0].class: expected a string 'module:ClassName' or "
                                   "'path/to/file.py:ClassName', got 5",
     }
@@ -743,7 +743,7 @@ def test_the_package_still_exports_every_name() -> None:
 
     for name in config.__all__:
         assert getattr(config, name) is not None, name
-    assert config.TaskConfig is config.CallbackConfig is config.ClassSpec
+    assert config.CallbackConfig is config.ClassSpec and issubclass(config.TaskConfig, config.ClassSpec)
 
 
 def test_sidecar_defaults_live_in_its_section() -> None:
@@ -770,7 +770,7 @@ def test_export_formats_are_listed_once() -> None:
 
     from cadence.config import EXPORT_FORMATS, ExportConfig, ExportFormat
 
-    assert EXPORT_FORMATS == get_args(ExportFormat) == ("safetensors", "torch_export", "torchscript", "onnx")
+    assert EXPORT_FORMATS == get_args(ExportFormat) == ("safetensors", "torch_export", "torchscript", "onnx", "hf")
     description = ExportConfig.model_fields["formats"].description or ""
     assert all(f"`{name}`" in description for name in EXPORT_FORMATS)
 

@@ -19,7 +19,6 @@ from cadence.actions import ExportFileManager
 from cadence.config import config_from_dict
 from cadence.errors import ConfigError
 from cadence.torch import (
-    FORMATS,
     ExportModel,
     ExportSignature,
     export_model_signatures,
@@ -31,6 +30,7 @@ from cadence.torch.experiments.exporting import ModelExporter
 from cadence.torch.experiments.task_loader import load_task_class
 from cadence.torch.export.api import read_export_metadata
 from cadence.torch.export.formats import FILES, ExportError
+from cadence.torch.export.formats import TORCH_FORMATS as FORMATS  # every format of a plain module: all but hf
 from cadence.torch.export.signatures import check_signatures
 from cli_run import run_cadence as cadence
 
@@ -125,7 +125,7 @@ def test_every_signature_dir_has_its_files(exported):
     assert step_dir == exported["model_dir"] / "export" / "final" / "10"
     assert sorted(p.name for p in step_dir.iterdir()) == sorted([*SIGNATURES, "signatures.json"])
     for name in SIGNATURES:
-        assert sorted(os.listdir(step_dir / name)) == sorted([*FILES.values(), "metadata.json"])
+        assert sorted(os.listdir(step_dir / name)) == sorted([*(FILES[f] for f in FORMATS), "metadata.json"])
         meta = read_export_metadata(str(step_dir / name))
         assert meta["signature"] == name and meta["step"] == 10 and meta["metrics"] == {"loss": 0.5}
         assert list(meta["formats"]) == list(FORMATS)

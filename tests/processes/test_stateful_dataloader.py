@@ -124,3 +124,28 @@ def test_resumed_on_another_world_size_it_warns(tmp_path):
     resumed = train(cfg, run, "--set", "trainer.train_steps=12")
     assert "the train data's position is per rank" in " ".join(resumed.stderr.split())  # rich wraps lines
     assert (run / "checkpoints" / "ckpt-12" / "MANIFEST.json").exists()
+
+
+@pytest.mark.parametrize("stateful", [True, False])
+def test_closing_the_train_data_ends_its_loaders_workers_at_once(stateful):
+    """A run's end closes its train data (``Run.release``): a loader's workers stopped mid-epoch exit
+    then. Left to the garbage collector, the iterator's ``__del__`` (run by the ``gc.collect`` of the
+    distributed shutdown) waited 5 s for each worker: a 2-rank run ended 10 s late."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from cadence.torch import Context
+    from cadence.torch.loop.train_data import TrainData
+    from tasks import TinyTask
+
+    dataset = TensorDataset(torch.arange(64.0).view(32, 2))
+    loader = (StatefulDataLoader if stateful else DataLoader)(dataset, batch_size=2, num_workers=2)
+    data = TrainData(TinyTask(), Context.create(device="cpu"), loader)
+    iterator = data.iterator()
+    next(iterator), next(iterator)
+    workers = list(iterator._workers)
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    data.close()
+    assert not any(w.is_alive() for w in workers)
+    assert data.iterator() is not iterator  # a new iteration starts after close
+    data.close()

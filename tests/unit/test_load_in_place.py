@@ -150,3 +150,57 @@ def test_a_restore_writes_into_the_live_optimizer_and_resumes_exactly(tmp_path):
     fresh_model, fresh_opt, fresh = _trainer(2, step=False)
     manager.restore({"trainer": fresh}, step=1)
     assert all(torch.equal(t, u) for t, u in zip(live_tensors(fresh_opt), live_tensors(saved_opt)))
+
+
+def test_a_restore_into_a_new_optimizer_gives_the_saved_state_in_memory_of_its_own(tmp_path):
+    """A resume in a new process: the optimizer has no state yet, so the load allocates it (new
+    memory faulted in at once: checkpoint_io/resident.py) and it is the saved state exactly; a
+    flipped byte is still caught before anything is loaded."""
+    from cadence.checkpoint import CheckpointManager
+    from cadence.torch import Context, Task, TorchTrainer
+    from cadence.torch.checkpoint_io.resident import MIN_BYTES
+
+    class Wide(Task):  # moments of 1.2 MiB: above resident.MIN_BYTES
+        def build_model(self):
+            return nn.Linear(600, 512)
+
+        def build_optimizer(self, model):
+            return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+        def build_inputs(self, split, ctx):
+            return []
+
+        def train_step(self, model, batch):
+            raise NotImplementedError
+
+        def validation_step(self, model, batch):
+            raise NotImplementedError
+
+    def trainer(seed: int, steps: int) -> TorchTrainer:
+        torch.manual_seed(seed)
+        task = Wide()
+        model = task.build_model()
+        opt = task.build_optimizer(model)
+        for _ in range(steps):
+            model(torch.randn(4, 600)).square().mean().backward()
+            opt.step()
+        return TorchTrainer(task, model, opt, ctx=Context.create(device="cpu"))
+
+    saved = trainer(0, steps=2)
+    manager = CheckpointManager(str(tmp_path))
+    manager.save(1, {"trainer": saved})
+    manager.save(2, {"trainer": saved})
+    fresh = trainer(1, steps=0)
+    manager.restore({"trainer": fresh}, step=1)
+    loaded, expected = live_tensors(fresh.optimizer), live_tensors(saved.optimizer)
+    assert len(loaded) == 6 and max(t.numel() * t.element_size() for t in loaded) > MIN_BYTES
+    assert all(t.dtype == u.dtype and torch.equal(t, u) for t, u in zip(loaded, expected))
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in loaded)  # its own memory
+    path = tmp_path / "ckpt-2" / "optimizer.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # inside a moment's bytes
+    path.write_bytes(bytes(data))
+    other = trainer(2, steps=0)
+    with pytest.raises(CorruptCheckpointError, match="optimizer.safetensors does not match its crc32c"):
+        CheckpointManager(str(tmp_path), writer=False).restore({"trainer": other}, step=2)
+    assert not other.optimizer.state

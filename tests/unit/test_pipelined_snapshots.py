@@ -97,6 +97,16 @@ class Twin:
             setattr(self.trainer, name, value)
 
 
+def one_by_one(monkeypatch) -> None:
+    """Make a pipelined snapshot copy its tensors through ``pipelined.copy_tensor``, one by one
+    (not in one call: ``copy_tensors``), so that a test can patch each copy."""
+
+    def copy_tensors(sources, into, *, cuda, fitted=False):
+        return [pipelined.copy_tensor(t, i if isinstance(i, torch.Tensor) else None) for t, i in zip(sources, into)]
+
+    monkeypatch.setattr(pipelined, "copy_tensors", copy_tensors)
+
+
 @pytest.fixture
 def slow_copies(monkeypatch):
     """Each tensor copy of a pipelined snapshot starts SLOW_COPY_S late (on the copying thread)."""
@@ -106,6 +116,7 @@ def slow_copies(monkeypatch):
         time.sleep(SLOW_COPY_S)
         return copy(t, into)
 
+    one_by_one(monkeypatch)
     monkeypatch.setattr(pipelined, "copy_tensor", slow)
 
 
@@ -150,6 +161,7 @@ def test_without_the_fence_the_next_step_would_change_what_is_copied(monkeypatch
         trained.wait(30)
         return copy(t, into)
 
+    one_by_one(monkeypatch)
     monkeypatch.setattr(pipelined, "copy_tensor", late)
     trainer, reference = make_trainer(ema=False), make_trainer(ema=False)
     trainer.train(3)
@@ -205,6 +217,7 @@ def test_the_training_thread_waits_only_before_its_optimizer_step(monkeypatch):
         events.append("copy")
         return copied
 
+    one_by_one(monkeypatch)
     monkeypatch.setattr(pipelined, "copy_tensor", after_the_forward)
     trainer = make_trainer(ema=False)
     trainer.train(2)
@@ -245,6 +258,7 @@ def test_a_failed_copy_fails_the_save_and_its_tensors_are_never_reused(monkeypat
     def broken(t, into=None):
         raise MemoryError("no memory for the copy")
 
+    one_by_one(monkeypatch)
     monkeypatch.setattr(pipelined, "copy_tensor", broken)
     snapshot = trainer.snapshot_checkpoint()
     trainer.train(1)  # training goes on: the fence does not raise the copy's failure

@@ -16,11 +16,12 @@ from torch import nn
 
 import cadence
 from cadence.errors import CadenceError
-from cadence.torch import FORMATS, ExportModel, Task, export_model, load_exported
+from cadence.torch import ExportModel, Task, export_model, load_exported
 from cadence.torch.export import formats as export_formats
 from cadence.torch.export import writers as export_writers
 from cadence.torch.export.capture import cpu_copy
 from cadence.torch.export.formats import ExportDependencyError, ExportError, ExportOutputError
+from cadence.torch.export.formats import TORCH_FORMATS as FORMATS  # every format of a plain module: all but hf
 from cadence.torch.export.api import (
     read_export_metadata,
 )
@@ -148,8 +149,8 @@ def test_metadata_json(exported):
     with open(os.path.join(exported["dir"], "metadata.json")) as f:
         assert json.load(f) == meta
     assert list(meta["formats"]) == list(FORMATS)
-    assert {fmt: info["file"] for fmt, info in meta["formats"].items()} == export_formats.FILES
-    assert sorted(meta["files"]) == sorted([*export_formats.FILES.values(), "metadata.json"])
+    assert {fmt: info["file"] for fmt, info in meta["formats"].items()} == {f: export_formats.FILES[f] for f in FORMATS}
+    assert sorted(meta["files"]) == sorted([*(export_formats.FILES[f] for f in FORMATS), "metadata.json"])
     assert sorted(os.listdir(exported["dir"])) == sorted(meta["files"])
     assert meta["formats"]["torch_export"]["dynamic_batch"] is True
     assert meta["formats"]["onnx"]["dynamic_batch"] is True

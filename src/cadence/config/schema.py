@@ -66,10 +66,11 @@ __all__ = [
     "resolve_task_class",
 ]
 
-ExportFormat = Literal["safetensors", "torch_export", "torchscript", "onnx"]
+ExportFormat = Literal["safetensors", "torch_export", "torchscript", "onnx", "hf"]
 EXPORT_FORMATS: tuple[str, ...] = get_args(ExportFormat)
 """Every inference format, in the order the docs list them (the CLI's choices, the exporters')."""
-_FORMAT_NOTES = {"torch_export": " (.pt2)", "onnx": " (needs `cadence[onnx]`)"}
+_FORMAT_NOTES = {"torch_export": " (.pt2)", "onnx": " (needs `cadence[onnx]`)",
+                 "hf": " (a transformers model's `save_pretrained` directory; needs `cadence[hf]`)"}
 
 MOVED_KEYS: dict[tuple[str, ...], str] = {
     ("trainer", "async_checkpoint"): "checkpoint.async_save",
@@ -102,8 +103,20 @@ class ClassSpec(ConfigModel):
         return check_class_spec(value)
 
 
-TaskConfig = ClassSpec
-"""``task:``: the Task class (a ``cadence.torch.Task``) and its keyword arguments."""
+class TaskConfig(ClassSpec):
+    """The Task class (a `cadence.torch.Task`), its keyword arguments, and the weights it starts from."""
+
+    init_from_pretrained: str | None = Field(
+        default=None,
+        description=(
+            "A local `save_pretrained` directory (an `hf` export, a downloaded model) whose weights a fresh "
+            "start loads before `Task.initialize`; ignored when a checkpoint is restored. Relative to the "
+            "current directory."
+        ),
+        json_schema_extra={"expected": "a directory path"},
+    )
+
+
 CallbackConfig = ClassSpec
 """``callbacks[i]``: a ``cadence.Callback`` class and its keyword arguments."""
 

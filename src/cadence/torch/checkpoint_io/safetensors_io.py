@@ -30,14 +30,15 @@ from cadence.torch.checkpoint_io.staging import copy_tensor
 if TYPE_CHECKING:
     from cadence.torch.checkpoint_io.pipelined import CopyJobs
 
-__all__ = ["ALIASES_KEY", "SafetensorsPayload", "safetensors_metadata", "safetensors_views", "state_dict_from_safetensors",
-           "state_dict_to_safetensors"]
+__all__ = ["ALIASES_KEY", "SafetensorsPayload", "alias_key", "safetensors_metadata", "safetensors_views",
+           "state_dict_from_safetensors", "state_dict_to_safetensors"]
 
 ALIASES_KEY = "cadence.aliases"
 """The metadata key naming the aliases of tied tensors (JSON ``{alias: stored name}``)."""
 
 
-def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
+def alias_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two entries of a state dict one tensor (tied): the same memory, shape, strides and dtype."""
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
@@ -96,7 +97,7 @@ class SafetensorsPayload:
                 raise TypeError(f"state_dict entry {name!r} is a {type(t).__name__}, not a tensor")
             t = t.detach()
             if t.numel() > 0:
-                key = _alias_key(t)
+                key = alias_key(t)
                 if key in canonical:
                     aliases[name] = canonical[key]
                     first = tensors[canonical[key]]  # the same tensor: written under both names

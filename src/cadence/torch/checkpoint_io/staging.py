@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-__all__ = ["PLAIN_LEAVES", "clone_tree", "copy_tensor", "staged"]
+__all__ = ["PLAIN_LEAVES", "clone_tree", "copy_tensor", "copy_tensors", "staged"]
 
 PLAIN_LEAVES = (str, int, float, bool, complex, bytes, type(None), torch.dtype, torch.device, torch.Size)
 """Values kept as they are (immutable) when a state tree is copied."""
@@ -34,6 +34,34 @@ def copy_tensor(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tens
         pinned = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=True)
         return pinned.copy_(source, non_blocking=True)
     return source.to("cpu", copy=True).contiguous()
+
+
+def _fits(into: Any, t: torch.Tensor, cuda: bool) -> bool:
+    return (isinstance(into, torch.Tensor) and into.device.type == "cpu" and into.shape == t.shape
+            and into.dtype == t.dtype and into.is_contiguous() and into.data_ptr() != t.data_ptr()
+            and (not cuda or into.is_pinned()))
+
+
+def copy_tensors(sources: Sequence[torch.Tensor], into: Sequence[Any], *, cuda: bool,
+                 fitted: bool = False) -> list[torch.Tensor]:
+    """:func:`copy_tensor` of each of the plain (strided, not quantized) tensors ``sources``, into
+    the tensor at its index in ``into`` when it fits (``fitted``: a previous copy of the same
+    tensors, only their shapes and dtypes checked), as one call that gives up the GIL once for all
+    the copies (``torch._foreach_copy_``). One by one, each copy gives the GIL up and takes it back
+    at once, and a thread that wants it meanwhile (the training thread) waits for the interpreter's
+    switch interval (5 ms) each time. ``cuda``: a source is on a CUDA device: then they are copied
+    one by one with :func:`copy_tensor` (into pinned memory, without blocking)."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is None or cuda:  # CUDA: queued one by one on the side stream, as copy_tensor does (not measured on GPU)
+        return [copy_tensor(t, i if isinstance(i, torch.Tensor) else None) for t, i in zip(sources, into)]
+    fitted = fitted and len(into) == len(sources) and [(t.shape, t.dtype) for t in sources] == [
+        (i.shape, i.dtype) for i in into]  # cheap: a source resized in place since is checked as usual
+    targets = list(into) if fitted else [i if _fits(i, t, False) else torch.empty(t.shape, dtype=t.dtype)
+                                         for t, i in zip(sources, into)]
+    if targets:
+        with torch.no_grad():
+            foreach(targets, list(sources))
+    return targets
 
 
 def staged(devices: set[torch.device]) -> Any:

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import torch
 
 from cadence.errors import CheckpointError
+from cadence.torch.checkpoint_io.resident import empty_resident
 from cadence.torch.checkpoint_io.safetensors_io import SafetensorsPayload, safetensors_metadata, safetensors_views
 
 __all__ = ["TREE_KEY", "NotFlat", "flatten", "payload", "load_tree"]
@@ -95,9 +96,11 @@ def load_tree(data: bytes | bytearray | memoryview, *, source: str, map_location
     whose tensors receive the loaded values where they can: a tensor at the same place in the
     structure with the same shape, dtype and device (on ``map_location``), that owns its memory,
     does not require grad and appears once, is copied into and returned in place of a new one (no
-    memory to allocate, and none to free when the optimizer drops its old state). They are written
-    only once the whole structure has been read: a malformed file leaves them as they were; a
-    later failure (an optimizer refusing the state) leaves them holding the loaded values.
+    memory to allocate, and none to free when the optimizer drops its old state); the others are
+    copied into new memory, faulted in at once on CPU
+    (:func:`~cadence.torch.checkpoint_io.resident.empty_resident`). The live tensors are written only
+    once the whole structure has been read: a malformed file leaves them as they were; a later
+    failure (an optimizer refusing the state) leaves them holding the loaded values.
 
     Raises :class:`~cadence.errors.CheckpointError` naming ``source`` when the file or its
     skeleton is malformed."""
@@ -118,6 +121,8 @@ def load_tree(data: bytes | bytearray | memoryview, *, source: str, map_location
             claimed.add(live.data_ptr())
             pending.append((live, view))
             return live
+        if device.type == "cpu":  # new memory (an optimizer without state yet): faulted in at once
+            return empty_resident(view.shape, view.dtype).copy_(view)
         return view.to(device, copy=True)
 
     def build(node: Any, live: Any, depth: int) -> Any:

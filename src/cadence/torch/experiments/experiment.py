@@ -28,7 +28,7 @@ from cadence.torch.experiments.actions import build_actions
 from cadence.torch.experiments.callbacks import build_callbacks, tracking_callbacks
 from cadence.torch.experiments.exporting import ModelExporter, example_inputs_for
 from cadence.torch.experiments.run import Run, build_run
-from cadence.torch.experiments.runners import build_runners_from_config
+from cadence.torch.experiments.runners import build_runners_from_config, pretrained_loader
 
 logger = logging.getLogger("cadence")
 
@@ -155,10 +155,14 @@ def run_evaluation(cfg: ExperimentConfig, step: int | None = None, *,
 
 
 def _initialize(run: Run) -> None:
-    """A fresh start's weights for an evaluation: ``Task.initialize`` on the unwrapped model; with
+    """A fresh start's weights for an evaluation: ``task.init_from_pretrained``'s weights, then
+    ``Task.initialize``, on the unwrapped model; with
     several ranks, rank 0's unsharded tensors broadcast (as the trainer's ``initialize``); the EMA
     reset to them."""
     module = unwrap_model(run.model)
+    load = pretrained_loader(run.config.task.init_from_pretrained)
+    if load is not None:
+        load(module)
     run.task.initialize(module)
     if run.ctx.world_size > 1:
         broadcast_unsharded(module)

@@ -12,8 +12,9 @@ from cadence.extensions import RunContext
 from cadence.torch.checkpoint_io.state import unwrap_model
 from cadence.torch.components.ema import ModelEMA, applied
 from cadence.torch.export.dynamic_shapes import check_spec
-from cadence.torch.export.formats import TRACED_FORMATS
+from cadence.torch.export.formats import TRACED_FORMATS, check_formats
 from cadence.torch.export.signatures import check_signatures, has_export_signatures
+from cadence.torch.hf.save import check_hf_model
 from cadence.torch.parallel import sharding
 from cadence.torch.task.export_specs import as_inputs
 from cadence.torch.task.task import Task
@@ -28,10 +29,18 @@ def example_inputs_for(task: Task, formats: Sequence[str], where: str, model: An
     checked instead (each signature brings its own example inputs) and the result is None.
 
     Raises:
-      ConfigError: a traced format, and the task does not define ``example_inputs()``, or its
+      ConfigError: formats that do not combine (``hf`` and ``safetensors``); ``hf`` for a model
+        (``model``) that is not a ``transformers`` one, or without ``transformers`` installed;
+        a traced format, and the task does not define ``example_inputs()``, or its
         ``export_spec()`` does not fit them; a signature with a bad name, without example inputs
         for a traced format, or with a spec that does not fit them (named).
     """
+    try:
+        check_formats(formats)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if "hf" in formats and model is not None:
+        check_hf_model(unwrap_model(model), where)
     if model is not None and has_export_signatures(task):
         try:
             signatures = check_signatures(task.export_signatures(unwrap_model(model)), formats)

@@ -99,7 +99,8 @@ def _as_config(config: Any, task_spec: str | None) -> ExperimentConfig:
         if task_spec is None:
             return config
         try:
-            task = TaskConfig.model_validate({"class": task_spec, "params": config.task.params})
+            task = TaskConfig.model_validate({"class": task_spec, "params": config.task.params,
+                                              "init_from_pretrained": config.task.init_from_pretrained})
         except ValidationError as exc:
             problems = "; ".join(e["msg"] for e in exc.errors())
             raise ConfigError(f"task.class: {task_spec!r}: {problems}") from None

@@ -22,6 +22,7 @@ from cadence.torch.components.ema import ModelEMA
 from cadence.torch.experiments.actions import build_actions
 from cadence.torch.experiments.callbacks import build_callbacks, tracking_callbacks
 from cadence.torch.experiments.runners import build_runners_from_config
+from cadence.torch.loop.trainer import TorchTrainer
 from cadence.torch.runtime.context import Context
 from cadence.torch.task.task import Task
 
@@ -54,6 +55,8 @@ class Run:
         start at once); idempotent."""
         if self.watchdog is not None:
             self.watchdog.stop()
+        if isinstance(self.controller.trainer, TorchTrainer):
+            self.controller.trainer.close_data()
         if self.writer_lease is not None:
             self.writer_lease.release()
 

@@ -17,6 +17,7 @@ from cadence.torch.loop.evaluator import TorchEvaluator
 from cadence.torch.loop.trainer import TorchTrainer
 from cadence.torch.parallel import sharding
 from cadence.torch.experiments.task_loader import build_task
+from cadence.torch.hf.pretrained import load_pretrained
 from cadence.torch.runtime.context import Context
 from cadence.torch.runtime.rng import seed_everything
 from cadence.torch.task.task import Task
@@ -46,6 +47,7 @@ def build_runners(
     max_epochs: int | None = None,
     ends_with_data: bool = False,
     pipelined_snapshots: bool = True,
+    init_from_pretrained: str | None = None,
 ) -> tuple[TorchTrainer | None, TorchEvaluator | None]:
     """``(trainer, evaluator)`` sharing one model built by ``task.build_model()`` on ``ctx.device``.
 
@@ -84,6 +86,8 @@ def build_runners(
     :class:`~cadence.torch.loop.trainer.TorchTrainer`).
     ``pipelined_snapshots``: an asynchronous save's copy runs beside the next step
     (``checkpoint.pipelined``; see :meth:`~cadence.torch.loop.trainer.TorchTrainer.snapshot_checkpoint`).
+    ``init_from_pretrained``: a ``save_pretrained`` directory whose weights a fresh start loads
+    before ``Task.initialize`` (``task.init_from_pretrained``; :func:`cadence.torch.hf.load_pretrained`).
     """
     if not (train or evaluate):
         raise ValueError("build_runners: nothing to build (train=False and evaluate=False)")
@@ -125,6 +129,7 @@ def build_runners(
             max_epochs=max_epochs,
             ends_with_data=ends_with_data,
             pipelined_snapshots=pipelined_snapshots,
+            initial_weights=pretrained_loader(init_from_pretrained),
         )
     evaluator = None
     if evaluate:
@@ -155,8 +160,16 @@ def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: b
         lr_schedule=_lr_schedule(cfg), ema=t.ema,
         peak_tflops=t.peak_tflops, log_throughput=t.log_throughput, compile_config=t.compile if compile_model else None,
         max_epochs=t.max_epochs, ends_with_data=t.train_steps is None, pipelined_snapshots=cfg.checkpoint.pipelined,
+        init_from_pretrained=cfg.task.init_from_pretrained,
     )
     return task, ctx, trainer, evaluator
+
+
+def pretrained_loader(directory: str | None) -> Callable[[torch.nn.Module], None] | None:
+    """What loads a fresh start's weights from the ``save_pretrained`` ``directory`` (None: nothing)."""
+    if directory is None:
+        return None
+    return lambda module: load_pretrained(module, directory)
 
 
 def _lr_schedule(cfg: ExperimentConfig) -> Callable[[Any], Any] | None:

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 from cadence.config import ExperimentConfig
 from cadence.errors import ConfigError
+from cadence.torch.hf.dependency import missing_extra_hint
 from cadence.torch.task.task import Task
 
 __all__ = ["build_task", "instantiate", "load_class", "load_task_class"]
@@ -54,7 +55,7 @@ def load_class(spec: str, field: str) -> type:
                 sys.path.insert(0, str(Path.cwd()))
             module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"{field}: cannot import module {module_name!r}: {exc}") from exc
+        raise ConfigError(f"{field}: cannot import module {module_name!r}: {exc}{missing_extra_hint(exc)}") from exc
     cls: Any = module
     for part in class_name.split("."):
         cls = getattr(cls, part, None)

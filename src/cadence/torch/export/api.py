@@ -45,7 +45,8 @@ from cadence.torch.export.metadata import METADATA_FILE, SIGNATURES_FILE, caller
 from cadence.torch.export.signatures import export_model_signatures, has_export_signatures, read_signatures
 from cadence.torch.export.staging import stage_and_publish, user_path
 from cadence.torch.export.writers import quiet_jit, write_export
-from cadence.torch.task.export_specs import ExportSpec, as_inputs
+from cadence.torch.hf.save import load_hf_export
+from cadence.torch.task.export_specs import ExportSpec, SavesPretrained, as_inputs
 from cadence.torch.checkpoint_io.state import state_dict_from_safetensors, unwrap_model
 from cadence.torch.task.task import Task
 
@@ -63,6 +64,7 @@ def export_model(
     example_inputs: torch.Tensor | Sequence[Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
     spec: ExportSpec | None = None,
+    tokenizer: SavesPretrained | None = None,
 ) -> dict[str, str]:
     """Write one inference artefact per format into ``directory``; return ``{format: path}``.
 
@@ -73,7 +75,8 @@ def export_model(
     in place (``trainer.compile``) are set aside: the module's own forward is traced. ``metadata``
     (JSON-able after tensors become numbers; keys must not clash with cadence's own) is merged
     into ``metadata.json``. ``spec``: the dynamic dimensions and ONNX input / output names
-    (:class:`ExportSpec`; default: a dynamic batch dimension).
+    (:class:`ExportSpec`; default: a dynamic batch dimension). ``tokenizer``: saved beside the
+    model by the ``hf`` format (``tokenizer.save_pretrained``; see :meth:`Task.export_tokenizer`).
 
     Raises ``ValueError`` for an unknown format, or when a traced format lacks
     ``example_inputs``; :class:`ExportDependencyError` when ``onnx`` / ``onnxscript`` are
@@ -91,7 +94,7 @@ def export_model(
     extra = caller_metadata(metadata)
     storage = Storage(directory)
     source = unwrap_model(model)
-    job = ExportJob(source, inputs, spec)
+    job = ExportJob(source, inputs, spec, tokenizer)
     # A forward compiled by trainer.compile is set aside: the formats trace (and copy) the module's own.
     with eager_forward(source), modes_restored([source]), stage_and_publish(storage) as stage:
         write_export(job, stage, formats, extra)
@@ -128,7 +131,8 @@ def export_task_model(
         except NotImplementedError:
             pass  # export_model says what is missing
     if not has_export_signatures(task):
-        return export_model(model, directory, formats, example_inputs=example_inputs, metadata=metadata, spec=spec)
+        return export_model(model, directory, formats, example_inputs=example_inputs, metadata=metadata, spec=spec,
+                            tokenizer=task.export_tokenizer())
     source = unwrap_model(model)
     with eager_forward(source):  # trainer.compile's forwards set aside: copied and traced eagerly
         return _export_signatures(task, source, directory, formats, example_inputs, metadata, spec)
@@ -168,7 +172,8 @@ def load_exported(directory: str, format: str) -> Any:
 
     ``safetensors``: the state dict (load it into a freshly built model); ``torch_export``: the
     ``torch.export`` program's ``.module()``; ``torchscript``: the ``torch.jit`` module (on CPU);
-    ``onnx``: an ``onnxruntime.InferenceSession`` on the available providers. Raises
+    ``onnx``: an ``onnxruntime.InferenceSession`` on the available providers; ``hf``: the
+    ``transformers`` model, by ``from_pretrained`` of its class (a local export only). Raises
     :class:`ExportError` when the export is incomplete or lacks the format.
     """
     (fmt,) = check_formats((format,))
@@ -183,6 +188,10 @@ def load_exported(directory: str, format: str) -> Any:
         return state_dict_from_safetensors(storage.read_bytes(path))
     if fmt == "onnx":
         return _onnx_session(storage, path, meta)
+    if fmt == "hf":
+        if not storage.atomic_rename:
+            raise ExportError(f"load_exported(..., 'hf') reads a local export; copy {storage.url(storage.root)} first")
+        return load_hf_export(storage.root)
     source: Any = path if storage.atomic_rename else io.BytesIO(storage.read_bytes(path))
     if fmt == "torch_export":
         return torch.export.load(source).module()

@@ -15,7 +15,7 @@ from torch import nn
 from cadence.errors import one_line
 from cadence.torch.export.dynamic_shapes import describe_dynamic_dims, dynamic_shapes_of
 from cadence.torch.export.formats import ExportError
-from cadence.torch.task.export_specs import ExportSpec
+from cadence.torch.task.export_specs import ExportSpec, SavesPretrained
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,10 @@ class ExportJob:
     """One export's model and inputs; the CPU eval-mode model and the ``torch.export`` program
     are made on first use and shared by the formats."""
 
-    def __init__(self, source: nn.Module, inputs: tuple[Any, ...] | None, spec: ExportSpec | None = None) -> None:
+    def __init__(self, source: nn.Module, inputs: tuple[Any, ...] | None, spec: ExportSpec | None = None,
+                 tokenizer: SavesPretrained | None = None) -> None:
         self.source = source
+        self.tokenizer = tokenizer  # what the hf format saves beside the model
         self.example_inputs = inputs  # as given (None: a format that traces is not asked for)
         self.spec = spec if spec is not None else ExportSpec()
         self.weights: nn.Module = source  # whose state dict the safetensors artefact holds

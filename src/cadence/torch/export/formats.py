@@ -13,6 +13,10 @@ export raises. Each format is a file in the export directory (written by :mod:`c
   exporter, at its recommended opset), with the spec's dynamic dimensions (named as declared) and
   input / output names, checked with ``onnx.checker``. Needs ``onnx`` and ``onnxscript`` (``pip
   install 'cadence[onnx]'``; loading it back also needs ``onnxruntime``).
+* ``hf`` -- the directory ``from_pretrained`` reads, for a ``transformers`` model: ``config.json``,
+  ``model.safetensors`` (or shards and their index), ``generation_config.json``, and the Task's
+  tokenizer files (:mod:`cadence.torch.hf.save`; ``pip install 'cadence[hf]'``). It writes its own
+  ``model.safetensors`` (tied names once), so it does not combine with ``safetensors``.
 
 The traced formats need example inputs (``model(*example_inputs)``, batch dimension first, batch
 size >= 2). Every export writes ``metadata.json`` last: formats and files, cadence and torch
@@ -28,12 +32,15 @@ from cadence.config.schema import EXPORT_FORMATS
 from cadence.errors import CadenceError
 from cadence.torch.checkpoint_io.state import MODEL_FILE
 
-__all__ = ["FILES", "FORMATS", "TRACED_FORMATS", "ExportDependencyError", "ExportError", "ExportOutputError",
+__all__ = ["FILES", "FORMATS", "TORCH_FORMATS", "TRACED_FORMATS", "ExportDependencyError", "ExportError", "ExportOutputError",
            "check_formats",
            "missing_inputs_error", "require_modules", "require_onnx", "traced_formats"]
 
 FORMATS: tuple[str, ...] = EXPORT_FORMATS
 """The export formats (the config schema's list), in the order of the module docstring."""
+TORCH_FORMATS: tuple[str, ...] = tuple(f for f in FORMATS if f != "hf")
+"""The formats any ``nn.Module`` is exported to together (``hf`` needs a ``transformers`` model and
+writes its own ``model.safetensors``)."""
 TRACED_FORMATS = frozenset({"torch_export", "torchscript", "onnx"})
 """Formats that run the model on example inputs."""
 FILES: dict[str, str] = {
@@ -41,6 +48,7 @@ FILES: dict[str, str] = {
     "torch_export": "model.pt2",
     "torchscript": "model.torchscript.pt",
     "onnx": "model.onnx",
+    "hf": "config.json",
 }
 """The artefact file of each format."""
 _ONNX_INSTALL = "pip install 'cadence[onnx]'"
@@ -74,6 +82,9 @@ def check_formats(formats: str | Sequence[str]) -> tuple[str, ...]:
             out.append(fmt)
     if not out:
         raise ValueError(f"no export format given; valid formats: {', '.join(FORMATS)}")
+    if "hf" in out and "safetensors" in out:
+        raise ValueError("export formats 'hf' and 'safetensors' both write model.safetensors: use one (an 'hf' "
+                         "export's weights load with from_pretrained, or load_exported(dir, 'hf'))")
     return tuple(out)
 
 

@@ -18,6 +18,7 @@ from cadence.torch.checkpoint_io.state import model_to_safetensors
 from cadence.torch.export.capture import ExportJob, display_name
 from cadence.torch.export.formats import FILES, ExportError, ExportOutputError
 from cadence.torch.export.metadata import METADATA_FILE, export_metadata
+from cadence.torch.hf.save import write_hf
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +157,16 @@ def _write_onnx(job: ExportJob, stage: str) -> dict[str, Any]:
     }
 
 
+def _write_hf(job: ExportJob, stage: str) -> dict[str, Any]:
+    return write_hf(job.model, stage, job.tokenizer)
+
+
 WRITERS: dict[str, Callable[[ExportJob, str], dict[str, Any]]] = {
     "safetensors": _write_safetensors,
     "torch_export": _write_torch_export,
     "torchscript": _write_torchscript,
     "onnx": _write_onnx,
+    "hf": _write_hf,
 }
 
 

@@ -182,6 +182,17 @@ class TrainData:
                     log.warning("train data exhausted after replaying %d of %d batches", i, skip)
                     break
 
+    def close(self) -> None:
+        """End the running iteration: a multi-process loader's workers exit now. Left to the garbage
+        collector (a loader's iterator sits in a reference cycle), a DataLoader iterator's ``__del__``
+        finds its queues already closed and waits up to 5 s per worker for workers that never hear
+        they may stop."""
+        for iterator in (self._iterator, getattr(self._data, "_iterator", None)):
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if callable(shutdown):
+                shutdown()
+        self._iterator = None
+
     def state(self) -> dict[str, Any] | None:
         """The position as JSON (see the module docstring); ``None``: never iterated nor restored."""
         if self._iterator is None:

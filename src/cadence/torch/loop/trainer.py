@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -56,6 +56,8 @@ class TorchTrainer:
     :mod:`cadence.torch.components.device_peaks`); see :meth:`loop_work`. ``log_throughput=False``: count
     nothing (no samples/s, tokens/s, MFU nor peak memory in the logs). ``pipelined_snapshots``:
     an asynchronous save's copy runs beside the next step (see :meth:`snapshot_checkpoint`).
+    ``initial_weights``: loads a fresh start's weights into the unwrapped model before
+    ``Task.initialize`` (``task.init_from_pretrained``; see :meth:`initialize`).
 
     A re-iterable ``train_data`` (a ``DataLoader``) that runs out mid-loop starts its next epoch
     (``set_epoch`` on it or its sampler first); ``max_epochs`` (``None``: no bound) ends the data
@@ -90,6 +92,7 @@ class TorchTrainer:
         max_epochs: int | None = None,
         ends_with_data: bool = False,
         pipelined_snapshots: bool = True,
+        initial_weights: Callable[[nn.Module], None] | None = None,
     ) -> None:
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
@@ -116,6 +119,7 @@ class TorchTrainer:
                                ends_with_data=ends_with_data)
         self.ema = ema
         self.pipelined_snapshots = pipelined_snapshots
+        self.initial_weights = initial_weights
         self._step_end: StepEnd | None = None
         self._global_step = 0
         self._checkpoint = TrainerCheckpoint(self, sharded=self._sharded)  # what checkpoints hold
@@ -142,7 +146,8 @@ class TorchTrainer:
         return self._data.data
 
     def initialize(self) -> None:
-        """Fresh start (no checkpoint): ``task.initialize(model)`` with the unwrapped model.
+        """Fresh start (no checkpoint): ``initial_weights(model)`` when given, then
+        ``task.initialize(model)``, with the unwrapped model.
 
         With several ranks, rank 0's parameters and buffers are then broadcast to the others
         (a collective), so that every replica starts from the same weights whatever
@@ -153,12 +158,18 @@ class TorchTrainer:
         """
         self._checkpoint.fence.wait()
         module = unwrap_model(self.model)
+        if self.initial_weights is not None:
+            self.initial_weights(module)
         self.task.initialize(module)
         if self.ctx.world_size > 1:
             broadcast_unsharded(module)
             seed_everything(rank_seed(self.ctx.seed, self.ctx.rank, 0))
         if self.ema is not None:
             self.ema.reset()  # from the initial weights (the same on every rank)
+
+    def close_data(self) -> None:
+        """End the train data's running iteration (its loader's worker processes exit now)."""
+        self._data.close()
 
     def set_step_end(self, fn: StepEnd | None) -> None:
         """:class:`~cadence.extensions.ReportsSteps`: call ``fn(global_step)`` after each optimizer
@@ -201,9 +212,9 @@ class TorchTrainer:
         plain = k == 1 and autocast is None and scaler is None and not place
         train_step, forward_backward, step_optimizer = task.train_step, self._forward_backward, optimizer.step
         heartbeat = self.ctx.heartbeat  # the watchdog's: one beat per step
-        # A pipelined snapshot's copy runs beside this loop's first forward and backward passes, and
-        # is waited for before the first optimizer step (see cadence.torch.checkpoint_io.pipelined).
-        fence = self._checkpoint.fence if self._checkpoint.fence.active else None
+        # A pipelined snapshot's copy runs beside this loop's first forward and backward passes (it
+        # starts now), and is waited for before the first optimizer step (cadence.torch.checkpoint_io.pipelined).
+        fence = self._checkpoint.fence if self._checkpoint.fence.resume() else None
         step_end, start_step = self._step_end, self._global_step
         count = self._meter.start_loop()  # samples and tokens: one Python call per batch (None: off)
         # Detached per-micro-batch losses stay on the device until the end (no per-step sync).

@@ -21,9 +21,10 @@ from torch import nn
 from cadence.checkpoint.protocol import CheckpointReader, ShardTarget
 from cadence.errors import CheckpointError
 from cadence.torch.checkpoint_io.kinds import is_sharded_checkpoint
-from cadence.torch.checkpoint_io.pipelined import CopyJobs, PendingCopy, StateFence, defer_tree
+from cadence.torch.checkpoint_io.pipelined import CopyJobs, PendingCopy, StateFence
 from cadence.torch.checkpoint_io import tensor_tree
 from cadence.torch.checkpoint_io.shard_writes import ShardWrites
+from cadence.torch.checkpoint_io.snapshot_layouts import SnapshotLayouts
 from cadence.torch.checkpoint_io.state import (
     MODEL_FILE,
     OPTIMIZER_FILE,
@@ -87,6 +88,7 @@ class TrainerCheckpoint:
         self._staging: TrainerSnapshot | None = None  # the last asynchronous snapshot (its tensors are reused)
         self._shard_writes = ShardWrites(ctx.rank, ctx.world_size)  # a sharded model's checkpoints
         self._param_names: tuple[nn.Module, frozenset[str]] | None = None  # the model's, for pipelined snapshots
+        self._layouts = SnapshotLayouts()  # pipelined snapshots' bookkeeping, kept from save to save
         self.fence = StateFence()
         """Where training waits for a pipelined snapshot's copy before the state changes."""
 
@@ -167,15 +169,15 @@ class TrainerCheckpoint:
         }
         module = unwrap_model(parts.model)
         later = later if copy else None
-        params = self._parameter_names(module) if later is not None else None
-        model = SafetensorsPayload.from_state_dict(
-            module.state_dict(), copy=copy, reuse=reuse.model if reuse is not None else None, later=later,
-            deferred=params,
-        )
+        previous = reuse.model if reuse is not None else None
+        if later is not None:  # through the layouts kept from the last save (snapshot_layouts)
+            model = self._layouts.model(module.state_dict(keep_vars=True), self._parameter_names(module), previous, later)
+        else:
+            model = SafetensorsPayload.from_state_dict(module.state_dict(), copy=copy, reuse=previous)
         if copy:
             old = reuse.torch_state if reuse is not None else {}
             if later is not None:  # the optimizer's tensors change only at its next step: copied later
-                optimizer = defer_tree(torch_state.pop("optimizer"), later, old.get("optimizer"))
+                optimizer = self._layouts.optimizer(torch_state.pop("optimizer"), old.get("optimizer"), later)
                 torch_state = {"optimizer": optimizer, **clone_tree(torch_state, old)}
             else:
                 torch_state = clone_tree(torch_state, old or None)
@@ -184,7 +186,9 @@ class TrainerCheckpoint:
             ema = parts.ema.payload(copy=copy, reuse=reuse.ema if reuse is not None else None, later=later)
         snapshot = TrainerSnapshot(model, torch_state, state, ema=ema)
         if copy:  # CUDA tensors were copied to pinned memory without blocking: the writer waits for them
-            snapshot.ready = staged({p.device for p in parts.model.parameters()} | {parts.ctx.device})
+            devices = (self._layouts.model_devices if later is not None
+                       else {p.device for p in parts.model.parameters()})
+            snapshot.ready = staged(devices | {parts.ctx.device})
         return snapshot
 
     def _parameter_names(self, module: nn.Module) -> frozenset[str]:
@@ -217,6 +221,7 @@ class TrainerCheckpoint:
         when a process group is up: every rank reads the chunks of its shards."""
         parts = self._parts
         self.fence.wait()  # a pipelined snapshot's copy is done with the tensors about to change
+        self._layouts.clear()  # the state's tensors may be new ones: the next snapshot lays them out anew
         if is_sharded_checkpoint(reader.names()):
             # DCP is imported for sharded checkpoints only (checkpoint_io/kinds.py)
             from cadence.torch.checkpoint_io import sharded as sharded_checkpoint

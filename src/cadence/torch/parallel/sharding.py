@@ -87,10 +87,24 @@ def shard_model(model: nn.Module, units: Sequence[nn.Module], ctx: Context, prec
     return model
 
 
+def no_split_class_names(model: nn.Module) -> set[str]:
+    """The class names that the ``transformers`` models in ``model`` declare as their blocks
+    (``PreTrainedModel._no_split_modules``: GPT-2's ``GPT2Block``, Llama's ``LlamaDecoderLayer``)."""
+    names: set[str] = set()
+    for module in model.modules():
+        declared = getattr(type(module), "_no_split_modules", None)  # transformers' class attribute
+        if isinstance(declared, (list, tuple, set, frozenset)):
+            names.update(n for n in declared if isinstance(n, str))
+    return names
+
+
 def default_fsdp_units(model: nn.Module, classes: tuple[type[nn.Module], ...]) -> list[nn.Module]:
-    """The submodules of one of ``classes``; when there are none, the root's direct children that
-    have parameters."""
-    units = [m for m in model.modules() if m is not model and isinstance(m, classes)]
+    """The submodules of one of ``classes``, and those whose class a ``transformers`` model in
+    ``model`` declares as its blocks (:func:`no_split_class_names`); when there are none, the
+    root's direct children that have parameters."""
+    blocks = no_split_class_names(model)
+    units = [m for m in model.modules()
+             if m is not model and (isinstance(m, classes) or type(m).__name__ in blocks)]
     if units:
         return units
     return [child for child in model.children() if any(True for _ in child.parameters())]

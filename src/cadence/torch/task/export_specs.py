@@ -1,5 +1,6 @@
 """The export declarations a :class:`~cadence.torch.Task` returns: :class:`ExportSpec` (dynamic
-dimensions and ONNX names) and :class:`ExportSignature` (one named inference entry point).
+dimensions and ONNX names), :class:`ExportSignature` (one named inference entry point) and
+:class:`SavesPretrained` (the tokenizer an ``hf`` export saves).
 
 They are plain values, checked on construction; the exporter (:mod:`cadence.torch.export`) reads them.
 """
@@ -7,12 +8,21 @@ They are plain values, checked on construction; the exporter (:mod:`cadence.torc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
 
-__all__ = ["DimSpec", "ExportSignature", "ExportSpec", "as_inputs", "dim_bounds"]
+__all__ = ["DimSpec", "ExportSignature", "ExportSpec", "SavesPretrained", "as_inputs", "dim_bounds"]
+
+
+@runtime_checkable
+class SavesPretrained(Protocol):
+    """What :meth:`Task.export_tokenizer` returns: a tokenizer (or processor) that writes its files into
+    a directory, as ``transformers``' ``PreTrainedTokenizerBase.save_pretrained`` does."""
+
+    def save_pretrained(self, save_directory: str) -> Any:
+        """Write the files ``from_pretrained(save_directory)`` reads."""
 
 
 def as_inputs(example_inputs: Any) -> tuple[Any, ...] | None:

@@ -14,6 +14,7 @@ from cadence.torch.runtime.context import Context
 if TYPE_CHECKING:  # signatures imports this module
     from cadence.torch.task.export_specs import ExportSpec
     from cadence.torch.task.export_specs import ExportSignature
+    from cadence.torch.task.export_specs import SavesPretrained
 
 
 class Task(abc.ABC):
@@ -83,8 +84,9 @@ class Task(abc.ABC):
         parameters for its forward and backward only); the framework then shards the root, which
         takes every parameter left. Used with ``trainer.strategy: fsdp`` on several ranks.
 
-        Default: the submodules whose class is in :attr:`fsdp_unit_classes` (transformer layers);
-        when there are none, the root's direct children that have parameters. Units may nest
+        Default: the submodules whose class is in :attr:`fsdp_unit_classes` (transformer layers)
+        or is a block a ``transformers`` model declares (its ``_no_split_modules``: GPT-2's
+        ``GPT2Block``); when there are none, the root's direct children that have parameters. Units may nest
         (inner ones are sharded first). Call submodules through the root's ``forward`` (a unit
         called on its own, outside the root's forward, finds the root's parameters sharded).
         """
@@ -259,6 +261,16 @@ class Task(abc.ABC):
         Names must be safe directory names (``[A-Za-z0-9_.-]+``, not ``.`` / ``..``).
         """
         return {}
+
+    def export_tokenizer(self) -> SavesPretrained | None:
+        """The tokenizer an ``hf`` export saves beside the model (its ``save_pretrained(directory)``
+        writes ``tokenizer.json`` and the like, so that ``AutoTokenizer.from_pretrained`` loads the
+        export); ``None`` (the default): the export holds the model alone. Called at each export::
+
+            def export_tokenizer(self):
+                return transformers.PreTrainedTokenizerFast(tokenizer_file=self.tokenizer_file)
+        """
+        return None
 
     def build_callbacks(self) -> list:
         """The task's :class:`cadence.Callback` objects for a training run (default: none).
