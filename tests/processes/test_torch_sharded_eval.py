@@ -14,9 +14,26 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from sklearn.metrics import roc_auc_score
 
-import sharded_eval_worker as worker
+
+class _Worker:
+    """tests/sharded_eval_worker.py, imported on first use: it imports torchmetrics and scikit-learn, seconds
+    of every pytest worker's collection while one runs these tests."""
+
+    def __getattr__(self, name: str):
+        import sharded_eval_worker
+
+        return getattr(sharded_eval_worker, name)
+
+
+worker = _Worker()
+
+
+def roc_auc_score(labels, scores) -> float:
+    from sklearn.metrics import roc_auc_score as auc
+
+    return auc(labels, scores)
+
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -24,13 +24,22 @@ from cadence.torch.export.api import export_task_model, load_exported  # noqa: E
 from cadence.torch.hf import causal_lm_loss, load_pretrained, read_pretrained_state  # noqa: E402
 from cadence.torch.hf.save import write_hf  # noqa: E402
 from gpt_tasks import TinyGPTTask  # noqa: E402
-from hf_tasks import TinyHFGPT2Task, tiny_gpt2  # noqa: E402
 
 HEAD, WTE = "lm_head.weight", "transformer.wte.weight"
 
 
+def tiny_gpt2(*args, **kwargs):
+    """hf_tasks.tiny_gpt2, imported on first use: importing GPT-2's modeling takes seconds, which every
+    pytest worker would pay in its collection while one runs these tests."""
+    from hf_tasks import tiny_gpt2 as make
+
+    return make(*args, **kwargs)
+
+
 @pytest.fixture(scope="module")
-def task() -> TinyHFGPT2Task:
+def task():
+    from hf_tasks import TinyHFGPT2Task
+
     return TinyHFGPT2Task(n_tokens=512)
 
 

@@ -7,7 +7,6 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from sklearn.metrics import roc_auc_score
 
 from cadence.runtime.coordination import LocalCoordinator
 from cadence.metrics import (
@@ -22,6 +21,15 @@ from cadence.metrics import (
     reduce_metrics,
     slot_states,
 )
+
+
+
+def roc_auc_score(labels, scores) -> float:
+    """scikit-learn's, imported on first use: its import takes seconds of every pytest worker's collection."""
+    from sklearn.metrics import roc_auc_score as auc
+
+    return auc(labels, scores)
+
 
 RNG = np.random.default_rng(0)
 VALUES = RNG.normal(size=1001) * 10 + 3

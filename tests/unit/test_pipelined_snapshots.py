@@ -289,6 +289,32 @@ def test_checkpoint_pipelined_in_the_config_reaches_the_trainer(pipelined_saves,
 
 
 @pytest.mark.skipif(not hasattr(os, "getpriority") or not os.path.exists("/proc/self/task"), reason="Linux thread priorities")
+def test_a_copy_started_by_a_lowered_writer_thread_still_runs_at_the_training_threads_priority(monkeypatch):
+    """The copy starts on whichever thread needs it first, the checkpoint's (lowered) writer thread
+    included; the stager's thread, started by the fence on the training thread, keeps that one's
+    priority (a thread takes the priority of the thread that starts it)."""
+    from cadence.checkpoint.background import Worker, yield_cpu
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    monkeypatch.setattr(pipelined, "_STAGER", Worker("cadence-test-stage", lower_priority=False))
+    own, seen = nice(), []
+    jobs = pipelined.CopyJobs()
+    jobs.then(lambda: seen.append(nice()))
+    copy = pipelined.StateFence().start(jobs)  # at the save, on this (the training) thread
+
+    def writer() -> None:
+        yield_cpu()
+        seen.append(nice())
+        copy.queued()  # the writer needs the copy first: it starts it
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    thread.join()
+    assert seen[0] > own and seen[1] == own, seen
+
+
 def test_the_copy_runs_at_the_training_threads_priority_and_the_writer_below_it():
     """The next optimizer step waits for the copy: its thread is not lowered as the writer threads are."""
     from cadence.checkpoint.background import BACKGROUND_NICE, Worker

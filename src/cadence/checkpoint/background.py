@@ -86,16 +86,27 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
+    def start(self) -> None:
+        """Start the thread now, if it is not running. A thread takes the CPU priority of the thread
+        that starts it: a worker at the training thread's priority must be started from it (not from
+        a lowered writer thread that submits to it first)."""
+        with self._lock:
+            self._running()
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> Pending:
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._queue = queue.SimpleQueue()  # after a fork, the old queue belongs to no thread
-                self._thread = threading.Thread(target=self._serve, args=(self._queue, self.lower_priority),
-                                                name=self.name, daemon=True)
-                self._thread.start()
             pending = Pending(fn, args)
-            self._queue.put(pending)
+            self._running().put(pending)
         return pending
+
+    def _running(self) -> queue.SimpleQueue[Pending]:
+        """The queue of the running thread, started (again: after a fork) when there is none."""
+        if self._thread is None or not self._thread.is_alive():
+            self._queue = queue.SimpleQueue()  # after a fork, the old queue belongs to no thread
+            self._thread = threading.Thread(target=self._serve, args=(self._queue, self.lower_priority),
+                                            name=self.name, daemon=True)
+            self._thread.start()
+        return self._queue
 
     @staticmethod
     def _serve(tasks: queue.SimpleQueue[Pending], lower_priority: bool) -> None:

@@ -214,6 +214,7 @@ class StateFence:
         """Copy ``jobs`` in the background (after the copy in flight, if any), from :meth:`resume`
         on; the sources must not change until :meth:`wait` returns."""
         self.wait()
+        _STAGER.start()  # from the training thread: the copy runs at its priority, whoever submits it later
         cuda = [d for d in jobs.devices if d.type == "cuda"]
         if not cuda:
             copy = PendingCopy(functools.partial(_STAGER.submit, jobs.run))
