@@ -4,27 +4,17 @@ pid written to ``pid_dir/rank<N>`` (a torchrun rank runs in a session of its own
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import time
 from pathlib import Path
+
+from by_path import load_module
 
 _PATH = Path(__file__).resolve().parents[1] / "examples" / "hf_gpt2" / "task.py"
 _NAME = "hf_gpt2_example_task"
 
 
-def _example():
-    if _NAME not in sys.modules:
-        spec = importlib.util.spec_from_file_location(_NAME, _PATH)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[_NAME] = module
-        spec.loader.exec_module(module)
-    return sys.modules[_NAME]
-
-
-class SlowGPT2Task(_example().GPT2Task):
+class SlowGPT2Task(load_module(_NAME, _PATH).GPT2Task):
     def __init__(self, step_sleep: float = 0.0, pid_dir: str | None = None, **params) -> None:
         super().__init__(**params)
         if pid_dir is not None:

@@ -21,6 +21,29 @@ def synthetic(n: int, seed: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+class ModelOnlyTask(Task):
+    """A Task that builds ``model()`` and ``optimizer(parameters)`` and nothing else: for in-process
+    checkpoint tests that build a ``TorchTrainer`` and never run its loop (no data, no steps)."""
+
+    def __init__(self, model, optimizer) -> None:
+        self._model, self._optimizer = model, optimizer
+
+    def build_model(self) -> nn.Module:
+        return self._model()
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return self._optimizer(model.parameters())
+
+    def build_inputs(self, split, ctx):
+        return []
+
+    def train_step(self, model, batch):
+        raise NotImplementedError
+
+    def validation_step(self, model, batch):
+        raise NotImplementedError
+
+
 class TinyTask(Task):
     """An 8-16-2 MLP with dropout (so RNG state matters) on a shuffled, resumable loader.
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import importlib.util
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import yaml
 from torch import nn
 
 from cadence.summaries.metrics_file import read_metrics
+from by_path import module_loaded
 from cli_run import checkpoint_weights, run_cadence
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,15 +55,8 @@ def single_run(tmp_path_factory) -> Path:
 def task_module():
     # By its path, under a name of its own: another example's ``task`` module may already be imported
     # in this process (the digits one, by an earlier test on the same xdist worker).
-    spec = importlib.util.spec_from_file_location("charlm_example_task", CONFIG.parent / "task.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
-    try:
-        spec.loader.exec_module(module)
+    with module_loaded("charlm_example_task", CONFIG.parent / "task.py") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_the_corpus_is_deterministic_and_the_transformer_layers_are_the_fsdp_units(task_module):

@@ -4,13 +4,12 @@ iteration styles resume exactly through a checkpoint's data position (``state.js
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from by_path import module_loaded
 from cadence.torch.data.state import from_json, to_json
 
 PREPARE = Path(__file__).resolve().parents[2] / "examples" / "hf_gpt2" / "prepare.py"
@@ -20,15 +19,8 @@ TEXT = "\n".join(f"Checkpoint {i} is committed once its manifest is written; ste
 
 @pytest.fixture(scope="module")
 def prepare():
-    spec = importlib.util.spec_from_file_location("hf_gpt2_prepare", PREPARE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with module_loaded("hf_gpt2_prepare", PREPARE) as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_pack_cuts_the_concatenated_rows_into_whole_blocks(prepare):

@@ -82,34 +82,21 @@ def test_a_malformed_structure_writes_nothing_into_the_live_tensors():
     assert torch.equal(live["a"], torch.zeros(2))
 
 
-def _trainer(seed: int, *, step: bool = True):
-    """``(model, optimizer, TorchTrainer)``: weights from ``seed``, and (``step``) one AdamW step taken."""
-    from cadence.torch import Context, Task, TorchTrainer
-
-    class T(Task):
-        def build_model(self):
-            return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-
-        def build_optimizer(self, model):
-            return torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def build_inputs(self, split, ctx):
-            return []
-
-        def train_step(self, model, batch):
-            raise NotImplementedError
-
-        def validation_step(self, model, batch):
-            raise NotImplementedError
+def _trainer(seed: int, *, steps: int = 1, model=lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+             optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), width: int = 4):
+    """``(model, optimizer, TorchTrainer)``: ``model()``'s weights from ``seed``, ``optimizer`` (default:
+    AdamW), ``steps`` steps taken on inputs of ``width``."""
+    from cadence.torch import Context, TorchTrainer
+    from tasks import ModelOnlyTask
 
     torch.manual_seed(seed)
-    task = T()
-    model = task.build_model()
-    opt = task.build_optimizer(model)
-    if step:
-        model(torch.randn(3, 4)).sum().backward()
+    task = ModelOnlyTask(model, optimizer)
+    built = task.build_model()
+    opt = task.build_optimizer(built)
+    for _ in range(steps):
+        built(torch.randn(3, width)).sum().backward()
         opt.step()
-    return model, opt, TorchTrainer(task, model, opt, ctx=Context.create(device="cpu"))
+    return built, opt, TorchTrainer(task, built, opt, ctx=Context.create(device="cpu"))
 
 
 def test_a_corrupt_optimizer_file_leaves_the_live_trainer_untouched(tmp_path):
@@ -147,7 +134,7 @@ def test_a_restore_writes_into_the_live_optimizer_and_resumes_exactly(tmp_path):
     assert all(t is u for t, u in zip(before, live_tensors(opt))) and len(before) == 12
     assert all(torch.equal(t, u) for t, u in zip(live_tensors(opt), live_tensors(saved_opt)))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), saved_model.parameters()))
-    fresh_model, fresh_opt, fresh = _trainer(2, step=False)
+    fresh_model, fresh_opt, fresh = _trainer(2, steps=0)
     manager.restore({"trainer": fresh}, step=1)
     assert all(torch.equal(t, u) for t, u in zip(live_tensors(fresh_opt), live_tensors(saved_opt)))
 
@@ -157,34 +144,11 @@ def test_a_restore_into_a_new_optimizer_gives_the_saved_state_in_memory_of_its_o
     memory faulted in at once: checkpoint_io/resident.py) and it is the saved state exactly; a
     flipped byte is still caught before anything is loaded."""
     from cadence.checkpoint import CheckpointManager
-    from cadence.torch import Context, Task, TorchTrainer
     from cadence.torch.checkpoint_io.resident import MIN_BYTES
 
-    class Wide(Task):  # moments of 1.2 MiB: above resident.MIN_BYTES
-        def build_model(self):
-            return nn.Linear(600, 512)
-
-        def build_optimizer(self, model):
-            return torch.optim.Adam(model.parameters(), lr=1e-3)
-
-        def build_inputs(self, split, ctx):
-            return []
-
-        def train_step(self, model, batch):
-            raise NotImplementedError
-
-        def validation_step(self, model, batch):
-            raise NotImplementedError
-
-    def trainer(seed: int, steps: int) -> TorchTrainer:
-        torch.manual_seed(seed)
-        task = Wide()
-        model = task.build_model()
-        opt = task.build_optimizer(model)
-        for _ in range(steps):
-            model(torch.randn(4, 600)).square().mean().backward()
-            opt.step()
-        return TorchTrainer(task, model, opt, ctx=Context.create(device="cpu"))
+    def trainer(seed: int, steps: int):  # moments of 1.2 MiB: above resident.MIN_BYTES
+        return _trainer(seed, steps=steps, model=lambda: nn.Linear(600, 512),
+                        optimizer=lambda params: torch.optim.Adam(params, lr=1e-3), width=600)[2]
 
     saved = trainer(0, steps=2)
     manager = CheckpointManager(str(tmp_path))

@@ -83,7 +83,8 @@ def test_what_it_cannot_represent_is_named(value, where):
 
 def test_a_state_that_cannot_be_flattened_is_saved_with_torch_save_and_loads(tmp_path):
     from cadence.checkpoint import CheckpointManager
-    from cadence.torch import Context, Task, TorchTrainer
+    from cadence.torch import Context, TorchTrainer
+    from tasks import ModelOnlyTask
 
     class Odd(torch.optim.SGD):
         def state_dict(self):
@@ -95,23 +96,7 @@ def test_a_state_that_cannot_be_flattened_is_saved_with_torch_save_and_loads(tmp
             assert state.pop("note") == 1 + 1j
             super().load_state_dict(state)
 
-    class T(Task):
-        def build_model(self):
-            return nn.Linear(2, 1)
-
-        def build_optimizer(self, model):
-            return Odd(model.parameters(), lr=0.1)
-
-        def build_inputs(self, split, ctx):
-            return []
-
-        def train_step(self, model, batch):
-            raise NotImplementedError
-
-        def validation_step(self, model, batch):
-            raise NotImplementedError
-
-    task = T()
+    task = ModelOnlyTask(lambda: nn.Linear(2, 1), lambda params: Odd(params, lr=0.1))
     model = task.build_model()
     trainer = TorchTrainer(task, model, task.build_optimizer(model), ctx=Context.create(device="cpu"))
     manager = CheckpointManager(str(tmp_path))
