@@ -17,19 +17,12 @@ def _ratio(row: dict, kind: str) -> str:
 
 
 def _target(t: dict) -> str:
-    if t["name"].endswith("fraction"):
-        value = "n/a" if t["value"] is None else f"{t['value'] * 100:.1f}%"
-        bound = f"{t['bound'] * 100:.0f}%"
-    else:
-        value = "n/a" if t["value"] is None else f"{t['value']:.2f}x"
-        bound = f"{t['bound']:.2f}x"
-    verdict = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
-    return f"{value} ({'<=' if t['at_most'] else '>='} {bound}: {verdict})"
+    verdict = "met" if t["met"] else "**missed**"
+    return f"{t['value']:.2f}x (>= {t['bound']:.2f}x: {verdict})"
 
 
 TARGET_NAMES = {"save_vs_raw": "save vs raw", "save_vs_dcp": "save vs DCP", "load_vs_raw": "load vs raw",
-                "load_vs_dcp": "load vs DCP", "async_stall_fraction": "async stall / sync save",
-                "step_ratio_during_save": "step time during a background save"}
+                "load_vs_dcp": "load vs DCP"}
 
 
 def checkpoint_lines(r: dict) -> list[str]:
@@ -38,7 +31,6 @@ def checkpoint_lines(r: dict) -> list[str]:
         return ["## Checkpoint save and load\n", "(Old format: rerun `python benchmarks/run.py --only checkpoint`.)\n"]
     lines = []
     for size in r["sizes"]:
-        a = size["async"]
         lines += [(f"## Checkpoint save and load, {size['label']} ({size['state_gib']:.2f} GiB: {size['layers']} layers of "
                    f"{size['width']}x{size['width']} float32 + Adam state; {size['repeats']} interleaved repeats"
                    f"{', quick' if r.get('quick') else ''})\n"),
@@ -48,23 +40,11 @@ def checkpoint_lines(r: dict) -> list[str]:
         lines += ["\nSeconds: median (min). × raw: raw time / contender time (> 1: faster than raw), of the medians "
                   "(of the minimums). Saves include the fsync of every file; loads go into the live model and "
                   "optimizer, from the files just written (page cache). † the optimizer state it loads maps the "
-                  "file: its pages are read on first use, after the clock stops.\n",
-                  (f"Asynchronous save ({a['saves']} saves by one trainer, training thread at "
-                   f"{a['torch_threads']} torch thread(s)):\n"),
-                  "| | stall s | / synchronous save |", "|---|---|---|",
-                  f"| first save | {a['first_stall_s']:.3f} | {a['first_stall_fraction'] * 100:.1f}% |",
-                  f"| saves 2+ (median) | {a['steady_stall_s']:.3f} | {a['steady_stall_fraction'] * 100:.1f}% |",
-                  *([f"| floor: one copy of the state into allocated memory | {a['copy_floor_s']:.3f} | "
-                     f"{a['copy_floor_fraction'] * 100:.1f}% |"] if "copy_floor_s" in a else []),
-                  (f"\nSynchronous save (cadence, crc32c, median above): {a['sync_save_s']:.2f} s; background save "
-                   f"(save() to committed, median): {a['background_save_s_median']:.2f} s."),
-                  (f"Training step (three 1024x1024 layers, batch 64): {a['step_ms_idle']:.1f} ms without a save "
-                   f"in flight ({a['steps_idle']} steps), "
-                   + (f"{a['step_ms_during_save']:.1f} ms with one ({a['steps_during_save']} steps): "
-                      f"{a['step_ratio_during_save']:.2f}x.\n" if a["step_ratio_during_save"] is not None
-                      else "no step completed during a save.\n")),
+                  "file: its pages are read on first use, after the clock stops. Asynchronous saves: the stall "
+                  "benchmark's section.\n",
                   "Targets, cadence (crc32c): " + "; ".join(f"{TARGET_NAMES[t['name']]} {_target(t)}"
-                                                          for t in size["targets"]) + ".\n"]
+                                                          for t in size["targets"] if t["name"] in TARGET_NAMES)
+                  + ".\n"]  # (older results also held the asynchronous save's, now the stall benchmark's)
     return lines + load_lines(r.get("loads") or [], quick=bool(r.get("quick")))
 
 
@@ -85,7 +65,7 @@ def load_lines(loads: list[dict], *, quick: bool = False) -> list[str]:
                  "(cadence writes the optimizer's state into its tensors); new optimizer: the same model, an "
                  "optimizer without state (a resume in a new process: the load allocates the state; DCP's "
                  "get_state_dict creates it first, within its time). Targets, cadence (crc32c), live: "
-                 + "; ".join(f"{shape['label']} {_target({**shape['target'], 'at_most': False})}" for shape in loads)
+                 + "; ".join(f"{shape['label']} {_target(shape['target'])}" for shape in loads)
                  + ".\n")
     return lines
 

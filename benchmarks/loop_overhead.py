@@ -3,7 +3,10 @@
 A 32-64-10 MLP, batch 16, SGD, ``STEPS`` steps over batches already in memory, one torch thread.
 Contenders are interleaved and repeated; each timing is the training call alone (models and
 data are built before the clock starts). Reported: microseconds per step (min and median over
-the repeats) and the ratio of each to the raw loop measured in the same run.
+the repeats) and the ratio of each to the raw loop measured in the same run: of the minimums, of
+the medians, and paired (the median over the repeats of the ratio within each repeat, whose two
+runs are seconds apart: the steadiest of the three on a shared machine, and the one the targets
+are judged by).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from torch.nn import functional as F
 
 STEPS = 2000
 BATCH = 16
+DEFAULT = "cadence (summaries + checkpoint every 500, async_save auto)"  # cadence's defaults, I/O on
+TARGETS = {"cadence (summaries/checkpoints off)": 1.05, DEFAULT: 1.08}
+"""Contender: the most its paired ratio to the raw loop may be."""
 
 
 def make_batches(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -135,8 +141,7 @@ def contenders() -> dict[str, Callable]:
         "cadence (summaries/checkpoints off)": cadence,
         "cadence (summaries + checkpoint every 500)": lambda b: cadence(b, with_io=True),
         "cadence (summaries + async checkpoint every 500)": lambda b: cadence(b, with_io=True, async_save=True),
-        "cadence (summaries + checkpoint every 500, async_save auto)":
-            lambda b: cadence(b, with_io=True, async_save="auto"),
+        DEFAULT: lambda b: cadence(b, with_io=True, async_save="auto"),
     }
     if importlib.util.find_spec("ignite"):
         found["ignite create_supervised_trainer"] = ignite
@@ -145,7 +150,7 @@ def contenders() -> dict[str, Callable]:
     return found
 
 
-def run(repeats: int = 7) -> dict:
+def run(repeats: int = 15) -> dict:
     torch.set_num_threads(1)
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning").setLevel(logging.ERROR)
@@ -166,19 +171,29 @@ def run(repeats: int = 7) -> dict:
             "us_per_step_median": statistics.median(ts) / STEPS * 1e6,
             "ratio_min": min(ts) / base_min,
             "ratio_median": statistics.median(ts) / base_med,
+            "ratio_paired": statistics.median(t / base for t, base in zip(ts, times["raw loop"])),
         })
-    return {"steps": STEPS, "batch": BATCH, "repeats": repeats, "rows": rows,
-            "target": "cadence (summaries/checkpoints off) <= 1.05x the raw loop"}
+    by_name = {row["contender"]: row for row in rows}
+    targets = [{"contender": name, "bound": bound, "value": by_name[name]["ratio_paired"],
+                "met": by_name[name]["ratio_paired"] <= bound} for name, bound in TARGETS.items()]
+    return {"steps": STEPS, "batch": BATCH, "repeats": repeats, "rows": rows, "targets": targets,
+            "target": "; ".join(f"{name} <= {bound:.2f}x the raw loop (paired)" for name, bound in TARGETS.items())}
 
 
 
 def markdown_lines(r: dict) -> list[str]:
     """The table of :func:`run`'s result ``r``."""
     lines = [f"## Loop overhead ({r['steps']} steps, batch {r['batch']}, {r['repeats']} interleaved repeats)\n",
-             "| contender | µs/step (min) | µs/step (median) | × raw (min) | × raw (median) |", "|---|---|---|---|---|"]
+             "| contender | µs/step (min) | µs/step (median) | × raw (min) | × raw (median) | × raw (paired) |",
+             "|---|---|---|---|---|---|"]
     lines += [f"| {row['contender']} | {row['us_per_step_min']:.1f} | {row['us_per_step_median']:.1f} | "
-              f"{row['ratio_min']:.3f} | {row['ratio_median']:.3f} |" for row in r["rows"]]
-    lines.append(f"\nTarget: {r['target']}.\n")
+              f"{row['ratio_min']:.3f} | {row['ratio_median']:.3f} | "
+              + (f"{row['ratio_paired']:.3f} |" if "ratio_paired" in row else "— |") for row in r["rows"]]
+    if "targets" not in r:  # written before the paired ratio
+        return [*lines, f"\nTarget: {r['target']}.\n"]
+    verdicts = "; ".join(f"{t['contender']} {t['value']:.3f}x (<= {t['bound']:.2f}x: "
+                         f"{'met' if t['met'] else '**missed**'})" for t in r["targets"])
+    lines.append(f"\nPaired: the median over the repeats of each repeat's ratio. Targets (paired): {verdicts}.\n")
     return lines
 
 

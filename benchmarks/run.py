@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import checkpoint_markdown  # noqa: E402
 import checkpoint_stall  # noqa: E402
 import checkpoint_throughput  # noqa: E402
 import compile_speed  # noqa: E402
@@ -37,6 +37,7 @@ import resume_cost  # noqa: E402
 import sharded_checkpoint  # noqa: E402
 import sidecar_latency  # noqa: E402
 import throughput_overhead  # noqa: E402
+from docs_tables import RENDERERS, regenerate  # noqa: E402
 from results_file import header, machine, write_results  # noqa: E402
 
 BENCHMARKS = {
@@ -55,20 +56,7 @@ BENCHMARKS = {
 }
 
 
-MARKDOWN = {
-    "loop": loop_overhead.markdown_lines,
-    "checkpoint": checkpoint_markdown.checkpoint_lines,
-    "stall": checkpoint_stall.markdown_lines,
-    "sharded": checkpoint_markdown.sharded_lines,
-    "sidecar": sidecar_latency.markdown_lines,
-    "resume": resume_cost.markdown_lines,
-    "goodput": goodput.markdown_lines,
-    "goodput_nodes": goodput_nodes.markdown_lines,
-    "compile": compile_speed.markdown_lines,
-    "profiler": profiler_overhead.markdown_lines,
-    "throughput": throughput_overhead.markdown_lines,
-    "ema": ema_overhead.markdown_lines,
-}
+MARKDOWN = {name: RENDERERS[name] for name in BENCHMARKS}
 """Each benchmark's tables, in the order of the page."""
 
 
@@ -102,7 +90,9 @@ def main() -> None:
         print(f"running {name} ...", flush=True)
         start = time.time()
         fn = BENCHMARKS[name]
+        load = os.getloadavg()[0]
         results[name] = fn(quick=True) if args.quick and name in quick_ones else fn()
+        results[name]["machine"] = {**machine(), "load_average_1min": [load, os.getloadavg()[0]]}
         if name == "checkpoint":
             results.pop("async", None)  # now part of "checkpoint"
         if name == "sharded" and not args.quick:  # also in a file of its own
@@ -111,6 +101,9 @@ def main() -> None:
         print(f"  done in {time.time() - start:.0f} s", flush=True)
     write_results(out_dir / f"{stem}.md", markdown(results), results)
     print(markdown(results))
+    if not args.quick:  # the README's and the performance page's tables
+        for page in regenerate():
+            print(f"regenerated the tables of {page}")
 
 
 if __name__ == "__main__":

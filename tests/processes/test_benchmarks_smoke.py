@@ -28,7 +28,7 @@ def test_checkpoint_benchmark_quick(tmp_path, monkeypatch):
     for row in size["rows"]:
         assert row["save_s_median"] > 0 and row["save_ratio_median"] > 0
         assert ("load_s_median" in row) == (row["key"] != "floor")
-    assert size["async"]["saves"] == 2 and size["async"]["steady_stall_s"] >= 0
+    assert "async" not in size  # the stall benchmark's (test_checkpoint_stall_benchmark_quick)
     assert len(size["targets"]) == len(checkpoint_throughput.TARGETS)
     assert list(tmp_path.iterdir()) == []  # every directory written was deleted
     text = bench_run.markdown({"machine": bench_run.machine(), "checkpoint": result})
