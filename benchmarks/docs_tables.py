@@ -31,6 +31,7 @@ import goodput_nodes  # noqa: E402
 import loop_overhead  # noqa: E402
 import profiler_overhead  # noqa: E402
 import resume_cost  # noqa: E402
+import save_mode_crossover  # noqa: E402
 import sidecar_latency  # noqa: E402
 import throughput_overhead  # noqa: E402
 
@@ -42,6 +43,7 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "checkpoint": checkpoint_markdown.checkpoint_lines,
     "stall": checkpoint_stall_page.markdown_lines,
     "stall_cuda": checkpoint_stall_cuda.markdown_lines,
+    "crossover": save_mode_crossover.markdown_lines,
     "sharded": checkpoint_markdown.sharded_lines,
     "sidecar": sidecar_latency.markdown_lines,
     "resume": resume_cost.markdown_lines,
@@ -54,7 +56,8 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
 }
 """Each benchmark's tables, in the order of ``make bench``'s page."""
 
-OWN_FILES = {"stall": "checkpoint_stall", "stall_cuda": "checkpoint_stall_cuda", "sharded": "sharded_checkpoint",
+OWN_FILES = {"stall": "checkpoint_stall", "stall_cuda": "checkpoint_stall_cuda", "crossover": "save_mode_crossover",
+             "sharded": "sharded_checkpoint",
              "goodput_nodes": "goodput_nodes", "compile": "compile_speed", "profiler": "profiler_overhead",
              "throughput": "throughput_overhead", "ema": "ema_overhead"}
 """The results file (in ``results/``, without ``.json``) a benchmark writes when run on its own."""

@@ -1,7 +1,7 @@
 """``make bench``: run every benchmark, write ``results/latest.json`` and ``results/latest.md``.
 
     python benchmarks/run.py [--quick]
-        [--only loop,checkpoint,stall,sharded,sidecar,resume,goodput,goodput_nodes,profiler,throughput,ema,compile]
+        [--only loop,checkpoint,stall,crossover,sharded,sidecar,resume,goodput,goodput_nodes,profiler,throughput,ema,compile]
 
 ``--only`` updates those entries of ``latest.json`` and keeps the others. ``--quick`` runs the
 benchmarks that have a quick mode (the checkpoint one: two tiny sizes, one repeat, every load
@@ -34,6 +34,7 @@ import goodput_nodes  # noqa: E402
 import loop_overhead  # noqa: E402
 import profiler_overhead  # noqa: E402
 import resume_cost  # noqa: E402
+import save_mode_crossover  # noqa: E402
 import sharded_checkpoint  # noqa: E402
 import sidecar_latency  # noqa: E402
 import throughput_overhead  # noqa: E402
@@ -44,6 +45,7 @@ BENCHMARKS = {
     "loop": loop_overhead.run,
     "checkpoint": checkpoint_throughput.run,  # includes the asynchronous save (the former "async" entry)
     "stall": checkpoint_stall.run,  # the training thread's stall for an async save (pipelined, DCP's stager)
+    "crossover": save_mode_crossover.run,  # where asynchronous saves start to pay (checkpoint.async_save: auto)
     "sharded": sharded_checkpoint.run,
     "sidecar": sidecar_latency.run,
     "resume": resume_cost.run,

@@ -2,10 +2,14 @@
 a checkpoint every 500 steps, its model carrying ``MiB`` of extra state (a buffer the steps do not
 touch), saved synchronously and asynchronously.
 
-For each size: the run's time with each mode (median over interleaved repeats) and the measured
-write and commit of a synchronous save (``CheckpointManager.save_mode.last_cost``). Asynchronous
-pays where its run is faster; ``checkpoint.async_save: auto`` goes asynchronous above the
-synchronous cost measured at that crossover (:data:`cadence.checkpoint.save_mode.AUTO_COST_THRESHOLD`).
+For each size: the run's time with each mode (the minimum over interleaved repeats), async over
+sync (of the minimums, of the medians, and paired: the median of each repeat's ratio), and the
+measured write and commit of a synchronous save (``CheckpointManager.save_mode.last_cost``).
+Asynchronous pays where its run is faster; ``checkpoint.async_save: auto`` goes asynchronous above
+the synchronous cost measured at that crossover (:data:`cadence.checkpoint.save_mode.AUTO_COST_THRESHOLD`).
+
+    OMP_NUM_THREADS=1 python benchmarks/save_mode_crossover.py [--repeats 7] [--sizes 0,1,4,16,64]
+        [--out benchmarks/results/save_mode_crossover.md]
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def timed(batches, mib: int, async_save: bool | str) -> tuple[float, float | Non
     return elapsed, manager.save_mode.last_cost
 
 
-def run(repeats: int = 5, sizes: tuple[int, ...] = SIZES_MIB) -> dict:
+def run(repeats: int = 7, sizes: tuple[int, ...] = SIZES_MIB) -> dict:
     torch.set_num_threads(1)
     batches = loop_overhead.make_batches()
     modes = {"sync": False, "async": True}
@@ -76,21 +80,45 @@ def run(repeats: int = 5, sizes: tuple[int, ...] = SIZES_MIB) -> dict:
         rows.append({"mib": mib, "sync_s": sync, "async_s": asyn, "async_over_sync": asyn / sync,
                      "async_over_sync_median": statistics.median(times[(mib, "async")])
                      / statistics.median(times[(mib, "sync")]),
+                     "async_over_sync_paired": statistics.median(
+                         a / b for a, b in zip(times[(mib, "async")], times[(mib, "sync")])),
                      "sync_save_ms": statistics.median(costs[mib]) * 1e3 if costs[mib] else None})
-    return {"steps": loop_overhead.STEPS, "repeats": repeats, "rows": rows}
+    from cadence.checkpoint.save_mode import AUTO_COST_THRESHOLD
+
+    return {"steps": loop_overhead.STEPS, "repeats": repeats, "rows": rows, "auto_cost_threshold_s": AUTO_COST_THRESHOLD}
 
 
 def markdown_lines(r: dict) -> list[str]:
-    lines = [f"## Sync or async saves ({r['steps']} steps, a save every 500, {r['repeats']} interleaved repeats)\n",
-             "| extra state | run, sync (s, min) | run, async (s, min) | async / sync (min) | async / sync (median) "
+    lines = [(f"## Synchronous or asynchronous saves: the crossover ({r['steps']} steps of the loop benchmark's MLP, "
+              f"a save every 500, {r['repeats']} interleaved repeats)\n"),
+             "| extra state | run, sync (s, min) | run, async (s, min) | async / sync (min / median / paired) "
              "| sync save's write + commit (ms, median) |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {row['mib']} MiB | {row['sync_s']:.3f} | {row['async_s']:.3f} | {row['async_over_sync']:.3f} | "
-              f"{row['async_over_sync_median']:.3f} | {row['sync_save_ms']:.1f} |" for row in r["rows"]]
+             "|---|---|---|---|---|"]
+    lines += [f"| {row['mib']} MiB | {row['sync_s']:.3f} | {row['async_s']:.3f} | {row['async_over_sync']:.3f} / "
+              f"{row['async_over_sync_median']:.3f} / {row.get('async_over_sync_paired', float('nan')):.3f} | "
+              f"{row['sync_save_ms']:.1f} |" for row in r["rows"]]
+    if "auto_cost_threshold_s" in r:
+        lines.append(f"\n`auto` goes asynchronous once two saves in a row each took more than "
+                     f"{r['auto_cost_threshold_s'] * 1e3:.0f} ms to write and commit.\n")
     return lines
 
 
+def main() -> None:
+    import argparse
+
+    from results_file import run_on_this_machine, write_results
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES_MIB)), help="MiB of extra state, comma-separated")
+    parser.add_argument("--out", default=None, help="write the table here (and the JSON next to it)")
+    args = parser.parse_args()
+    sizes = tuple(int(a) for a in args.sizes.split(","))
+    text, result = run_on_this_machine("sync or async saves", "save_mode_crossover.py",
+                                       lambda: run(args.repeats, sizes), markdown_lines)
+    write_results(args.out, text, result)
+    print(text)
+
+
 if __name__ == "__main__":
-    sizes = tuple(int(a) for a in sys.argv[2].split(",")) if len(sys.argv) > 2 else SIZES_MIB
-    result = run(int(sys.argv[1]) if len(sys.argv) > 1 else 5, sizes)
-    print("\n".join(markdown_lines(result)))
+    main()
