@@ -337,6 +337,7 @@ def measure(work: Workload, key: str, saves: int, idle_s: float, base: str, rss:
         del trainer, manager, stager
         if nbytes(work.model, work.optimizer) >= BIG:  # the staging copies freed before the next contender
             gc.collect()
+        released = release_pinned(work.device)
     idle_mean = statistics.fmean(idle)
     busy_mean = statistics.fmean(busy) if busy else None
     later = stalls[1:] or stalls
@@ -357,8 +358,24 @@ def measure(work: Workload, key: str, saves: int, idle_s: float, base: str, rss:
         "step_s_idle": idle_mean, "steps_idle": len(idle),
         "step_s_during_save": busy_mean, "steps_during_save": len(busy),
         "step_ratio_during_save": busy_mean / idle_mean if busy_mean is not None else None,
-        "peak_rss_bytes": max(peaks), "rss_alone_bytes": alone,
+        "peak_rss_bytes": max(peaks), "rss_alone_bytes": alone, "pinned_released_after": released,
     }
+
+
+def release_pinned(device: str) -> bool | None:
+    """On CUDA, give back the pinned memory that torch's caching host allocator keeps once freed, so
+    that the next contender's first save allocates its own, as a new process's first save does
+    (without this, the contender after another is handed the other's staging memory: a first save
+    that looks free). Whether it could (None: not CUDA)."""
+    if not device.startswith("cuda"):
+        return None
+    gc.collect()
+    memory = getattr(torch.accelerator, "memory", None) if hasattr(torch, "accelerator") else None
+    empty = getattr(memory, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is None:
+        return False
+    empty()
+    return True
 
 
 def _dcp_save(work: Workload, stager: Any, directory: str,

@@ -37,6 +37,7 @@ from results_file import run_on_this_machine, write_results  # noqa: E402
 BATCH, SEQ = 8, 512
 QUICK = {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 128, "n_positions": 32}
 LOST_TARGET_S = 0.050
+FIRST_TARGET = 0.5  # of a synchronous save
 
 
 def gpt2_workload(device: str, quick: bool = False) -> Workload:
@@ -90,10 +91,14 @@ def run(device: str, quick: bool = False, saves: int | None = None, root: str | 
     rows["floor"]["stall_s"] = copy_floor(work)
     rows["floor"]["stall_fraction"] = rows["floor"]["stall_s"] / rows["sync"]["stall_s"]
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") else "CPU"
+    first = rows["pipelined"]["first_step_stall_s"] / rows["sync"]["stall_s"]
     return {"quick": quick, "device": device, "device_name": name, "state": state,
             "target": {"name": "cadence pipelined: stall (save call + next step's excess), saves 2+",
                        "bound_s": LOST_TARGET_S, "value_s": rows["pipelined"]["step_stall_s"],
-                       "met": rows["pipelined"]["step_stall_s"] <= LOST_TARGET_S, "dcp_s": rows["dcp"]["step_stall_s"]}}
+                       "met": rows["pipelined"]["step_stall_s"] <= LOST_TARGET_S, "dcp_s": rows["dcp"]["step_stall_s"]},
+            "first_target": {"name": "cadence pipelined: the first save's stall / a sync save",
+                             "bound": FIRST_TARGET, "value": first,
+                             "met": first <= FIRST_TARGET}}
 
 
 def _ms(value: Any) -> str:
@@ -126,9 +131,21 @@ def markdown_lines(r: dict) -> list[str]:
         f"the steps beside them. Host stall: the save call plus "
         f"the host's wait before the next optimizer step (on CUDA cadence's fence makes the *stream* wait, so the "
         f"host hardly does). Sync: the whole save. Floor: one copy of every tensor into pinned host memory.\n")
+    released = {row.get("pinned_released_after", False) for row in s["rows"] if row["key"] != "floor"}
+    if released == {True}:
+        lines.append("Each contender's first save allocated its pinned memory anew: torch's caching host allocator "
+                     "was emptied after each contender, as in a new process.\n")
+    elif released != {None}:  # (None: not CUDA, no pinned memory)
+        lines.append("The contenders ran one after another in one process, and torch's caching host allocator kept "
+                     "the pinned memory each freed: a first save could be handed a previous contender's, so the "
+                     "first-save figures are optimistic.\n")
     verdict = "met" if t["met"] else "**missed**"
     lines.append(f"Target: {t['name']} {_ms(t['value_s'])} ms (< {_ms(t['bound_s'])} ms: {verdict}); "
                  f"DCP's async_save {_ms(t['dcp_s'])} ms.\n")
+    first = r.get("first_target")
+    if first is not None and released == {True}:
+        lines.append(f"Target: {first['name']} {first['value'] * 100:.1f}% (<= {first['bound'] * 100:.0f}%: "
+                     f"{'met' if first['met'] else '**missed**'}).\n")
     return lines
 
 
