@@ -68,3 +68,15 @@ def test_an_unknown_block_is_refused_by_name(tmp_path: Path, docs_tables: Module
     page.write_text("<!-- bench:lopo -->\n<!-- /bench:lopo -->\n")
     with pytest.raises(KeyError, match="unknown benchmark block 'lopo'"):
         docs_tables.regenerate((page,), tmp_path)
+
+
+def test_a_headline_row_is_met_only_when_every_state_meets_its_target(docs_tables: ModuleType) -> None:
+    def state(label: str, stall: float) -> dict:
+        return {"label": label, "targets": [{"name": "stall_fraction", "value": stall, "bound": 0.05,
+                                             "met": stall <= 0.05}]}
+
+    met = docs_tables.headline_lines({"stall": {"states": [state("1 GiB", 0.001), state("4 GiB", 0.0002)]}})
+    assert met[2] == ("| asynchronous save: training's stall, saves 2+ (of a sync save) | 1 GiB 0.1% · 4 GiB 0.02% "
+                      "| ≤ 5% | yes |")
+    missed = docs_tables.headline_lines({"stall": {"states": [state("1 GiB", 0.001), state("charlm", 0.113)]}})
+    assert missed[2].endswith("| 1 GiB 0.1% · charlm 11.3% | ≤ 5% | **no** |")
