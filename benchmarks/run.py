@@ -43,7 +43,7 @@ from results_file import header, machine, write_results  # noqa: E402
 
 BENCHMARKS = {
     "loop": loop_overhead.run,
-    "checkpoint": checkpoint_throughput.run,  # includes the asynchronous save (the former "async" entry)
+    "checkpoint": checkpoint_throughput.run,  # save and load, every contender (asynchronous saves: "stall")
     "stall": checkpoint_stall.run,  # the training thread's stall for an async save (pipelined, DCP's stager)
     "crossover": save_mode_crossover.run,  # where asynchronous saves start to pay (checkpoint.async_save: auto)
     "sharded": sharded_checkpoint.run,
@@ -96,7 +96,7 @@ def main() -> None:
         results[name] = fn(quick=True) if args.quick and name in quick_ones else fn()
         results[name]["machine"] = {**machine(), "load_average_1min": [load, os.getloadavg()[0]]}
         if name == "checkpoint":
-            results.pop("async", None)  # now part of "checkpoint"
+            results.pop("async", None)  # an entry of older runs, measured by "stall" now
         if name == "sharded" and not args.quick:  # also in a file of its own
             write_results(out_dir / "sharded_checkpoint.md", markdown({"machine": results["machine"], name: results[name]}),
                           results[name])
