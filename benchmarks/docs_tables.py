@@ -143,11 +143,10 @@ def headline_lines(results: dict[str, dict]) -> list[str]:
     if "stall" in results:
         states = results["stall"]["states"]
         for name, what in STALL_TARGETS.items():
-            figures = [(state["label"], t["value"], t["met"]) for state in states for t in state["targets"]
-                       if t["name"] == name]
-            bounds = {t["bound"] for state in states for t in state["targets"] if t["name"] == name}
+            found = [(state["label"], t) for state in states for t in state["targets"] if t["name"] == name]
+            figures = [(label, t["value"], t["met"]) for label, t in found]
             if figures:
-                bound = bounds.pop()
+                bound = found[0][1]["bound"]
                 percent = name.endswith("fraction")
                 show = _percent if percent else _fine_ratio if name == "step_ratio_during_save" else _ratio
                 rows.append(_row(what, figures, show,

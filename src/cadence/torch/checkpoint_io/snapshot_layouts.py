@@ -17,7 +17,7 @@ snapshot is always the one :meth:`SafetensorsPayload.from_state_dict` and
 from __future__ import annotations
 
 import operator
-from typing import Any, Container, Mapping
+from typing import Any, Callable, Container, Mapping
 
 import torch
 
@@ -28,6 +28,29 @@ from cadence.torch.checkpoint_io.staging import copy_tensor
 __all__ = ["ModelLayout", "OptimizerLayout", "SnapshotLayouts"]
 
 _LEAVES = (type(None), bool, int, float, str)  # immutable values an optimizer's per-parameter state may hold
+
+
+class _LastCopies:
+    """What a layout made last and the copies that filled it: a snapshot that reuses that one's
+    tensors reuses these copies unchecked (they are known to fit)."""
+
+    def __init__(self) -> None:
+        self._made: Any = None
+        self._copies: list[torch.Tensor] | None = None
+
+    def fitted(self, reuse: Any) -> list[torch.Tensor] | None:
+        """The copies to reuse when ``reuse`` is the last thing made here, else None (checked as usual)."""
+        return self._copies if reuse is not None and reuse is self._made else None
+
+    def made(self, out: Any) -> Callable[[list[torch.Tensor]], None]:
+        """``out`` is made here now; what its copies are given to once done (kept while ``out`` is the last)."""
+        self._made, self._copies = out, None
+
+        def filled(copies: list[torch.Tensor]) -> None:
+            if self._made is out:
+                self._copies = copies
+
+        return filled
 
 
 class ModelLayout:
@@ -74,8 +97,7 @@ class ModelLayout:
                 now[name] = []
         self.now = list(now.items())
         self.plain = all(t.layout == torch.strided and not t.is_quantized for t in self.sources)
-        self._made: SafetensorsPayload | None = None  # the last payload made here ...
-        self._copies: list[torch.Tensor] | None = None  # ... and the copies of its sources
+        self._last = _LastCopies()  # the last payload made here and the copies of its sources
 
     def matches(self, state_dict: Mapping[str, Any]) -> bool:
         """Whether ``state_dict`` (``keep_vars=True``) has this layout's names and tensors, at their addresses."""
@@ -94,15 +116,14 @@ class ModelLayout:
             for alias in aliases:
                 tensors[alias] = tensors[name]
         slots, names = self.slots, self.source_names
-        fitted = self._copies if reuse is not None and reuse is self._made else None
-        made = self._made = SafetensorsPayload(tensors, dict(self.aliases))
-        self._copies = None
+        fitted = self._last.fitted(reuse)
+        made = SafetensorsPayload(tensors, dict(self.aliases))
+        filled = self._last.made(made)
 
         def place(copies: list[torch.Tensor]) -> None:
             for name, index in slots:
                 tensors[name] = copies[index]
-            if self._made is made:
-                self._copies = copies
+            filled(copies)
 
         later.add_batch(self.sources, lambda: [previous.get(name) for name in names], place, self.devices,
                         fitted=fitted)
@@ -138,8 +159,7 @@ class OptimizerLayout:
                 self.first_slots.append((self.keys[r], key))
             self.slots.append((r, key, index[id(value)]))
         self.devices = {t.device for t in self.sources}
-        self._made: dict[str, Any] | None = None  # the last state made here ...
-        self._copies: list[torch.Tensor] | None = None  # ... and the copies of its tensors
+        self._last = _LastCopies()  # the last state made here and the copies of its tensors
 
     @classmethod
     def of(cls, state_dict: Any) -> OptimizerLayout | None:
@@ -179,14 +199,13 @@ class OptimizerLayout:
         slots, first = self.slots, self.first_slots
         previous = reuse.get("state") if isinstance(reuse, dict) else None
         old = previous if isinstance(previous, dict) else {}
-        fitted = self._copies if reuse is not None and reuse is self._made else None
-        self._made, self._copies = out, None
+        fitted = self._last.fitted(reuse)
+        filled = self._last.made(out)
 
         def place(copies: list[torch.Tensor]) -> None:
             for r, key, index in slots:
                 rows[r][key] = copies[index]
-            if self._made is out:
-                self._copies = copies
+            filled(copies)
 
         later.add_batch(self.sources, lambda: [_get(old.get(p), key) for p, key in first], place, self.devices,
                         fitted=fitted)

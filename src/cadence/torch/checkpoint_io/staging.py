@@ -25,10 +25,7 @@ def copy_tensor(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tens
     :func:`staged` says so (an asynchronous save's writer thread waits for it)."""
     source = t.detach()
     cuda = source.device.type == "cuda"
-    if (
-        into is not None and into.device.type == "cpu" and into.shape == t.shape and into.dtype == t.dtype
-        and into.is_contiguous() and into.data_ptr() != t.data_ptr() and (not cuda or into.is_pinned())
-    ):
+    if into is not None and _fits(into, t, cuda):  # (the first test narrows the type for mypy)
         return into.copy_(source, non_blocking=cuda)
     if cuda:
         pinned = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=True)
@@ -37,6 +34,8 @@ def copy_tensor(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tens
 
 
 def _fits(into: Any, t: torch.Tensor, cuda: bool) -> bool:
+    """Whether ``t`` can be copied into ``into``: a contiguous CPU tensor of its shape and dtype, not
+    ``t`` itself, pinned when ``t`` is on CUDA."""
     return (isinstance(into, torch.Tensor) and into.device.type == "cpu" and into.shape == t.shape
             and into.dtype == t.dtype and into.is_contiguous() and into.data_ptr() != t.data_ptr()
             and (not cuda or into.is_pinned()))

@@ -31,6 +31,7 @@ from typing import Sequence
 from cadence.config.schema import EXPORT_FORMATS
 from cadence.errors import CadenceError
 from cadence.torch.checkpoint_io.state import MODEL_FILE
+from cadence.torch.hf.save import CONFIG_FILE
 
 __all__ = ["FILES", "FORMATS", "TORCH_FORMATS", "TRACED_FORMATS", "ExportDependencyError", "ExportError", "ExportOutputError",
            "check_formats",
@@ -48,7 +49,7 @@ FILES: dict[str, str] = {
     "torch_export": "model.pt2",
     "torchscript": "model.torchscript.pt",
     "onnx": "model.onnx",
-    "hf": "config.json",
+    "hf": CONFIG_FILE,
 }
 """The artefact file of each format."""
 _ONNX_INSTALL = "pip install 'cadence[onnx]'"
