@@ -138,6 +138,17 @@ class NoExampleTask(TinyTask):
         return Task.example_inputs(self)
 
 
+class NotAModelTask(TinyTask):
+    """``build_model`` returns ``model`` (``None`` by default, or any value) instead of an ``nn.Module``."""
+
+    def __init__(self, model=None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.model = model
+
+    def build_model(self):
+        return self.model
+
+
 class BadLossTask(TinyTask):
     """``train_step`` returns the per-sample losses (not reduced), or with ``as_float`` a Python float."""
 

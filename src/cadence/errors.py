@@ -6,9 +6,11 @@ from __future__ import annotations
 class CadenceError(Exception):
     """Base class of cadence's own errors.
 
-    ``exit_code`` is the CLI's exit status when one ends a command: 1 (a failure), 2 for bad
-    input (:class:`ConfigError`, :class:`WriterLeaseHeldError`, :class:`SanityCheckError`,
-    :class:`TrainStepOutputError`, :class:`ModelDirNotSharedError`): nothing was started (or trained).
+    ``exit_code`` is the CLI's exit status when one ends a command (docs/design.md's "Exit codes"):
+    2 when the input is wrong or names something that does not exist and nothing was started
+    (:class:`ConfigError`, :class:`ModelDirError`, :class:`NoCheckpointError`, :class:`TaskOutputError`,
+    :class:`TrainStepOutputError`, :class:`WriterLeaseHeldError`, :class:`SanityCheckError`,
+    :class:`ModelDirNotSharedError`); 1 when something that started failed, or stored data is bad.
     """
 
     exit_code: int = 1
@@ -44,6 +46,20 @@ class ConfigError(CadenceError):
     exit_code = 2
 
 
+class ModelDirError(ConfigError):
+    """A path given as a model dir cannot be one: missing where one must exist, a file (or a file on
+    its path), not a cadence model dir (no ``config.yaml``, ``checkpoints/`` or ``train/``), or one
+    this process may not create or write. Bad input (exit 2), one line naming the path."""
+
+
+class TaskOutputError(CadenceError, TypeError):
+    """A Task's builder (``build_model``) returned something of the wrong type: a mistake in the
+    task's code, found at its first use, before anything was trained (exit 2); one line naming the
+    method, what it returned and what is expected."""
+
+    exit_code = 2
+
+
 class ValidationOutputError(CadenceError, TypeError):
     """``validation_step`` (or another part of an evaluation the task writes) returned something
     of the wrong type; the message names it, what it returned and what is expected."""
@@ -70,7 +86,8 @@ class CheckpointError(CadenceError):
 
 class NoCheckpointError(CheckpointError):
     """There is no committed checkpoint where one was asked for (``cadence evaluate`` of a model dir
-    that has none): bad input, nothing was started."""
+    that has none, ``--checkpoint STEP`` of a step not committed, ``export`` without ``best/``): bad
+    input (exit 2), nothing was started."""
 
     exit_code = 2
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cadence.errors import ConfigError
+from cadence.errors import ConfigError, ModelDirError
 
 CHECKPOINTS = "checkpoints"
 TRAIN = "train"
@@ -17,20 +17,62 @@ def require_model_dir(model_dir: str | None) -> str:
     return model_dir
 
 
-def check_model_dir(model_dir: str, *, must_exist: bool = False) -> str:
-    """``model_dir``; ConfigError (bad input) when it is a file, or, with ``must_exist``, missing."""
+def check_model_dir(model_dir: str, *, must_exist: bool = False, writable: bool = False) -> str:
+    """``model_dir``; :class:`~cadence.errors.ModelDirError` (bad input, exit 2) when it is a file, or,
+    with ``must_exist``, missing. ``writable`` (a trainer's model dir): also when, on a local disk, a
+    file stands on its path or this process may not create it or write into it (permission, a
+    read-only file system); checked without creating anything."""
     from cadence.storage import Storage
 
     storage = Storage(model_dir)
     if storage.isdir(storage.root):
+        if writable:
+            _check_local_writable(model_dir)
         return model_dir
     # isfile, not exists: on an object store a directory that another process (a sidecar, another node) starts
     # writing between the two calls exists by then, and is still no file
     if storage.isfile(storage.root):
-        raise ConfigError(f"model dir is a file, not a directory: {model_dir}")
+        raise ModelDirError(f"model dir is a file, not a directory: {model_dir}")
     if must_exist and not storage.exists(storage.root):
-        raise ConfigError(f"model dir not found: {model_dir}")
+        raise ModelDirError(f"model dir not found: {model_dir}")
+    if writable:
+        _check_local_writable(model_dir)
     return model_dir
+
+
+def _check_local_writable(model_dir: str) -> None:
+    """ModelDirError unless this process can write into local ``model_dir``, or create it: its
+    nearest existing directory (itself or an ancestor) must be a writable, searchable directory."""
+    import os
+
+    from cadence.storage import local_path
+
+    path = local_path(model_dir)
+    if path is None:  # an object store: its permissions show at the first write
+        return
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ModelDirError(f"model dir {model_dir}: {existing} is a file, not a directory"
+                           if os.path.isfile(existing) else f"model dir {model_dir}: {existing} is not a directory")
+    effective = os.access in os.supports_effective_ids  # root without CAP_DAC_OVERRIDE is refused too
+    if not os.access(existing, os.W_OK | os.X_OK, effective_ids=effective):
+        statvfs = os.statvfs(existing)
+        why = "a read-only file system" if statvfs.f_flag & os.ST_RDONLY else "permission denied"
+        what = "write into it" if existing == os.path.abspath(path) else f"create it in {existing}"
+        raise ModelDirError(f"model dir {model_dir}: cannot {what} ({why})")
+
+
+def require_cadence_model_dir(model_dir: str) -> None:
+    """ModelDirError (bad input) unless ``model_dir`` exists and holds ``config.yaml``, ``checkpoints/``
+    or ``train/``: what ``ls`` and ``report`` read."""
+    from cadence.storage import Storage
+
+    check_model_dir(model_dir, must_exist=True)
+    storage = Storage(model_dir)
+    if not set(storage.listdir(storage.root)) & {CONFIG, CHECKPOINTS, TRAIN}:
+        raise ModelDirError(f"not a cadence model dir (no {CONFIG}, {CHECKPOINTS}/ or {TRAIN}/): {model_dir}")
 
 
 def join(model_dir: str, *parts: str) -> str:

@@ -60,8 +60,9 @@ def test_evaluate_prints_metrics_json(digits_run):
 def test_evaluate_missing_checkpoint_is_a_clear_error(digits_run, tmp_path):
     model_dir, _ = digits_run
     proc = cadence("evaluate", str(DIGITS), "--model-dir", str(model_dir), "--checkpoint", "123")
-    assert proc.returncode == 1
-    assert "123" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2  # bad input: a step that does not exist
+    assert proc.stderr == (f"cadence: error: no committed checkpoint for step 123 in {model_dir / 'checkpoints'}; "
+                           "available steps: [200, 400, 600]\n")
     proc = cadence("evaluate", str(DIGITS), "--model-dir", str(tmp_path / "empty"))
     assert proc.returncode == 2 and "no committed checkpoint" in proc.stderr and "--initial" in proc.stderr
 
@@ -192,11 +193,13 @@ def test_export_command_writes_artefacts_that_match_the_checkpoint(digits_run, t
 def test_export_command_errors(digits_run, tmp_path):
     model_dir, _ = digits_run
     proc = cadence("export", str(tmp_path), "--format", "safetensors")
-    assert proc.returncode == 1 and "config.yaml" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "config.yaml" in proc.stderr and "Traceback" not in proc.stderr
     proc = cadence("export", str(model_dir), "--checkpoint", "soon", "--format", "safetensors")
     assert proc.returncode == 2 and "--checkpoint" in proc.stderr
     proc = cadence("export", str(model_dir), "--checkpoint", "123", "--format", "safetensors")
-    assert proc.returncode == 1 and "123" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr == (
+        f"cadence: error: no committed checkpoint for step 123 in {model_dir / 'checkpoints'}; "
+        "available steps: [200, 400, 600]\n")
 
 
 def test_a_config_bomb_exits_2_in_one_line_and_creates_nothing(tmp_path: Path) -> None:

@@ -143,8 +143,8 @@ def test_sidecar_evaluations_are_shown(tmp_path):
 def test_a_dir_that_is_not_a_model_dir_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     proc = cadence("report", str(tmp_path))
-    assert proc.returncode == 1
-    assert proc.stderr.strip() == f"cadence: failed: not a cadence model dir (no config.yaml, checkpoints/ or train/): {tmp_path}"
+    assert proc.returncode == 2  # bad input, as for every command
+    assert proc.stderr.strip() == f"cadence: error: not a cadence model dir (no config.yaml, checkpoints/ or train/): {tmp_path}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
     missing = tmp_path / "nowhere"

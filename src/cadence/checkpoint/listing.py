@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 from cadence.checkpoint.manifest import MANIFEST_NAME
-from cadence.errors import CheckpointError
+from cadence.errors import NoCheckpointError
 from cadence.storage import Storage
 
 COMMITTED = re.compile(r"ckpt-(0|[1-9][0-9]*)")
@@ -59,9 +59,10 @@ def committed_steps(storage: Storage) -> list[int]:
 
 
 def require_committed(storage: Storage, step: int) -> None:
-    """Raise :class:`CheckpointError` (listing the committed steps) unless ``step`` is committed."""
+    """Raise :class:`~cadence.errors.NoCheckpointError` (a ``CheckpointError``; bad input, exit 2),
+    listing the committed steps, unless ``step`` is committed."""
     if not has_manifest(storage, f"ckpt-{step}"):
-        raise CheckpointError(
+        raise NoCheckpointError(
             f"no committed checkpoint for step {step} in {storage.url(storage.root)}; "
             f"available steps: {committed_steps(storage)}"
         )

@@ -11,8 +11,10 @@
     cadence sweep CONFIG --space SPACE.yaml --trials N [--parallel K] [--sweep-dir DIR] [--sidecar] [--set ...]
     cadence ls SWEEP_DIR / cadence report SWEEP_DIR   (a sweep's trials; needs optuna: pip install 'cadence[sweep]')
 
-Exit status: 0 success; 1 a run failed (the message says why); 2 bad input (config, override,
-arguments) -- one readable line naming the offending field, no traceback.
+Exit status: 0 success; 2 bad input, nothing started: an argument, a config or an override is wrong,
+or names something that does not exist (a path, a model dir, a checkpoint step, the Task's code at
+its first use) -- one readable line naming it, no traceback; 1 something that started failed, or
+stored data is bad (a corrupt checkpoint). docs/design.md's "Exit codes" has the whole table.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Callable, Sequence
 from rich.console import Console
 from rich.markup import escape
 
+from cadence.cli.flags import check_flags
 from cadence.cli.logs import setup_logging
 from cadence.cli.model_dir import cmd_export, cmd_ls, cmd_report
 from cadence.cli.node_loss import record_lost_nodes
@@ -45,13 +48,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``cadence`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status.
 
     A :class:`~cadence.errors.CadenceError` becomes one line on stderr and its ``exit_code`` (2:
-    bad input, nothing started; 1: a failure); Ctrl-C: 130. Bad arguments exit 2 through argparse.
+    bad input, nothing started; 1: a failure); Ctrl-C: 130. Bad arguments exit 2 through argparse,
+    a numeric flag out of its range through :func:`~cadence.cli.flags.check_flags`.
     """
     args = build_parser().parse_args(argv)
     err = Console(stderr=True)
     setup_logging(args.log_level, err)
     die_with_agent()  # a worker of cadence's torchrun agent ends when that agent dies
     try:
+        check_flags(args)  # a numeric flag out of its range: nothing starts
         return COMMANDS[args.command](args, err)
     except CadenceError as exc:  # one line, never wrapped; escaped: "[x]" in a message is text, not markup
         label = "error" if exc.exit_code == 2 else "failed"  # bad input (nothing started) or a failure

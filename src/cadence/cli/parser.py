@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from cadence import __version__
+from cadence.cli.flags import LOG_LEVELS, log_level
 from cadence.config.schema import EXPORT_FORMATS
 
 
@@ -15,7 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cadence", description="Train, evaluate and checkpoint PyTorch models in loops."
     )
     parser.add_argument("--version", action="version", version=f"cadence {__version__}")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    parser.add_argument("--log-level", default="INFO", type=log_level, metavar="LOG_LEVEL",
+                        help=f"logging level: {', '.join(LOG_LEVELS)}, in any case (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add_config_args(p: argparse.ArgumentParser, model_dir_required: bool) -> None:

@@ -7,7 +7,7 @@ import logging
 
 from rich.console import Console
 
-from cadence.errors import CadenceError, ConfigError
+from cadence.errors import CadenceError
 
 _SMOKE_LABELS = {"ok": ("PASS", "green"), "failed": ("FAIL", "bold red"), "skipped": ("SKIP", "yellow")}
 
@@ -19,8 +19,6 @@ def cmd_smoke(args: argparse.Namespace, console: Console) -> int:
 
     from cadence.config import load_config
 
-    if args.steps < 1:
-        raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
     cfg = load_config(args.config, overrides=args.overrides)
     from cadence.torch.experiments.smoke import run_smoke
 

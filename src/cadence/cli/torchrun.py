@@ -131,11 +131,7 @@ def wants_torchrun(args: argparse.Namespace) -> bool:
         raise ConfigError(f"{', '.join(given)} need --nproc N (the processes to start on this machine)")
     if os.environ.get("TORCHELASTIC_RUN_ID") or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise ConfigError("--nproc: this process already runs under torchrun; leave --nproc and its options out")
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
-    nnodes = 1 if args.nnodes is None else args.nnodes
-    if nnodes < 1:
-        raise ConfigError(f"--nnodes: must be >= 1, got {nnodes}")
+    nnodes = 1 if args.nnodes is None else args.nnodes  # its range and --nproc's: cadence.cli.flags
     if nnodes > 1 and not args.rdzv_endpoint:
         raise ConfigError(f"--nnodes {nnodes}: several machines need --rdzv-endpoint HOST:PORT (the same on every node)")
     if args.node_rank is not None and not 0 <= args.node_rank < nnodes:
@@ -149,8 +145,6 @@ def wants_torchrun(args: argparse.Namespace) -> bool:
         bad = [item for item in rdzv_conf.split(",") if not item.partition("=")[0].strip() or "=" not in item]
         if bad:
             raise ConfigError(f"--rdzv-conf: expected KEY=VALUE[,KEY=VALUE...], got {bad[0]!r}")
-    if _max_restarts(args) < 0:
-        raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     return True
 
 

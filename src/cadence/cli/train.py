@@ -27,13 +27,13 @@ from cadence.summaries.scalars import json_value
 logger = logging.getLogger("cadence")
 
 
-def _load(args: argparse.Namespace) -> ExperimentConfig:
-    """The config of ``args`` (its file, ``--set`` overrides and ``--model-dir``); a model dir's own
-    ``config.yaml`` moved elsewhere is refused unless the model dir is given explicitly."""
-    from cadence.config import load_config
-    from cadence.config.loading import check_own_model_dir
+def _load(args: argparse.Namespace, flags: dict[str, tuple[str, Any]] | None = None) -> ExperimentConfig:
+    """The config of ``args`` (its file, ``--set`` overrides, the ``flags`` that set a config value,
+    named by them in errors, and ``--model-dir``); a model dir's own ``config.yaml`` moved elsewhere
+    is refused unless the model dir is given explicitly."""
+    from cadence.config.loading import check_own_model_dir, load_config
 
-    cfg = load_config(args.config, overrides=args.overrides, model_dir=args.model_dir)
+    cfg = load_config(args.config, overrides=args.overrides, model_dir=args.model_dir, flags=flags)
     explicit = args.model_dir is not None or any(o.split("=", 1)[0].strip() == "model_dir" for o in args.overrides)
     if not explicit:  # a moved model dir's own config.yaml must not start a new run elsewhere
         check_own_model_dir(cfg, args.config)
@@ -99,10 +99,11 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
 
 def _claim_model_dir(args: argparse.Namespace, cfg: ExperimentConfig, *, check: bool) -> ExperimentConfig:
     """Before any rank starts: with ``--take-over`` fence off the holder of the model dir's writer
-    lease; else, with ``check``, refuse now (exit 2) when another trainer holds it."""
+    lease; else, with ``check``, refuse now (exit 2) when another trainer holds it. First, a model dir
+    this process cannot create or write (a file on its path, no permission) is refused (exit 2)."""
     from cadence.checkpoint import writer_lease
 
-    model_dir = layout.check_model_dir(cfg.require_model_dir())
+    model_dir = layout.check_model_dir(cfg.require_model_dir(), writable=True)
     if args.take_over:
         if writer_lease.take_over(model_dir) is None:
             logger.info("--take-over: nobody holds the writer lease of %s", model_dir)
@@ -112,16 +113,16 @@ def _claim_model_dir(args: argparse.Namespace, cfg: ExperimentConfig, *, check: 
 
 
 def cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
-    sidecar_flags = {"sidecar.mode": args.mode, "sidecar.timeout": args.timeout,
-                     "sidecar.max_evaluations": args.max_evaluations, "sidecar.name": args.name}
-    given = [flag for flag, value in sidecar_flags.items() if value is not None]
+    sidecar_flags = {"--mode": ("sidecar.mode", args.mode), "--timeout": ("sidecar.timeout", args.timeout),
+                     "--max-evaluations": ("sidecar.max_evaluations", args.max_evaluations),
+                     "--name": ("sidecar.name", args.name)}
+    given = {flag: setting for flag, setting in sidecar_flags.items() if setting[1] is not None}
     if args.continuous and args.nproc is not None:
         raise ConfigError("--nproc and --continuous exclude each other (the sidecar is one process)")
     if args.initial and (args.continuous or args.checkpoint is not None):
         raise ConfigError("--initial evaluates no checkpoint: leave out --checkpoint and --continuous")
     if args.continuous:
-        args.overrides += [f"{flag}={json.dumps(sidecar_flags[flag])}" for flag in given]
-        return _cmd_sidecar(args, console)
+        return _cmd_sidecar(args, console, given)
     if given:
         raise ConfigError(f"--mode, --timeout, --max-evaluations and --name need --continuous (got {', '.join(given)})")
     cfg = _load(args)
@@ -159,8 +160,6 @@ def _evaluate_with_torchrun(args: argparse.Namespace, cfg: Any, console: Console
     the chief's JSON line printed here."""
     import tempfile
 
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
     if os.environ.get("TORCHELASTIC_RUN_ID") or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise ConfigError("--nproc: this process already runs under torchrun; leave --nproc out")
     for name in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "max_restarts"):
@@ -180,10 +179,11 @@ def _evaluate_with_torchrun(args: argparse.Namespace, cfg: Any, console: Console
     return code
 
 
-def _cmd_sidecar(args: argparse.Namespace, console: Console) -> int:
+def _cmd_sidecar(args: argparse.Namespace, console: Console, flags: dict[str, tuple[str, Any]]) -> int:
+    """``cadence evaluate --continuous``; ``flags``: the sidecar settings its flags give."""
     if args.checkpoint is not None:
         raise ConfigError("--checkpoint and --continuous exclude each other")
-    cfg = _load(args)
+    cfg = _load(args, flags)
     from cadence.torch.experiments.experiment import run_sidecar
 
     return _sidecar_done(run_sidecar(cfg), console)
@@ -201,8 +201,6 @@ def _sidecar_done(result: Any, console: Console) -> int:
 def cmd_launch(args: argparse.Namespace, console: Console) -> int:
     if not args.sidecar:
         raise ConfigError("launch: nothing to launch; add --sidecar")
-    if args.nproc is not None and args.nproc < 1:
-        raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
     cfg = _load(args)  # a bad config fails here (exit 2), before anything starts
     if args.profile and cfg.profiler is None:  # both processes get it; only the trainer traces
         args.overrides.append("profiler={}")

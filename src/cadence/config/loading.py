@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from cadence.config.class_paths import portable_class_path, resolve_class_path
 from cadence.config.errors import moved_key_errors, validation_message
-from cadence.config.overrides import apply_overrides
+from cadence.config.overrides import apply_flags, apply_overrides
 from cadence.config.schema import ExperimentConfig
 from cadence.config.yaml_io import Loc, parse_yaml, read_text
 from cadence.errors import ConfigError
@@ -44,13 +44,15 @@ def config_from_dict(
     model_dir: str | None = None,
     source: str = "config",
     config_dir: str | Path | None = None,
+    flags: Mapping[str, tuple[str, Any]] | None = None,
     _lines: Mapping[Loc, int] | None = None,
 ) -> ExperimentConfig:
     """Validate plain data (as read from YAML) into an :class:`ExperimentConfig`.
 
-    ``overrides`` are ``dotted.key=value`` strings applied first, then ``model_dir`` (when not
-    ``None``). ``source`` names the data in error messages; ``config_dir`` is recorded for
-    :func:`resolve_task_class`. Raises ConfigError.
+    ``overrides`` are ``dotted.key=value`` strings applied first, then ``flags`` (command-line flags
+    that set a value, ``{"--timeout": ("sidecar.timeout", 5.0)}``: an error names the flag), then
+    ``model_dir`` (when not ``None``). ``source`` names the data in error messages; ``config_dir`` is
+    recorded for :func:`resolve_task_class`. Raises ConfigError.
     """
     if not isinstance(data, Mapping):
         raise ConfigError(
@@ -58,6 +60,7 @@ def config_from_dict(
         )
     work: dict[str, Any] = _deep_copy(data)
     overridden = apply_overrides(work, overrides)
+    overridden.update(apply_flags(work, flags or {}))
     if model_dir is not None:
         work["model_dir"] = model_dir
         overridden[("model_dir",)] = f"--model-dir {model_dir}"
@@ -84,13 +87,15 @@ def _deep_copy(value: Any) -> Any:
 
 
 def load_config(
-    path: str | Path, overrides: Sequence[str] = (), model_dir: str | None = None
+    path: str | Path, overrides: Sequence[str] = (), model_dir: str | None = None,
+    flags: Mapping[str, tuple[str, Any]] | None = None,
 ) -> ExperimentConfig:
     """Read, override and validate a YAML config file; raise ConfigError on any problem.
 
     ``overrides`` are ``dotted.key=value`` strings (value parsed as YAML), applied in order; a
-    key outside the schema is an error, except below ``task.params``. ``model_dir``, when given,
-    replaces the file's ``model_dir``. The file's directory is recorded (``cfg.config_dir``) so
+    key outside the schema is an error, except below ``task.params``. ``flags``: values set by
+    command-line flags, named by them in errors (see :func:`config_from_dict`). ``model_dir``,
+    when given, replaces the file's ``model_dir``. The file's directory is recorded (``cfg.config_dir``) so
     that a relative ``file.py:Class`` can be resolved by :func:`resolve_task_class`.
     """
     source = os.fspath(path)
@@ -101,7 +106,7 @@ def load_config(
     local = local_path(source)
     config_dir = Path(local).parent if local is not None else None
     return config_from_dict(
-        data, overrides, model_dir=model_dir, source=source, config_dir=config_dir, _lines=lines
+        data, overrides, model_dir=model_dir, source=source, config_dir=config_dir, flags=flags, _lines=lines
     )
 
 

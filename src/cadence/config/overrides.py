@@ -15,7 +15,7 @@ from cadence.config.schema import MOVED_KEYS, ExperimentConfig
 from cadence.config.yaml_io import Loc, load_value
 from cadence.errors import ConfigError
 
-__all__ = ["apply_override", "apply_overrides", "check_override_path", "parse_override"]
+__all__ = ["apply_flags", "apply_override", "apply_overrides", "check_override_path", "parse_override"]
 
 
 _KEY_PART = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
@@ -167,3 +167,15 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[Loc,
         apply_override(data, path, value, text)
         overridden[tuple(str(p) for p in path)] = f"{_origin(text)}"
     return overridden
+
+
+def apply_flags(data: dict[str, Any], flags: Mapping[str, tuple[str, Any]]) -> dict[Loc, str]:
+    """Apply the command-line flags that set a config value (``{"--timeout": ("sidecar.timeout", 5.0)}``)
+    to ``data``, as overrides named by their flag: a value the schema refuses is reported as
+    ``--timeout: sidecar.timeout: ...``. Returns the key path each set, by its flag."""
+    named: dict[Loc, str] = {}
+    for flag, (key, value) in flags.items():
+        path = check_override_path(key.split("."), flag)
+        apply_override(data, path, value, flag)
+        named[tuple(str(p) for p in path)] = flag
+    return named

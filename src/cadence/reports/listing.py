@@ -45,14 +45,15 @@ def list_checkpoints(model_dir: str, *, verify: bool = False) -> dict[str, Any]:
 
     ``verify``: read every checkpoint's files against its manifest (``verified`` true or false;
     null without it). ``corrupt``: the reason, for a checkpoint whose manifest cannot be read or
-    (with ``verify``) whose files do not match it. Raises ConfigError when ``model_dir`` is missing.
+    (with ``verify``) whose files do not match it. Raises ModelDirError when ``model_dir`` is missing
+    or not a cadence model dir (:func:`~cadence.layout.require_cadence_model_dir`).
     """
     from cadence.checkpoint import CheckpointManager
     from cadence.errors import CorruptCheckpointError
     from cadence.storage import Storage
     from cadence.summaries.metrics_file import read_metrics
 
-    model_dir = layout.check_model_dir(model_dir, must_exist=True)
+    layout.require_cadence_model_dir(model_dir)
     checkpoints_dir = layout.checkpoints_dir(model_dir)
     manager = CheckpointManager(checkpoints_dir, writer=False)
     steps = manager.steps()

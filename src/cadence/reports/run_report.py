@@ -140,13 +140,8 @@ def _read_text(storage: Storage, path: str) -> str | None:
 
 
 def _check_model_dir(model_dir: str) -> Storage:
-    layout.check_model_dir(model_dir, must_exist=True)
-    storage = Storage(model_dir)
-    names = set(storage.listdir(storage.root))
-    if not names & {layout.CONFIG, layout.CHECKPOINTS, layout.TRAIN}:
-        raise CadenceError(
-            f"not a cadence model dir (no {layout.CONFIG}, {layout.CHECKPOINTS}/ or {layout.TRAIN}/): {model_dir}")
-    return storage
+    layout.require_cadence_model_dir(model_dir)
+    return Storage(model_dir)
 
 
 def _read_run(model_dir: str, storage: Storage) -> _Run:
@@ -484,8 +479,9 @@ def build_report(model_dir: str, out: str | None = None) -> ReportPaths:
     files atomically (on local disks). Nothing else is written; ``checkpoints/`` is only read.
 
     Raises:
-      CadenceError: ``model_dir`` does not exist or is not a cadence model dir (no config.yaml,
-        checkpoints/ or train/), or matplotlib is not installed (the message says how to install it).
+      ModelDirError: ``model_dir`` does not exist or is not a cadence model dir (no config.yaml,
+        checkpoints/ or train/).
+      CadenceError: matplotlib is not installed (the message says how to install it).
       ConfigError: ``out`` ends with ``.png`` or lies under ``checkpoints/``.
     """
     storage = _check_model_dir(model_dir)

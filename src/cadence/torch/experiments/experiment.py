@@ -19,7 +19,7 @@ from typing import Any
 from cadence import layout
 from cadence.checkpoint import CheckpointManager
 from cadence.config import ExperimentConfig, save_config
-from cadence.errors import CheckpointError, NoCheckpointError
+from cadence.errors import NoCheckpointError
 from cadence.sidecar.evaluator import SidecarEvaluator, SidecarResult
 from cadence.torch.checkpoint_io.state import unwrap_model
 from cadence.torch.runtime.distributed import broadcast_unsharded
@@ -183,31 +183,34 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
     config, the checkpoint's EMA weights are exported (the evaluated ones).
 
     Raises:
-      CadenceError: not a model dir (no ``config.yaml``), or no such checkpoint.
+      ModelDirError: ``model_dir`` is missing, a file, or not a model dir (no ``config.yaml``).
+      NoCheckpointError: no such checkpoint (no ``best/``, no committed one, not that step).
       ConfigError: a format that needs ``Task.example_inputs()`` the task does not define; a bad
         signature name, or a signature without the example inputs a format needs.
     """
     from cadence.config import load_config
-    from cadence.errors import CadenceError
+    from cadence.errors import ModelDirError
     from cadence.storage import Storage
     from cadence.torch.export.api import export_task_model
 
     config_file = layout.config_path(model_dir)
+    layout.check_model_dir(model_dir, must_exist=True)
     if not Storage(config_file).exists(Storage(config_file).root):
-        raise CadenceError(f"{config_file} not found: {model_dir} is not a cadence model dir (or was never trained)")
+        raise ModelDirError(f"{config_file} not found: {model_dir} is not a cadence model dir (or was never trained)")
     cfg = load_config(config_file, model_dir=model_dir)
     task, _, _, evaluator = build_runners_from_config(cfg, train=False, device="cpu", precision="32", compile_model=False)
     if checkpoint == "best":
         manager = CheckpointManager(layout.best_dir(model_dir), writer=False)
         if manager.latest_step() is None:
-            raise CheckpointError(f"no best checkpoint in {layout.best_dir(model_dir)} (set trainer.best_checkpoint)")
+            raise NoCheckpointError(f"no best checkpoint in {layout.best_dir(model_dir)} (set trainer.best_checkpoint, "
+                                    "or export --checkpoint latest)")
         step = None
     else:
         manager = CheckpointManager(layout.checkpoints_dir(model_dir), writer=False)
         step = None if checkpoint == "latest" else int(checkpoint)
     restored = manager.restore({"evaluator": evaluator}, step)
     if restored is None:
-        raise CheckpointError(f"no committed checkpoint in {manager.directory}")
+        raise NoCheckpointError(f"no committed checkpoint in {manager.directory}")
     example_inputs = example_inputs_for(task, formats, "--format", evaluator.model)
     directory = out or layout.export_dir(model_dir, "best" if checkpoint == "best" else "checkpoint", restored)
     with applied(evaluator.ema):  # the evaluated weights: the EMA's with trainer.ema

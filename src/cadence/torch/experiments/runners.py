@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from cadence.config import ExperimentConfig
-from cadence.errors import ConfigError
+from cadence.errors import ConfigError, TaskOutputError
 from cadence.torch.components.compile import compile_model
 from cadence.torch.components.ema import ModelEMA
 from cadence.torch.components.precision import resolve_precision
@@ -26,7 +26,19 @@ if TYPE_CHECKING:
     from cadence.config.components.compile import CompileConfig
     from cadence.config.components.ema import EMAConfig
 
-__all__ = ["build_runners", "build_runners_from_config"]
+__all__ = ["build_runners", "build_runners_from_config", "built_model"]
+
+
+def built_model(task: Task) -> torch.nn.Module:
+    """``task.build_model()``; :class:`~cadence.errors.TaskOutputError` (exit 2, one line naming the
+    method and what it returned) when that is not a ``torch.nn.Module``."""
+    model = task.build_model()
+    if not isinstance(model, torch.nn.Module):
+        kind = type(model)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        shown = "None" if model is None else f"a value of type {name}"
+        raise TaskOutputError(f"{type(task).__name__}.build_model() returned {shown}; expected a torch.nn.Module")
+    return model
 
 
 def build_runners(
@@ -92,7 +104,7 @@ def build_runners(
     if not (train or evaluate):
         raise ValueError("build_runners: nothing to build (train=False and evaluate=False)")
     sharding.check_strategy(strategy, resolve_precision(precision, ctx.device).name)
-    model = task.build_model().to(ctx.device)
+    model = built_model(task).to(ctx.device)
     if compile_config is not None:
         compile_model(task, model, compile_config, per_unit=train and strategy == "fsdp" and ctx.world_size > 1)
     trainer = None

@@ -6,11 +6,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Mapping
 
 from cadence.config import ExperimentConfig
-from cadence.errors import ConfigError
+from cadence.errors import ConfigError, one_line
 from cadence.torch.hf.dependency import missing_extra_hint
 from cadence.torch.task.task import Task
 
@@ -26,7 +27,9 @@ def load_class(spec: str, field: str) -> type:
     ``callbacks[0].class``) starts every error message.
 
     Raises:
-      ConfigError: malformed spec, module or file not importable, no such class, not a class.
+      ConfigError: malformed spec, module or file not importable (not found, a syntax error, an
+        exception raised while it is imported: one line naming the module, the file and the line),
+        no such class, not a class.
     """
     module_name, sep, class_name = spec.rpartition(":")
     if not sep or not module_name or not class_name:
@@ -56,6 +59,16 @@ def load_class(spec: str, field: str) -> type:
             module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(f"{field}: cannot import module {module_name!r}: {exc}{missing_extra_hint(exc)}") from exc
+    except SyntaxError as exc:  # in the module, or in one it imports: that file and line
+        where = f"{exc.filename}, line {exc.lineno}" if exc.filename else f"line {exc.lineno}"
+        raise ConfigError(f"{field}: cannot import module {module_name!r}: {where}: "
+                          f"{type(exc).__name__}: {exc.msg}") from exc
+    except ConfigError:
+        raise
+    except Exception as exc:  # raised by the module's code as it was imported
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        raise ConfigError(f"{field}: importing module {module_name!r} raised {one_line(exc)} "
+                          f"({frame.filename}, line {frame.lineno})") from exc
     cls: Any = module
     for part in class_name.split("."):
         cls = getattr(cls, part, None)

@@ -1,0 +1,64 @@
+"""The bounds of the ``cadence`` command's numeric flags, in one place: :func:`check_flags` refuses a
+value out of its range before the command starts (ConfigError, exit 2, naming the flag), and
+:func:`log_level` is ``--log-level``'s type. A flag that sets a config value (``evaluate --continuous
+--timeout``) is checked by the config's schema instead, named by its flag (``load_config(flags=...)``)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from cadence.config.base import MAX_SECONDS
+from cadence.errors import ConfigError
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""``--log-level``'s names (any case)."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A flag's range: an integer ``>= minimum``, or with ``seconds`` a finite number of seconds from
+    ``minimum`` to :data:`~cadence.config.base.MAX_SECONDS`."""
+
+    flag: str
+    minimum: int
+    seconds: bool = False
+
+    def check(self, value: float) -> None:
+        """ConfigError naming the flag when ``value`` is out of range."""
+        if self.seconds:
+            if not (math.isfinite(value) and self.minimum <= value <= MAX_SECONDS):
+                raise ConfigError(f"{self.flag}: expected a number of seconds from {self.minimum} to {MAX_SECONDS}, "
+                                  f"got {value}")
+        elif value < self.minimum:
+            raise ConfigError(f"{self.flag}: must be >= {self.minimum}, got {value}")
+
+
+_NPROC = Bound("--nproc", 1)
+_GRACE = Bound("--grace", 0, seconds=True)
+BOUNDS: dict[str, dict[str, Bound]] = {
+    "train": {"nproc": _NPROC, "nnodes": Bound("--nnodes", 1), "max_restarts": Bound("--max-restarts", 0)},
+    "evaluate": {"nproc": _NPROC, "checkpoint": Bound("--checkpoint", 0)},
+    "launch": {"nproc": _NPROC, "grace": _GRACE},
+    "smoke": {"steps": Bound("--steps", 1)},
+    "sweep": {"trials": Bound("--trials", 1), "parallel": Bound("--parallel", 1), "grace": _GRACE},
+}
+"""Each command's numeric flags by their ``args`` name (``--node-rank``'s range depends on ``--nnodes``:
+:func:`cadence.cli.torchrun.wants_torchrun` checks it)."""
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """ConfigError (exit 2) naming the first numeric flag of ``args.command`` given out of its range."""
+    for name, bound in BOUNDS.get(args.command, {}).items():
+        value = getattr(args, name)
+        if value is not None:
+            bound.check(value)
+
+
+def log_level(text: str) -> str:
+    """``--log-level``'s type: one of :data:`LOG_LEVELS`, in any case; argparse's error (exit 2) otherwise."""
+    name = text.strip().upper()
+    if name not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)} (any case), got {text!r}")
+    return name
