@@ -23,6 +23,7 @@ import mmap
 import os
 import posixpath
 import secrets
+import stat
 import time
 from typing import IO, Any, Iterator
 
@@ -134,6 +135,46 @@ class Storage:
                 if os.path.islink(current):
                     return current
         return None
+
+    def entry_kind(self, path: str) -> str | None:
+        """What is at ``path``: ``"link"`` (a symbolic link, never followed; local disks only),
+        ``"dir"``, ``"file"``, ``"other"`` (a socket, a device, ...), or None when nothing is.
+        Off local disks a path that objects live under is a ``"dir"``."""
+        if self._local:
+            try:
+                mode = os.lstat(path).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            if stat.S_ISLNK(mode):
+                return "link"
+            return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
+        self.fs.invalidate_cache(path)
+        if self.isfile(path):
+            return "file"
+        return "dir" if self.isdir(path) else None
+
+    def tree(self, path: str) -> dict[str, str]:
+        """Everything under the directory ``path`` (not itself), sorted: relative ``/`` path ->
+        its :meth:`entry_kind`. Links are listed, never followed. Off local disks only the files are
+        listed (an object store's directories are no more than their files' prefixes)."""
+        out: dict[str, str] = {}
+        if not self._local:
+            self.fs.invalidate_cache(path)
+            prefix = path.rstrip("/") + "/"
+            files = self.fs.find(path, detail=False) if self.isdir(path) else []
+            return {str(f)[len(prefix):]: "file" for f in sorted(files) if str(f).startswith(prefix)}
+
+        def walk(directory: str, rel: str) -> None:
+            with os.scandir(directory) as entries:
+                for entry in sorted(entries, key=lambda e: e.name):
+                    name = rel + entry.name
+                    out[name] = self.entry_kind(entry.path) or "other"
+                    if out[name] == "dir":
+                        walk(entry.path, name + "/")
+
+        if self.entry_kind(path) == "dir":
+            walk(path, "")
+        return dict(sorted(out.items()))
 
     def listdir(self, path: str) -> list[str]:
         """Base names of the entries of directory ``path``; empty when it does not exist.
@@ -331,6 +372,17 @@ class Storage:
                 return
         if self.exists(path):
             self.fs.rm(path, recursive=True)
+
+    def rmdir(self, path: str) -> bool:
+        """Remove the directory ``path`` when it is empty; True when it was. Off local disks a
+        directory has no existence of its own (it goes with its last file): nothing is done, False."""
+        if not self._local:
+            return False
+        try:
+            os.rmdir(path)
+        except OSError:
+            return False
+        return True
 
     def _check_no_link_above(self, path: str) -> None:
         """Raise ``OSError`` when a directory between :attr:`root` and ``path`` is a symbolic link:

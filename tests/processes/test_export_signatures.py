@@ -18,6 +18,7 @@ from torch import nn
 from cadence.actions import ExportFileManager
 from cadence.config import config_from_dict
 from cadence.errors import ConfigError
+from cadence.export_marker import MARKER_FILE
 from cadence.torch import (
     ExportModel,
     ExportSignature,
@@ -123,7 +124,7 @@ def exported(tmp_path_factory) -> dict[str, Any]:
 def test_every_signature_dir_has_its_files(exported):
     step_dir = Path(exported["dir"])
     assert step_dir == exported["model_dir"] / "export" / "final" / "10"
-    assert sorted(p.name for p in step_dir.iterdir()) == sorted([*SIGNATURES, "signatures.json"])
+    assert sorted(p.name for p in step_dir.iterdir()) == sorted([*SIGNATURES, "signatures.json", MARKER_FILE])
     for name in SIGNATURES:
         assert sorted(os.listdir(step_dir / name)) == sorted([*(FILES[f] for f in FORMATS), "metadata.json"])
         meta = read_export_metadata(str(step_dir / name))
@@ -169,7 +170,8 @@ def test_task_without_signatures_keeps_the_old_layout(tmp_path):
                                  task, model, "best")
         directory = exporter(20, {})
         assert Path(directory) == tmp_path / cls.__name__ / "export" / "best" / "20"
-        assert sorted(os.listdir(directory)) == ["metadata.json", "model.safetensors", "model.torchscript.pt"]
+        assert sorted(os.listdir(directory)) == [MARKER_FILE, "metadata.json", "model.safetensors",
+                                                 "model.torchscript.pt"]
         assert "signature" not in read_export_metadata(directory)
         x = inputs(3, 5)[0]
         with torch.no_grad():
@@ -187,7 +189,7 @@ def test_retention_counts_a_step_dir_with_signatures_once(tmp_path):
         exporter(step, {})
     assert sorted(os.listdir(base)) == ["20", "30"]
     for step in ("20", "30"):
-        assert sorted(os.listdir(base / step)) == sorted([*SIGNATURES, "signatures.json"])
+        assert sorted(os.listdir(base / step)) == sorted([*SIGNATURES, "signatures.json", MARKER_FILE])
     state = load_exported(str(base / "30" / "probs"), "safetensors")
     assert torch.equal(state["0.weight"], model[0].weight)
 
@@ -195,7 +197,7 @@ def test_retention_counts_a_step_dir_with_signatures_once(tmp_path):
 def test_run_training_exports_signatures_at_the_end(tmp_path):
     run_training(config(tmp_path / "run", formats=["safetensors", "torchscript"]), progress=False)
     step_dir = tmp_path / "run" / "export" / "final" / "10"
-    assert sorted(os.listdir(step_dir)) == sorted([*SIGNATURES, "signatures.json"])
+    assert sorted(os.listdir(step_dir)) == sorted([*SIGNATURES, "signatures.json", MARKER_FILE])
     scripted = load_exported(str(step_dir / "margin"), "torchscript")
     assert scripted(*inputs(1, 3, 2)).shape == (3, 2)
 
@@ -303,7 +305,7 @@ def test_export_model_action_writes_signatures(tmp_path):
     manager = ExportFileManager(str(tmp_path / "latest"), max_to_keep=1, separator="/")
     action = ExportModel(task, manager, ("safetensors", "torchscript"), model_fn=lambda: model)
     directory = action({"loss": 1.0})
-    assert sorted(os.listdir(directory)) == sorted([*SIGNATURES, "signatures.json"])
+    assert sorted(os.listdir(directory)) == sorted([*SIGNATURES, "signatures.json", MARKER_FILE])
     xs = inputs(5, 3, 2)
     with torch.no_grad():
         torch.testing.assert_close(load_exported(f"{directory}/margin", "torchscript")(*xs),
@@ -332,7 +334,7 @@ def test_cadence_export_command_writes_every_signature(tmp_path):
     assert proc.returncode == 0, proc.stderr
     listed = dict(line.split("\t") for line in proc.stdout.splitlines() if "\t" in line)
     assert listed == {f"{name}/{fmt}": str(out / name / FILES[fmt]) for name in SIGNATURES for fmt in formats}
-    assert sorted(os.listdir(out)) == sorted([*SIGNATURES, "signatures.json"])
+    assert sorted(os.listdir(out)) == sorted([*SIGNATURES, "signatures.json", MARKER_FILE])
     assert read_signatures(str(out))["step"] == 10
 
     task = task_class("SignatureTask")()

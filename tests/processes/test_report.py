@@ -111,6 +111,31 @@ def test_the_report_is_never_written_into_checkpoints(finished_run):
     assert not (finished_run / "checkpoints" / "r.html").exists()
 
 
+def test_out_replaces_only_a_report_cadence_wrote(finished_run, tmp_path):
+    """Issue 39: a page or a PNG of the user's at --out (or beside it) is refused: exit 2, one line, both
+    files as they were, nothing added; cadence's own earlier report there is replaced."""
+    (tmp_path / "notes.html").write_text("<html>my notes</html>")
+    (tmp_path / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\nmine")
+    (tmp_path / "dir.html").mkdir()
+    before = tree(tmp_path)
+    contents = {p: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    for name, why in (("notes.html", "exists and is not a report cadence wrote"),
+                      ("plot.html", f"the PNG beside it, {tmp_path / 'plot.png'}, exists and is not one cadence wrote"),
+                      ("dir.html", "is a directory")):
+        proc = cadence("report", str(finished_run), "--out", str(tmp_path / name))
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip() == (f"cadence: error: --out {tmp_path / name}: {why}; choose another path or "
+                                       "remove it (nothing was written)")
+        assert tree(tmp_path) == before and {p: p.read_bytes() for p in contents} == contents
+    out = tmp_path / "run.html"
+    for _ in range(2):  # the second replaces the first
+        proc = cadence("report", str(finished_run), "--out", str(out))
+        assert proc.returncode == 0, proc.stderr
+    assert '<meta name="generator" content="cadence report">' in out.read_text()
+    with PIL_Image.open(tmp_path / "run.png") as image:
+        assert image.text["Software"] == "cadence report"
+
+
 def test_sidecar_evaluations_are_shown(tmp_path):
     from tasks import TinyTask
 

@@ -182,6 +182,34 @@ def test_a_lease_from_another_host_gets_the_clock_skew_tolerance() -> None:
 # -- the CLI on an s3:// model dir ---------------------------------------------------------------
 
 
+def test_an_export_replaces_only_cadences_own_export_on_s3(url: str) -> None:
+    """Issue 39 on a real S3 API: objects of the user's under the target are refused and kept; cadence's
+    own export there (its marker uploaded first) is replaced object by object, nothing foreign deleted."""
+    import torch
+
+    from cadence.export_marker import MARKER_FILE, ExportTargetError
+    from cadence.torch import export_model, load_exported
+
+    store, key = fs(), url.removeprefix("s3://")
+    store.pipe({f"{key}/mine/README": b"mine", f"{key}/mine/src/notes.txt": b"notes", f"{key}/afile": b"x"})
+    for target, why in (("mine", "holds README"), ("afile", "exists and is a file")):
+        with pytest.raises(ExportTargetError, match=why):
+            export_model(torch.nn.Linear(4, 2), f"{url}/{target}", "safetensors")
+    assert store.cat_file(f"{key}/mine/README") == b"mine" and store.cat_file(f"{key}/afile") == b"x"
+    assert sorted(store.find(key)) == [f"{key}/afile", f"{key}/mine/README", f"{key}/mine/src/notes.txt"]
+    out = f"{url}/export"
+    export_model(torch.nn.Linear(4, 2), out, ["safetensors", "torchscript"], example_inputs=(torch.zeros(2, 4),))
+    second = torch.nn.Linear(4, 2)
+    export_model(second, out, "safetensors")
+    assert sorted(store.ls(f"{key}/export", detail=False)) == [
+        f"{key}/export/{name}" for name in (MARKER_FILE, "metadata.json", "model.safetensors")]
+    assert torch.equal(load_exported(out, "safetensors")["weight"], second.weight)
+    store.pipe(f"{key}/export/notes.txt", b"mine")
+    with pytest.raises(ExportTargetError, match="also holds notes.txt, which cadence did not write"):
+        export_model(torch.nn.Linear(4, 2), out, "safetensors")
+    assert store.cat_file(f"{key}/export/notes.txt") == b"mine"
+
+
 def test_train_resume_best_export_ls_evaluate_report_on_s3(tmp_path: Path, url: str, s3_server: S3Server) -> None:
     config = write_config(tmp_path, checkpoint={"async_save": True},
                           export={"formats": ["safetensors"], "on": "best", "max_to_keep": 1})

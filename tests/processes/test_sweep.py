@@ -6,6 +6,7 @@ link, a ``kill -9`` of the sweep then its resume, and a sidecar that prunes."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -325,6 +326,31 @@ def test_best_link_is_relative_and_replaced_atomically(tmp_path):
     bare = root / "trial-2"
     (bare / "best" / "ckpt-40").mkdir(parents=True)  # no export: the best checkpoint
     assert point_best(link, bare) == Path("trial-2/best/ckpt-40")
+
+
+def test_best_link_replaces_only_a_link_cadence_made(tmp_path, caplog):
+    """Issue 39: a real file or directory at SWEEP_DIR/best, or a link pointing anywhere but into a trial,
+    is the user's: left as it is (a warning), never replaced."""
+    root = tmp_path / "sweep"
+    (root / "trial-0" / "export" / "best" / "50").mkdir(parents=True)
+    (tmp_path / "mine").mkdir()
+    link = root / "best"
+    for target in (str(tmp_path / "mine"), "../mine", "trial-x/export", "trial-0/../../mine"):
+        os.symlink(target, link)
+        with caplog.at_level(logging.WARNING, logger="cadence.sweep"):
+            assert point_best(link, root / "trial-0") is None
+        assert os.readlink(link) == target and f"points at {target}, not into a trial" in caplog.text
+        link.unlink()
+    link.write_text("mine")
+    assert point_best(link, root / "trial-0") is None and link.read_text() == "mine"
+    link.unlink()
+    (link / "sub").mkdir(parents=True)
+    assert point_best(link, root / "trial-0") is None and (link / "sub").is_dir() and not link.is_symlink()
+    (link / "sub").rmdir()
+    link.rmdir()
+    os.symlink("trial-7/best/ckpt-10", link)  # cadence's own, even when the trial is gone
+    assert point_best(link, root / "trial-0") == Path("trial-0/export/best/50")
+    assert sorted(p.name for p in root.iterdir()) == ["best", "trial-0"]
 
 
 def test_one_sweep_at_a_time_on_a_sweep_dir(tmp_path):

@@ -23,6 +23,7 @@ from cadence.actions import BestCheckpointExporter
 from cadence.checkpoint import CheckpointManager
 from cadence.config import config_from_dict
 from cadence.errors import ConfigError
+from cadence.export_marker import MARKER_FILE
 from cadence.trackers import Tracker, build_trackers, flatten_params
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -251,7 +252,7 @@ def test_mlflow_holds_params_metrics_best_and_exports_of_one_run(pipeline):
     assert (best["step"], best["value"]) in _history(client, run.info.run_id, "best/accuracy")
     for step in (16, 24):  # the final export of each training process
         names = {a.path for a in client.list_artifacts(run.info.run_id, f"export/final/{step}")}
-        assert names == {f"export/final/{step}/model.safetensors", f"export/final/{step}/metadata.json"}
+        assert names == {f"export/final/{step}/{name}" for name in ("model.safetensors", "metadata.json", MARKER_FILE)}
     # the artifacts are under the model dir (loggers.mlflow.artifact_location's default), not ./mlruns
     artifacts = pipeline.model_dir / "trackers" / "mlflow" / run.info.run_id / "artifacts"
     assert run.info.artifact_uri in (str(artifacts), artifacts.as_uri())
@@ -324,8 +325,8 @@ def test_wandb_offline_runs_share_one_run_id_and_hold_the_same_content(pipeline)
     best = json.loads((pipeline.model_dir / "best" / "best.json").read_text())
     summaries = [r["summary"] for r in runs if "best/step" in r["summary"]]
     assert summaries and summaries[-1]["best/step"] == best["step"] and summaries[-1]["best/metric"] == "accuracy"
-    assert first["artifacts"] == [("export-final", ["metadata.json", "model.safetensors"])]
-    assert resumed["artifacts"] == [("export-final", ["metadata.json", "model.safetensors"])]
+    assert first["artifacts"] == [("export-final", [MARKER_FILE, "metadata.json", "model.safetensors"])]
+    assert resumed["artifacts"] == [("export-final", [MARKER_FILE, "metadata.json", "model.safetensors"])]
 
 
 def test_an_unreachable_mlflow_server_warns_once_and_loses_no_checkpoint(tmp_path, closed_port):

@@ -4,6 +4,8 @@ configured, and bad combinations refused before any training."""
 from __future__ import annotations
 
 import json
+import logging
+import os
 import signal
 from pathlib import Path
 
@@ -59,6 +61,27 @@ def test_export_on_final_and_every_eval(tmp_path):
     every = config(tmp_path / "b", export={"formats": ["safetensors"], "on": "every_eval", "max_to_keep": 1})
     run_training(every, progress=False)
     assert sorted(p.name for p in (tmp_path / "b" / "run" / "export" / "every_eval").iterdir()) == ["30"]
+
+
+def test_exports_during_training_replace_and_delete_only_what_cadence_wrote(tmp_path, caplog):
+    """Issue 39: a step directory of the user's under export/<name>/ is neither replaced by that step's
+    export (skipped, a warning) nor deleted by retention (a warning); cadence's own older exports are."""
+    every = tmp_path / "run" / "export" / "every_eval"
+    (every / "10").mkdir(parents=True)
+    (every / "10" / "README").write_text("mine")  # where step 10's export would go
+    (every / "5").mkdir()
+    (every / "5" / "notes.txt").write_text("mine too")  # an older "member": retention's to delete
+    cfg = config(tmp_path, export={"formats": ["safetensors"], "on": "every_eval", "max_to_keep": 1})
+    with caplog.at_level(logging.WARNING):
+        run_training(cfg, progress=False)
+    assert sorted(p.name for p in every.iterdir()) == ["10", "30", "5"]  # 20 deleted: cadence's
+    assert os.listdir(every / "10") == ["README"] and (every / "10" / "README").read_text() == "mine"
+    assert os.listdir(every / "5") == ["notes.txt"] and (every / "5" / "notes.txt").read_text() == "mine too"
+    assert f"export skipped: export directory {every / '10'}: exists and is not a cadence export (holds README)" \
+        in caplog.text
+    assert f"not deleting old export {every / '5'}: it exists and is not a cadence export (holds notes.txt)" \
+        in caplog.text
+    assert load_exported(str(every / "30"), "safetensors")
 
 
 def test_formats_needing_example_inputs_are_refused_before_training(tmp_path):

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from cadence.config.components.compile import CompileConfig  # noqa: E402
 from cadence.errors import ConfigError  # noqa: E402
+from cadence.export_marker import MARKER_FILE, ExportTargetError  # noqa: E402
 from cadence.torch import Context  # noqa: E402
 from cadence.torch.experiments.exporting import example_inputs_for  # noqa: E402
 from cadence.torch.experiments.runners import build_runners  # noqa: E402
@@ -72,6 +73,27 @@ def test_hf_export_loads_offline_with_equal_logits_tokenizer_and_generate(task, 
     out = loaded.generate(x[:, :4], attention_mask=torch.ones_like(x[:, :4]), max_new_tokens=4, do_sample=False,
                           pad_token_id=0)
     assert out.shape == (2, 8) and torch.equal(out[:, :4], x[:, :4])
+
+
+def test_hf_export_lists_every_file_it_wrote_and_replaces_only_its_own(task, tmp_path):
+    """Issue 39: the marker lists save_pretrained's and the tokenizer's files; a directory of the user's is
+    refused, untouched; a user's file added into the export makes it the user's."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text('{"mine": true}')
+    with pytest.raises(ExportTargetError, match="holds config.json"):
+        export_task_model(task, tiny_gpt2(seed=3), str(tmp_path / "mine"), ["hf"])
+    assert os.listdir(tmp_path / "mine") == ["config.json"]
+    assert (tmp_path / "mine" / "config.json").read_text() == '{"mine": true}'
+    directory = tmp_path / "export"
+    for seed in (3, 4):  # the second replaces the first
+        export_task_model(task, tiny_gpt2(seed=seed), str(directory), ["hf"], metadata={"seed": seed})
+    marker = json.loads((directory / MARKER_FILE).read_text())
+    assert sorted([*marker["files"], MARKER_FILE]) == sorted(os.listdir(directory))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "metadata.json"} <= set(marker["files"])
+    assert json.loads((directory / "metadata.json").read_text())["seed"] == 4
+    (directory / "notes.txt").write_text("mine")
+    with pytest.raises(ExportTargetError, match="also holds notes.txt"):
+        export_task_model(task, tiny_gpt2(seed=5), str(directory), ["hf"])
 
 
 def test_hf_export_is_sharded_with_an_index_above_max_shard_size(tmp_path):

@@ -16,6 +16,7 @@ from torch import nn
 
 import cadence
 from cadence.errors import CadenceError
+from cadence.export_marker import MARKER_FILE
 from cadence.torch import ExportModel, Task, export_model, load_exported
 from cadence.torch.export import formats as export_formats
 from cadence.torch.export import writers as export_writers
@@ -151,7 +152,9 @@ def test_metadata_json(exported):
     assert list(meta["formats"]) == list(FORMATS)
     assert {fmt: info["file"] for fmt, info in meta["formats"].items()} == {f: export_formats.FILES[f] for f in FORMATS}
     assert sorted(meta["files"]) == sorted([*(export_formats.FILES[f] for f in FORMATS), "metadata.json"])
-    assert sorted(os.listdir(exported["dir"])) == sorted(meta["files"])
+    assert sorted(os.listdir(exported["dir"])) == sorted([*meta["files"], MARKER_FILE])
+    with open(os.path.join(exported["dir"], MARKER_FILE)) as f:  # cadence's: it lists every other file
+        assert json.load(f) == {"format": "cadence-export", "version": 1, "files": sorted(meta["files"])}
     assert meta["formats"]["torch_export"]["dynamic_batch"] is True
     assert meta["formats"]["onnx"]["dynamic_batch"] is True
     assert meta["formats"]["onnx"]["opset"] >= 17
@@ -257,7 +260,7 @@ def test_failed_export_publishes_nothing_and_keeps_the_previous(tmp_path, monkey
     monkeypatch.undo()
     export_model(mlp(), directory, ["torchscript"], example_inputs=batch("mlp", 2), metadata={"run": "second"})
     assert os.listdir(tmp_path / "export") == ["5"]
-    assert sorted(os.listdir(directory)) == ["metadata.json", "model.torchscript.pt"]  # replaced
+    assert sorted(os.listdir(directory)) == [MARKER_FILE, "metadata.json", "model.torchscript.pt"]  # replaced
     assert read_export_metadata(directory)["run"] == "second"
     with pytest.raises(ExportError, match="no 'safetensors' artefact"):
         load_exported(directory, "safetensors")

@@ -8,6 +8,7 @@ import posixpath
 import re
 from typing import Any, Callable
 
+from cadence.export_marker import refusal, remove_export
 from cadence.storage import Storage, is_plain_path
 
 logger = logging.getLogger("cadence")
@@ -47,6 +48,11 @@ class ExportFileManager:
     :meth:`clean_up` deletes the ``subdirectory`` alone, leaving the rest of ``base-<id>/`` (other
     artefacts written beside it) in place.
 
+    With ``exports_only`` (cadence's own exports, ``export/<name>/<step>/``), clean-up deletes only
+    what cadence wrote: a member that is a cadence export (:mod:`cadence.export_marker`) loses the
+    files its marker lists, an empty directory is removed, and anything else -- a file, a link, a
+    directory holding a file cadence did not write -- is left alone with a warning.
+
     Works on local paths and fsspec URLs (``memory://``, ``s3://``) through
     :class:`~cadence.storage.Storage`; returned names have ``base_name``'s form (a URL stays a URL).
 
@@ -61,6 +67,7 @@ class ExportFileManager:
       separator: between ``base_name`` and the id; non-empty. ``"/"`` or ``"-"`` typically.
       subdirectory: a relative path inside each ``base-<id>`` that is the member (normalised:
         ``saved_model/`` is ``saved_model``); ``None``: the ``base-<id>`` file or directory itself.
+      exports_only: delete only cadence's exports (above); ``False``: any member (Orbit's).
       storage_options: passed to fsspec.
 
     Raises:
@@ -77,6 +84,7 @@ class ExportFileManager:
         separator: str = "-",
         *,
         subdirectory: str | None = None,
+        exports_only: bool = False,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(separator, str) or not separator:
@@ -96,6 +104,7 @@ class ExportFileManager:
         self.separator = separator
         self.subdirectory = None if subdirectory is None else _relative_path(subdirectory)
         self.max_to_keep = max_to_keep
+        self.exports_only = exports_only
         self._next_id_fn = next_id_fn
         self._storage = Storage(stripped, storage_options)
         # Split "<fs path of base_name><separator>" at its last "/": the directory listed, and the
@@ -107,7 +116,7 @@ class ExportFileManager:
     def __repr__(self) -> str:
         return (
             f"ExportFileManager({self.base_name!r}, max_to_keep={self.max_to_keep!r}, "
-            f"separator={self.separator!r}, subdirectory={self.subdirectory!r})"
+            f"separator={self.separator!r}, subdirectory={self.subdirectory!r}, exports_only={self.exports_only!r})"
         )
 
     def _name(self, id_: int) -> str:
@@ -168,8 +177,9 @@ class ExportFileManager:
 
         ``max_to_keep=None`` deletes nothing; ``0`` deletes every member. A member that vanishes
         meanwhile (deleted by another process) is skipped. Links are never followed: a member that
-        is a symbolic link is removed as a link, and one below a link (``base-<id>/`` of a
-        ``subdirectory`` member) is kept with a warning. Returns the deleted names, oldest first.
+        is a symbolic link is removed as a link (kept, with ``exports_only``), and one below a link
+        (``base-<id>/`` of a ``subdirectory`` member) is kept with a warning. With ``exports_only``
+        only cadence's exports are deleted (see the class). Returns the deleted names, oldest first.
         """
         if self.max_to_keep is None:
             return []
@@ -181,6 +191,10 @@ class ExportFileManager:
             if link is not None:  # deleting through it could delete outside the group
                 logger.warning("not deleting old export %s: %s is a symbolic link", self._name(id_), link)
                 continue
+            if self.exports_only:
+                if self._delete_export(id_, path):
+                    deleted.append(self._name(id_))
+                continue
             try:
                 if self._storage.isdir(path):
                     self._storage.rmtree(path)
@@ -191,3 +205,18 @@ class ExportFileManager:
             deleted.append(self._name(id_))
             logger.debug("deleted old export %s", self._name(id_))
         return deleted
+
+    def _delete_export(self, id_: int, path: str) -> bool:
+        """Delete the member at ``path`` when it is a cadence export (or empty); warn and keep it otherwise."""
+        if self._storage.entry_kind(path) is None:  # deleted meanwhile
+            return False
+        why = refusal(self._storage, path)
+        if why is not None:
+            logger.warning("not deleting old export %s: it %s", self._name(id_), why)
+            return False
+        left = remove_export(self._storage, path)
+        if left:
+            logger.warning("old export %s: kept %s, which cadence did not write", self._name(id_), left[0])
+            return False
+        logger.debug("deleted old export %s", self._name(id_))
+        return True

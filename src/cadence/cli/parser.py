@@ -103,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=list(EXPORT_FORMATS),
                         help="artefact format (repeatable)")
     export.add_argument("--out", default=None, metavar="DIR",
-                        help="output directory (default: MODEL_DIR/export/best/<step> or export/checkpoint/<step>)")
+                        help="output directory (default: MODEL_DIR/export/best/<step> or export/checkpoint/<step>): "
+                             "new, empty, or an earlier cadence export, which is replaced; anything else is refused "
+                             "(exit 2) and left as it is")
 
     smoke = sub.add_parser("smoke", help="smoke-test a config: build, train a few steps, evaluate, checkpoint, "
                            "restore and export once, in a temporary model dir; one PASS/FAIL line per stage")
@@ -130,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "of a sweep dir: its trials' curves and parameter importances")
     report.add_argument("model_dir", help="model directory (local path or fsspec URL)")
     report.add_argument("--out", default=None, metavar="PATH",
-                        help="the HTML page to write (default: MODEL_DIR/report.html); the PNG goes next to it")
+                        help="the HTML page to write (default: MODEL_DIR/report.html); the PNG goes next to it. "
+                             "Either replaces only a report cadence wrote; anything else is refused (exit 2)")
 
     sweep = sub.add_parser("sweep", help="search hyperparameters on Optuna: trials of the config in SWEEP_DIR/trial-<n>/, "
                            "bad ones pruned from their evaluations; run it again to resume")

@@ -1,5 +1,6 @@
 """The pieces of cadence's self-contained HTML pages (``cadence report`` of a model dir and of a
-sweep dir): the style sheet, escaping, cells, tables, times, and the atomic write."""
+sweep dir): the style sheet, escaping, cells, tables and times (where they are written:
+:mod:`cadence.reports.outputs`)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,9 @@ import datetime
 import html
 import json
 import math
-import posixpath
 from typing import Any, Iterable
 
-from cadence.storage import Storage
-
-__all__ = ["PAGE_CSS", "escape", "format_cell", "format_time", "html_table", "write_page_file"]
+__all__ = ["PAGE_CSS", "escape", "format_cell", "format_time", "html_table"]
 
 # The style of every page.
 PAGE_CSS = """
@@ -59,11 +57,3 @@ def html_table(headers: Iterable[str], rows: Iterable[Iterable[Any]], css: str =
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{escape(format_cell(c))}</td>" for c in row) + "</tr>" for row in rows)
     return f'<table class="{escape(css)}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-
-
-def write_page_file(path: str, data: bytes) -> str:
-    """Write ``data`` to ``path`` (local or an fsspec URL) atomically, its directory made; return its URL."""
-    storage = Storage(path)
-    storage.makedirs(posixpath.dirname(storage.root) or "/")
-    storage.write_atomic(storage.root, data)
-    return storage.url(storage.root)

@@ -23,21 +23,20 @@ import base64
 import datetime
 import io
 import math
-import posixpath
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from cadence import layout
-from cadence.errors import CadenceError, ConfigError
+from cadence.errors import CadenceError
 from cadence.units import format_size
 from cadence.reports.page import PAGE_CSS as _CSS
 from cadence.reports.page import escape as _e
 from cadence.reports.page import format_cell as _fmt
 from cadence.reports.page import format_time as _when
 from cadence.reports.page import html_table as _table
-from cadence.reports.page import write_page_file as _write
+from cadence.reports.outputs import HTML_GENERATOR, PNG_METADATA, check_report_targets, report_paths, write_report
 from cadence.storage import Storage
 from cadence.summaries.metrics_file import METRICS_FILE, read_metrics
 from cadence.summaries.throughput import (MFU, MODEL_TFLOPS_PER_SECOND, PEAK_ALLOCATED_GIB, PEAK_RESERVED_GIB,
@@ -45,7 +44,6 @@ from cadence.summaries.throughput import (MFU, MODEL_TFLOPS_PER_SECOND, PEAK_ALL
 
 __all__ = ["ReportPaths", "build_report"]
 
-REPORT_HTML = "report.html"
 INSTALL_HINT = "pip install 'cadence[report]'"
 
 _RESERVED = ("step", "time")
@@ -318,7 +316,7 @@ def _plot(run: _Run) -> bytes:
         if ax.get_visible() and groups:
             ax.set_xlabel("step", fontsize=8)
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
+    fig.savefig(buffer, format="png", metadata=PNG_METADATA)
     return buffer.getvalue()
 
 
@@ -415,7 +413,7 @@ def _page(run: _Run, png: bytes) -> str:
     facts = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in _facts(run))
     parts = [
         "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
+        f'<html lang="en"><head><meta charset="utf-8">{HTML_GENERATOR}',
         f"<title>cadence report: {_e(run.model_dir)}</title>",
         f"<style>{_CSS}</style></head><body><main>",
         f"<h1>cadence run report &mdash; {status}</h1>",
@@ -457,36 +455,26 @@ def _page(run: _Run, png: bytes) -> str:
 # entry point
 
 
-def _out_paths(model_dir: str, out: str | None) -> tuple[str, str]:
-    html_path = layout.join(model_dir, REPORT_HTML) if out is None else out
-    stem, ext = posixpath.splitext(html_path)
-    if ext.lower() == ".png":
-        raise ConfigError(f"--out: the HTML page's path, not a .png (the PNG goes next to it): {out}")
-    png_path = stem + ".png"
-    checkpoints = Storage(layout.checkpoints_dir(model_dir))
-    for path in (html_path, png_path):
-        target = Storage(path)
-        if target.fs is checkpoints.fs and (target.root + "/").startswith(checkpoints.root + "/"):
-            raise ConfigError(f"--out: the report is never written into checkpoints/: {path}")
-    return html_path, png_path
-
-
 def build_report(model_dir: str, out: str | None = None) -> ReportPaths:
     """Write the HTML report of ``model_dir`` and its PNG figure; return their paths.
 
     ``out``: the HTML page's path (local or an fsspec URL); ``None``: ``<model_dir>/report.html``.
-    The PNG is written next to it with the same stem (``report.png``). Both replace existing
-    files atomically (on local disks). Nothing else is written; ``checkpoints/`` is only read.
+    The PNG is written next to it with the same stem (``report.png``). Either replaces only a
+    report cadence wrote, atomically on local disks (:mod:`cadence.reports.outputs`). Nothing else
+    is written; ``checkpoints/`` is only read.
 
     Raises:
       ModelDirError: ``model_dir`` does not exist or is not a cadence model dir (no config.yaml,
         checkpoints/ or train/).
       CadenceError: matplotlib is not installed (the message says how to install it).
-      ConfigError: ``out`` ends with ``.png`` or lies under ``checkpoints/``.
+      ConfigError: ``out`` ends with ``.png`` or lies under ``checkpoints/``; the page's or the
+        PNG's path holds anything but a report cadence wrote (checked before the report is built).
     """
     storage = _check_model_dir(model_dir)
-    html_path, png_path = _out_paths(model_dir, out)
+    html_path, png_path = report_paths(model_dir, out)
+    label = "--out" if out is not None else "report"
+    check_report_targets(html_path, png_path, label)
     run = _read_run(model_dir, storage)
     png = _plot(run)
-    page = _page(run, png)
-    return ReportPaths(html=_write(html_path, page.encode("utf-8")), png=_write(png_path, png))
+    html, png_url = write_report(html_path, _page(run, png).encode("utf-8"), png_path, png, label)
+    return ReportPaths(html=html, png=png_url)

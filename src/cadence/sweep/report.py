@@ -8,7 +8,8 @@
   ``best`` points), the figure (embedded), the trials' table (as ``cadence ls`` lists them, with
   the reasons), the importances and the space. Inline CSS, no external resource, every value escaped.
 
-Reads the sweep (the study and the trial dirs); the two files are its only writes. Needs
+Reads the sweep (the study and the trial dirs); the two files are its only writes, and they replace
+only a report cadence wrote (:mod:`cadence.reports.outputs`). Needs
 matplotlib (``pip install 'cadence[report]'``) and optuna.
 """
 
@@ -28,7 +29,7 @@ from cadence.reports.page import PAGE_CSS as _CSS
 from cadence.reports.page import escape as _e
 from cadence.reports.page import format_time as _when
 from cadence.reports.page import html_table as _table
-from cadence.reports.page import write_page_file as _write
+from cadence.reports.outputs import HTML_GENERATOR, PNG_METADATA, check_report_targets, write_report
 from cadence.sweep.listing import short_names, sweep_listing
 
 __all__ = ["IMPORTANCE_NEEDS", "build_sweep_report"]
@@ -101,7 +102,7 @@ def _figure(listing: dict[str, Any], curves: dict[int, list[tuple[int, float]]],
         ax_imp.set_axis_off()
     ax_imp.set_title("parameter importance", fontsize=10, loc="left")
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
+    fig.savefig(buffer, format="png", metadata=PNG_METADATA)
     return buffer.getvalue()
 
 
@@ -131,7 +132,7 @@ def _page(listing: dict[str, Any], png: bytes, importances: dict[str, float], wh
         facts.append(("best trial", "none complete yet"))
     facts.append(("report generated", _when(time.time())))
     parts = [
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        "<!DOCTYPE html>", f'<html lang="en"><head><meta charset="utf-8">{HTML_GENERATOR}',
         f"<title>cadence sweep report: {_e(listing['sweep_dir'])}</title>",
         f"<style>{_CSS}</style></head><body><main>",
         "<h1>cadence sweep report</h1>", f'<p class="sub">{_e(listing["sweep_dir"])}</p>',
@@ -158,7 +159,8 @@ def build_sweep_report(path: str, out: str | None = None) -> ReportPaths:
     (default ``SWEEP_DIR/report.html``); the PNG goes next to it with the same stem.
 
     Raises:
-      ConfigError: not a sweep dir; ``out`` ends with ``.png``; optuna missing.
+      ConfigError: not a sweep dir; ``out`` ends with ``.png``; optuna missing; the page's or the
+        PNG's path holds anything but a report cadence wrote (checked before the report is built).
       CadenceError: matplotlib missing (the message says how to install it).
     """
     from cadence.sweep.study import load_sweep
@@ -169,6 +171,8 @@ def build_sweep_report(path: str, out: str | None = None) -> ReportPaths:
     html_path = Path(out) if out is not None else sweep_dir.root / "report.html"
     if html_path.suffix.lower() == ".png":
         raise ConfigError(f"--out: the HTML page's path, not a .png (the PNG goes next to it): {out}")
+    png_path, label = html_path.with_suffix(".png"), "--out" if out is not None else "report"
+    check_report_targets(str(html_path), str(png_path), label)
     eval_name = None
     if record.evaluation == "sidecar":
         eval_name = (record.config.get("sidecar") or {}).get("name")
@@ -176,5 +180,5 @@ def build_sweep_report(path: str, out: str | None = None) -> ReportPaths:
     importances, why_not = _importances(study, listing["counts"].get("complete", 0))
     png = _figure(listing, curves, importances, why_not)
     page = _page(listing, png, importances, why_not, record.space)
-    png_path = html_path.with_suffix(".png")
-    return ReportPaths(html=_write(str(html_path), page.encode("utf-8")), png=_write(str(png_path), png))
+    html, png_url = write_report(str(html_path), page.encode("utf-8"), str(png_path), png, label)
+    return ReportPaths(html=html, png=png_url)

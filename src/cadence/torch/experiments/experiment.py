@@ -180,16 +180,21 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
     ``export/checkpoint/<step>/`` otherwise. ``files``: ``{format: path}``; for a task with
     :meth:`Task.export_signatures`, ``{"<signature>/<format>": path}`` (one subdirectory of
     ``directory`` per signature, and ``signatures.json``). With ``trainer.ema`` in the model dir's
-    config, the checkpoint's EMA weights are exported (the evaluated ones).
+    config, the checkpoint's EMA weights are exported (the evaluated ones). ``out`` must be absent,
+    an empty directory, or a cadence export (then replaced): checked before anything is built, and
+    again when the export is published (:mod:`cadence.export_marker`); nothing else is ever deleted.
 
     Raises:
       ModelDirError: ``model_dir`` is missing, a file, or not a model dir (no ``config.yaml``).
       NoCheckpointError: no such checkpoint (no ``best/``, no committed one, not that step).
+      ExportTargetError: (a ConfigError) ``out`` is a file, a link, or a directory holding anything
+        cadence did not write.
       ConfigError: a format that needs ``Task.example_inputs()`` the task does not define; a bad
         signature name, or a signature without the example inputs a format needs.
     """
     from cadence.config import load_config
     from cadence.errors import ModelDirError
+    from cadence.export_marker import check_export_target
     from cadence.storage import Storage
     from cadence.torch.export.api import export_task_model
 
@@ -197,6 +202,8 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
     layout.check_model_dir(model_dir, must_exist=True)
     if not Storage(config_file).exists(Storage(config_file).root):
         raise ModelDirError(f"{config_file} not found: {model_dir} is not a cadence model dir (or was never trained)")
+    if out is not None:  # before anything is built, read or created
+        check_export_target(Storage(out), label="--out")
     cfg = load_config(config_file, model_dir=model_dir)
     task, _, _, evaluator = build_runners_from_config(cfg, train=False, device="cpu", precision="32", compile_model=False)
     if checkpoint == "best":

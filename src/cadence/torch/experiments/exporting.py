@@ -3,11 +3,13 @@ configured formats of the live model, :class:`ExportEveryEval` exports after eac
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping, Sequence
 
 from cadence import layout
 from cadence.config import ExperimentConfig
 from cadence.errors import ConfigError
+from cadence.export_marker import ExportTargetError
 from cadence.extensions import RunContext
 from cadence.torch.checkpoint_io.state import unwrap_model
 from cadence.torch.components.ema import ModelEMA, applied
@@ -20,6 +22,8 @@ from cadence.torch.task.export_specs import as_inputs
 from cadence.torch.task.task import Task
 
 __all__ = ["ExportEveryEval", "ModelExporter", "example_inputs_for"]
+
+log = logging.getLogger(__name__)
 
 
 def example_inputs_for(task: Task, formats: Sequence[str], where: str, model: Any = None) -> Any:
@@ -67,7 +71,9 @@ class ModelExporter:
     (with :meth:`Task.export_signatures`: one ``<signature>/`` subdirectory each, and
     ``signatures.json``) and keeps the newest ``export.max_to_keep`` steps. Only the chief
     writes (``chief``). Example inputs and signatures are checked when it is built (ConfigError).
-    ``ema``: the weights exported are this EMA's (the evaluated ones), swapped in for the export."""
+    ``ema``: the weights exported are this EMA's (the evaluated ones), swapped in for the export.
+    Only cadence's exports are replaced or deleted: a step directory holding anything else is left
+    alone, that export skipped with a warning (training goes on)."""
 
     def __init__(self, cfg: ExperimentConfig, task: Task, model: Any, name: str, *, chief: bool = True,
                  ema: ModelEMA | None = None) -> None:
@@ -81,13 +87,15 @@ class ModelExporter:
         self.task = task
         self.example_inputs = example_inputs_for(task, self.formats, "export.formats", model)
         self.files = ExportFileManager(
-            layout.export_dir(self.model_dir, name), max_to_keep=cfg.export.max_to_keep, separator="/"
+            layout.export_dir(self.model_dir, name), max_to_keep=cfg.export.max_to_keep, separator="/",
+            exports_only=True,
         )
         self.chief = chief  # one process writes exports
         self.ema = ema
 
-    def __call__(self, step: int, metadata: Mapping[str, Any]) -> str:
-        """Export at ``step``; called on every rank. A model sharded by FSDP is first gathered
+    def __call__(self, step: int, metadata: Mapping[str, Any]) -> str | None:
+        """Export at ``step``; called on every rank; the directory, or None when the chief skipped it
+        (its directory holds what cadence did not write). A model sharded by FSDP is first gathered
         (a collective) into a plain copy built by the task, on the chief's CPU."""
         from cadence.torch.export.api import export_task_model
 
@@ -98,8 +106,12 @@ class ModelExporter:
                 model = sharding.full_copy(self.task.build_model, model)
             if not self.chief:
                 return directory
-            export_task_model(self.task, model, directory, self.formats, example_inputs=self.example_inputs,
-                              metadata={**metadata, "step": step})
+            try:
+                export_task_model(self.task, model, directory, self.formats, example_inputs=self.example_inputs,
+                                  metadata={**metadata, "step": step})
+            except ExportTargetError as e:
+                log.warning("export skipped: %s", e)
+                return None
         self.files.clean_up()
         return directory
 

@@ -68,18 +68,22 @@ def export_model(
 ) -> dict[str, str]:
     """Write one inference artefact per format into ``directory``; return ``{format: path}``.
 
-    ``directory`` (a local path or an fsspec URL) is created, or replaced when it exists; the
-    export appears all at once on local disks, and is complete once ``metadata.json`` exists
-    elsewhere. ``model`` may be wrapped (DDP, ``torch.compile``); it is traced in eval mode on
-    CPU (a copy when it lives elsewhere), and its modes are restored afterwards; forwards compiled
+    ``directory`` (a local path or an fsspec URL) is created; an empty directory or an earlier
+    cadence export there is replaced, anything else refused (:mod:`cadence.export_marker`:
+    ``.cadence-export.json`` lists the files of each export). The export appears all at once on
+    local disks, and is complete once ``metadata.json`` exists elsewhere. ``model`` may be wrapped
+    (DDP, ``torch.compile``); it is traced in eval mode on CPU (a copy when it lives elsewhere),
+    and its modes are restored afterwards; forwards compiled
     in place (``trainer.compile``) are set aside: the module's own forward is traced. ``metadata``
     (JSON-able after tensors become numbers; keys must not clash with cadence's own) is merged
     into ``metadata.json``. ``spec``: the dynamic dimensions and ONNX input / output names
     (:class:`ExportSpec`; default: a dynamic batch dimension). ``tokenizer``: saved beside the
     model by the ``hf`` format (``tokenizer.save_pretrained``; see :meth:`Task.export_tokenizer`).
 
-    Raises ``ValueError`` for an unknown format, or when a traced format lacks
-    ``example_inputs``; :class:`ExportDependencyError` when ``onnx`` / ``onnxscript`` are
+    Raises :class:`~cadence.export_marker.ExportTargetError` (a ConfigError) when ``directory`` is a
+    file, a link or a directory holding anything cadence did not write, checked before anything is
+    traced and again at publishing (nothing is then deleted); ``ValueError`` for an unknown format,
+    or when a traced format lacks ``example_inputs``; :class:`ExportDependencyError` when ``onnx`` / ``onnxscript`` are
     missing; :class:`ExportError` when a format's export fails (also for declared dynamic
     dimensions that do not fit the inputs or the model). Nothing is published on failure.
     """
@@ -232,7 +236,9 @@ class ExportModel:
     Each call takes ``file_manager.next_name()`` as the directory, runs :func:`export_model`
     with ``metadata={"metrics": output, "step": controller.global_step}`` (``step`` once
     attached to a controller), then ``file_manager.clean_up()``, and returns the directory. Under
-    ``torch.distributed`` only rank 0 exports (other ranks return ``None``).
+    ``torch.distributed`` only rank 0 exports (other ranks return ``None``). A directory holding what
+    cadence did not write is refused (:class:`~cadence.export_marker.ExportTargetError`); give an
+    ``ExportFileManager(..., exports_only=True)`` so that clean-up deletes only cadence's exports too.
 
     The model: ``model_fn()`` (a zero-arg callable returning the live module) when given, else
     ``task_or_model`` when it is an ``nn.Module``, else the attached controller's

@@ -94,15 +94,16 @@ def export_model_signatures(
     and the caller's ``metadata``), and loads with :func:`load_exported`. ``signatures.json``
     beside them, written last, lists the signatures (directory, model class, inputs), the
     formats, and the caller's ``metadata`` (e.g. ``step``); :func:`read_signatures` reads it.
-    ``directory`` is created or replaced as a whole, all at once on local disks. ``model``: the
+    ``directory`` is created, or replaced as a whole when it is empty or a cadence export (else
+    refused, as :func:`export_model`), all at once on local disks. ``model``: the
     model the signatures were built from; a plain-callable signature registers it (traced as
     parameters, in eval mode, saved as its safetensors). Modules are traced in eval mode on CPU
     (plain callables must already be there) and their modes are restored afterwards.
 
     Raises ``TypeError`` / ``ValueError`` (naming the signature) for a bad name, a value that is
     not an :class:`ExportSignature`, missing example inputs for a traced format, or an unknown
-    format, and ``ValueError`` for no signatures; :class:`ExportDependencyError` and
-    :class:`ExportError` (naming the signature) as :func:`export_model`. Nothing is published on
+    format, and ``ValueError`` for no signatures; :class:`ExportDependencyError`,
+    :class:`ExportError` (naming the signature) and ``ExportTargetError`` as :func:`export_model`. Nothing is published on
     failure.
     """
     formats = check_formats(formats)
