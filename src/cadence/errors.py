@@ -8,7 +8,8 @@ class CadenceError(Exception):
 
     ``exit_code`` is the CLI's exit status when one ends a command: 1 (a failure), 2 for bad
     input (:class:`ConfigError`, :class:`WriterLeaseHeldError`, :class:`SanityCheckError`,
-    :class:`TrainStepOutputError`, :class:`ModelDirNotSharedError`): nothing was started (or trained).
+    :class:`TrainStepOutputError`, :class:`ModelDirNotSharedError`, :class:`CheckpointMismatchError`,
+    :class:`NoCheckpointError`): nothing was started (or trained).
     """
 
     exit_code: int = 1
@@ -71,6 +72,15 @@ class CheckpointError(CadenceError):
 class NoCheckpointError(CheckpointError):
     """There is no committed checkpoint where one was asked for (``cadence evaluate`` of a model dir
     that has none): bad input, nothing was started."""
+
+    exit_code = 2
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint's tensors do not fit the model the config builds (other names, or other shapes:
+    a layer of another size): bad input (exit 2), the config does not fit the model dir; nothing
+    was restored. The message names the file, the first tensor that differs with both shapes, and
+    how many more do."""
 
     exit_code = 2
 
