@@ -162,6 +162,21 @@ class BadLossTask(TinyTask):
         return losses.mean().item() if self.as_float else losses
 
 
+class BadStepTask(TinyTask):
+    """``train_step`` returns what ``returns`` names instead of a loss: ``"text"`` (a string), ``"none"``,
+    ``"no_loss"`` (a dict of logs without ``loss``) or ``"vector"`` (the per-sample losses)."""
+
+    def __init__(self, returns: str = "none", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.returns = returns
+
+    def train_step(self, model, batch):
+        x, y = batch
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        return {"text": "loss", "none": None, "no_loss": {"accuracy": losses.detach().mean()},
+                "vector": losses}[self.returns]
+
+
 class NoSchedulerTask(TinyTask):
     """TinyTask without an LR scheduler of its own (for ``trainer.lr_schedule``)."""
 

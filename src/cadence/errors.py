@@ -9,8 +9,8 @@ class CadenceError(Exception):
     ``exit_code`` is the CLI's exit status when one ends a command (docs/design.md's "Exit codes"):
     2 when the input is wrong or names something that does not exist and nothing was started
     (:class:`ConfigError`, :class:`ModelDirError`, :class:`NoCheckpointError`, :class:`TaskOutputError`,
-    :class:`TrainStepOutputError`, :class:`WriterLeaseHeldError`, :class:`SanityCheckError`,
-    :class:`ModelDirNotSharedError`); 1 when something that started failed, or stored data is bad.
+    :class:`TrainStepOutputError`, :class:`CheckpointMismatchError`, :class:`WriterLeaseHeldError`,
+    :class:`SanityCheckError`, :class:`ModelDirNotSharedError`); 1 when something that started failed, or stored data is bad.
     """
 
     exit_code: int = 1
@@ -88,6 +88,15 @@ class NoCheckpointError(CheckpointError):
     """There is no committed checkpoint where one was asked for (``cadence evaluate`` of a model dir
     that has none, ``--checkpoint STEP`` of a step not committed, ``export`` without ``best/``): bad
     input (exit 2), nothing was started."""
+
+    exit_code = 2
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint's tensors do not fit the model the config builds (other names, or other shapes:
+    a layer of another size): bad input (exit 2), the config does not fit the model dir; nothing
+    was restored. The message names the file, the first tensor that differs with both shapes, and
+    how many more do."""
 
     exit_code = 2
 

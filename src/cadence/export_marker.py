@@ -19,6 +19,8 @@ write. No torch: :mod:`cadence.actions` (export retention) uses it too.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import posixpath
 from typing import Any, Iterable
@@ -177,7 +179,7 @@ def remove_export(storage: Storage, path: str) -> list[str]:
             storage.remove(posixpath.join(path, name))
         except OSError:  # gone already, or no longer a plain file of ours (a directory, below a link): left
             continue
-    for name in sorted({a for f in files for a in _ancestors(posixpath.dirname(f))}, key=len, reverse=True):
-        storage.rmdir(posixpath.join(path, name))
-    storage.rmdir(path)
+    for name in [*sorted({a for f in files for a in _ancestors(posixpath.dirname(f))}, key=len, reverse=True), ""]:
+        with contextlib.suppress(OSError):  # not empty (a user's file), or below a link: left
+            storage.remove_empty_dir(posixpath.join(path, name) if name else path)
     return list(storage.tree(path))

@@ -373,15 +373,26 @@ class Storage:
         if self.exists(path):
             self.fs.rm(path, recursive=True)
 
-    def rmdir(self, path: str) -> bool:
-        """Remove the directory ``path`` when it is empty; True when it was. Off local disks a
-        directory has no existence of its own (it goes with its last file): nothing is done, False."""
-        if not self._local:
+    def remove_empty_dir(self, path: str) -> bool:
+        """Delete directory ``path`` only when it is empty (never a link, never what is in one);
+        True when it was removed, False when it is not there, not empty, or not a directory.
+        Object stores, where a directory is a prefix that ends with its last object, remove only
+        a store's own empty directory (``memory://``), never a bucket."""
+        if self._local:
+            self._check_no_link_above(path)
+            if os.path.islink(path) or not os.path.isdir(path):
+                return False
+            try:
+                os.rmdir(path)
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                    return False
+                raise
+            return True
+        stripped = path.strip("/")
+        if "/" not in stripped or not self.isdir(path) or self.listdir(path):
             return False
-        try:
-            os.rmdir(path)
-        except OSError:
-            return False
+        self.fs.rmdir(path)
         return True
 
     def _check_no_link_above(self, path: str) -> None:

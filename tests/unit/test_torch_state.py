@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from cadence.errors import CheckpointError, UnsafeCheckpointError
+from cadence.errors import CheckpointError, CheckpointMismatchError, UnsafeCheckpointError
 from cadence.torch.checkpoint_io.state import (
     SafetensorsPayload,
     clone_tree,
@@ -114,8 +114,34 @@ def test_strict_loading_names_missing_and_unexpected_keys():
     with pytest.raises(CheckpointError, match=r"missing keys: 1\.bias, 1\.weight"):
         load_model_safetensors(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
                                model_to_safetensors(nn.Sequential(nn.Linear(2, 2))))
-    with pytest.raises(CheckpointError, match="size mismatch"):
-        load_model_safetensors(nn.Linear(3, 2), model_to_safetensors(nn.Linear(2, 2)))
+    for e in (caught(nn.Sequential(nn.Linear(2, 2))), caught(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))):
+        assert isinstance(e, CheckpointMismatchError) and e.exit_code == 2  # bad input: the config's model
+
+
+def caught(model: nn.Module, saved: nn.Module | None = None) -> CheckpointError:
+    with pytest.raises(CheckpointError) as e:
+        load_model_safetensors(model, model_to_safetensors(saved or nn.Sequential(nn.Linear(2, 2), nn.ReLU(),
+                                                                                   nn.Linear(2, 1))))
+    return e.value
+
+
+def test_a_model_of_another_size_is_one_line_naming_the_first_tensor_and_both_shapes():
+    """Not torch's load_state_dict text (a line per tensor): the first one, both shapes, how many more
+    (issue 39); exit 2, and the model is left as it was."""
+    def mlp(hidden: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 2))
+
+    model = mlp(64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    e = caught(model, mlp(16))
+    assert isinstance(e, CheckpointMismatchError) and e.exit_code == 2
+    assert str(e) == ("model.safetensors does not match the model (Sequential): '0.weight' has shape (16, 8) in the "
+                      "checkpoint, (64, 8) in the model (and 2 more tensors differ in shape)")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())  # nothing loaded
+    assert str(caught(nn.Linear(3, 2), nn.Linear(2, 2))) == (
+        "model.safetensors does not match the model (Linear): 'weight' has shape (2, 2) in the checkpoint, (2, 3) "
+        "in the model")
+    assert str(caught(nn.Linear(3, 3), nn.Linear(2, 2))).endswith("(and 1 more tensor differs in shape)")
 
 
 def test_optimizer_state_round_trip():

@@ -14,8 +14,7 @@ The file with the highest token is the **current** lease. The contract:
   :class:`~cadence.errors.WriterLeaseHeldError` naming the holder (host, pid, since), unless
   taking over (see *replaceable*). Otherwise create ``lease-<token + 1>.json`` *exclusively*
   (:meth:`~cadence.storage.Storage.create_exclusive`): of trainers acquiring at once exactly one
-  succeeds; the others read the winner's lease and refuse. Files older than the previous lease
-  are then removed (the previous one is kept: who held the model dir before).
+  succeeds; the others read the winner's lease and refuse.
 * **Replaceable** although held: the holder is this process (a newer acquisition in one process
   fences off the older); or it ran on this host, in this pid namespace, and its pid is gone
   (``kill -9`` and restart on one machine takes over at once); or it belongs to the same *job*
@@ -35,7 +34,16 @@ The file with the highest token is the **current** lease. The contract:
 * **Take over** (:func:`take_over`, ``cadence train --take-over``): write the next token as a
   released lease. The old holder is fenced off at its next check; the next trainer acquires.
 * **Release** (:meth:`WriterLease.release`): mark the holder's file released; the next trainer
-  acquires at once.
+  acquires at once. Files older than the previous lease are then removed (the previous one is
+  kept: who held the model dir before).
+* **Withdraw** (:meth:`WriterLease.withdraw`, a run refused before it changed anything): remove
+  the holder's own file instead, as if it had never acquired. Safe because tokens are compared,
+  never remembered: the previous lease is the current one again, and it was free when this one
+  was taken (released, expired, or its holder gone) -- a released or taken-over lease stays
+  free, and the holder of an expired one is fenced by its own ttl unless it renews with no newer
+  token there, exactly as if this acquisition had never happened. The withdrawing process has
+  stopped renewing and commits nothing more (its token may be handed out again), and it wrote
+  nothing that carries its token (a checkpoint's claim) that outlives the run.
 
 Clocks. ``expires`` is the holder's wall clock, read by another process. On the holder's own
 host that is one clock. A lease written on another host counts as held until ``expires`` +
@@ -295,8 +303,9 @@ class WriterLease:
     """This process's hold on a model dir's writer lease (see the module doc): renewed from a
     daemon thread until :meth:`release`; :meth:`check` is the fence. Get one with :meth:`acquire`."""
 
-    def __init__(self, directory: _Dir, record: WriterLeaseRecord, ttl: float) -> None:
+    def __init__(self, directory: _Dir, record: WriterLeaseRecord, ttl: float, *, previous: int | None = None) -> None:
         self._dir = directory
+        self._previous = previous  # the token before this one: the files below it go at the release
         self._record = record
         self.ttl = ttl
         # When the last successful write's ``expires`` was computed, by this process's monotonic clock
@@ -329,13 +338,11 @@ class WriterLease:
         if not directory.create(record):  # another process acquired it first
             winner = directory.read(record.token)
             raise _held_error(model_dir, winner)
-        if current is not None:
-            if current.held(time.time()):
-                logger.warning("%s: took over the writer lease from a holder that is gone (or this process): %s", model_dir,
-                               current.describe(time.time()))
-            directory.prune(below=current.token)
+        if current is not None and current.held(time.time()):
+            logger.warning("%s: took over the writer lease from a holder that is gone (or this process): %s", model_dir,
+                           current.describe(time.time()))
         logger.debug("acquired writer lease %d of %s", record.token, model_dir)
-        return cls(directory, record, float(ttl))
+        return cls(directory, record, float(ttl), previous=current.token if current is not None else None)
 
     def __repr__(self) -> str:
         return f"WriterLease({self._dir.model_dir!r}, token={self.token})"
@@ -376,18 +383,35 @@ class WriterLease:
         return self._lost is not None
 
     def release(self) -> None:
-        """Stop renewing and mark the lease released (when still held); idempotent. A failure to
-        write is logged (at DEBUG when the disk is full: the run's own error says so in its one
-        line): the lease then expires on its own."""
+        """Stop renewing and mark the lease released (when still held), then remove the files of
+        the tokens before the previous one; idempotent. A failure to write is logged (at DEBUG when
+        the disk is full: the run's own error says so in its one line): the lease then expires on
+        its own."""
+        self._end(withdraw=False)
+
+    def withdraw(self) -> None:
+        """Stop renewing and remove this acquisition's file, as if it had never been taken (a run
+        refused before it changed the model dir; see the module doc for why that is safe); the
+        older files stay. Released instead when a newer lease exists (taken over: the file is
+        history) or the file cannot be removed. Idempotent; a no-op after :meth:`release`."""
+        self._end(withdraw=True)
+
+    def _end(self, *, withdraw: bool) -> None:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
         with self._lock:
             if self._lost is not None:
                 return
-            self._lost = "released"
+            self._lost = "withdrawn" if withdraw else "released"
             if any(t > self.token for t in self._safe_tokens()):
                 return  # taken over: its file is history now
+            if withdraw:
+                try:
+                    self._dir.storage.remove(self._dir.path(self.token))
+                    return
+                except Exception as e:  # noqa: BLE001 - released below instead
+                    logger.debug("could not withdraw the writer lease of %s; releasing it: %s", self._dir.model_dir, e)
             try:
                 self._dir.storage.write_atomic(self._dir.path(self.token),
                                                replace(self._record, released=True, expires=time.time()).to_json())
@@ -395,6 +419,9 @@ class WriterLease:
                 logger.log(logging.DEBUG if space_cause(e) is not None else logging.WARNING,
                            "could not release the writer lease of %s (it expires within %gs): %s",
                            self._dir.model_dir, self.ttl, e)
+                return
+            if not withdraw and self._previous is not None:
+                self._dir.prune(below=self._previous)
 
     def __enter__(self) -> WriterLease:
         return self

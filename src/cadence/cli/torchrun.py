@@ -209,6 +209,9 @@ def train_with_torchrun(args: argparse.Namespace, cfg: ExperimentConfig, console
     # which outlives the workers, a restarted group finds the keys of the previous one and can hang
     # in init_process_group (pytorch/pytorch#135712).
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # torch's launcher sets OMP_NUM_THREADS=1 for each rank when it is unset and a node runs several,
+    # with a five-line banner: set here as it would be (the same threads), without the banner
+    threads = "" if "OMP_NUM_THREADS" in env or args.nproc < 2 else env.setdefault("OMP_NUM_THREADS", "1")
     fd, report = tempfile.mkstemp(prefix="cadence-torchrun-", suffix=".json")
     os.close(fd)
     env[REPORT_ENV] = report
@@ -217,7 +220,9 @@ def train_with_torchrun(args: argparse.Namespace, cfg: ExperimentConfig, console
         env["CADENCE_NODE_RANK"] = str(args.node_rank)
     env[ERRORS_ENV] = "1"
     env.update(env_extra or {})
-    logger.info("starting %d processes: %s", args.nproc, " ".join(cmd))
+    logger.info("starting %d processes%s: %s", args.nproc,
+                f" (OMP_NUM_THREADS={threads} each, as torchrun sets it; set OMP_NUM_THREADS to change it)"
+                if threads else "", " ".join(cmd))
     try:
         proc = subprocess.Popen(cmd, env=env)
 

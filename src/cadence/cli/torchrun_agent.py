@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from cadence.cli.launcher_logs import hold_failure_lines
 from cadence.cli.torchrun import REPORT_ENV, bad_input
 from cadence.runtime.parent_death import AGENT_PID_ENV
 
@@ -118,7 +119,8 @@ def launcher_main(argv: list[str]) -> None:
     signal) and the message a rank recorded for it (:func:`cadence.cli.torchrun.record_for_launcher`) -- go to the JSON file
     ``$CADENCE_TORCHRUN_REPORT`` (first observed failure first); then the error propagates as under
     ``torchrun`` (its report, exit status 1), except for a job ended by bad input (:func:`cadence.cli.torchrun.bad_input`):
-    exit status 2, quietly, for ``cadence train`` to print the ranks' one line."""
+    exit status 2, quietly, for ``cadence train`` to print the ranks' one line (torch's own lines about
+    a rank that exited 2 are left out: :func:`~cadence.cli.launcher_logs.hold_failure_lines`)."""
     report = os.environ.pop(REPORT_ENV, None)  # not for the workers
     prepare_agent()  # the workers end with this process; a finished job waits briefly for the other nodes
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -127,10 +129,13 @@ def launcher_main(argv: list[str]) -> None:
     own = None  # torch's main copies the failed rank's error file to its own (each rank gets one of its own)
     if report and not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         own = os.environ["TORCHELASTIC_ERROR_FILE"] = report + ".error.json"
+    lines = hold_failure_lines() if report else None
     try:
         main(argv)
     except ChildFailedError as e:
         if report and bad_input(write_report(report, e)) is not None:
+            if lines is not None:
+                lines.drop()
             if _several_nodes(argv):
                 # The other nodes' ranks meet the same bad input about now. This agent may host the
                 # rendezvous store: had it gone at once, their agents would fail on the lost store (a
@@ -139,6 +144,8 @@ def launcher_main(argv: list[str]) -> None:
             raise SystemExit(2) from None  # cadence train prints the ranks' one line
         raise
     finally:
+        if lines is not None:
+            lines.release()
         if own is not None:
             try:
                 os.unlink(own)

@@ -20,7 +20,7 @@ from typing import IO, Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from cadence.errors import CheckpointError, UnsafeCheckpointError
+from cadence.errors import CheckpointError, CheckpointMismatchError, UnsafeCheckpointError
 from cadence.torch.checkpoint_io.safetensors_io import (  # noqa: F401 - re-exported: their home was here
     ALIASES_KEY,
     SafetensorsPayload,
@@ -75,6 +75,21 @@ def describe_key_mismatch(missing: Iterable[str], unexpected: Iterable[str]) -> 
     return "; ".join(parts)
 
 
+def describe_shape_mismatch(saved: Mapping[str, Any], model: Mapping[str, Any]) -> str:
+    """``"'0.weight' has shape (16, 8) in the checkpoint, (64, 8) in the model (and 2 more tensors
+    differ in shape)"``: the first key of ``model`` (in its order) whose tensor in ``saved`` has
+    another shape, and how many more do; ``""`` when none does. Keys in only one of them are
+    :func:`describe_key_mismatch`'s."""
+    differ = [k for k, t in model.items() if k in saved and tuple(saved[k].shape) != tuple(t.shape)]
+    if not differ:
+        return ""
+    first = differ[0]
+    more = len(differ) - 1
+    return (f"{first!r} has shape {tuple(saved[first].shape)} in the checkpoint, {tuple(model[first].shape)} in the "
+            f"model" + (f" (and {more} more tensor{'s' if more > 1 else ''} differ{'' if more > 1 else 's'} in shape)"
+                        if more else ""))
+
+
 def load_model_safetensors(model: nn.Module, data: bytes | bytearray | memoryview, *,
                            source: str = "model.safetensors",
                            load: Callable[[Mapping[str, torch.Tensor]], Any] | None = None) -> None:
@@ -85,26 +100,29 @@ def load_model_safetensors(model: nn.Module, data: bytes | bytearray | memoryvie
     ``torch.compile``, ``module.`` of DDP, by another tool) are matched to the model's
     (:func:`~cadence.torch.checkpoint_io.wrapper_keys.match_saved_keys`).
 
-    Raises :class:`~cadence.errors.CheckpointError` naming ``source`` and the missing /
-    unexpected keys, or the shape mismatch.
+    Raises :class:`~cadence.errors.CheckpointMismatchError` (bad input: the config builds
+    another model) in one line naming ``source`` and the missing / unexpected keys, or the first
+    tensor of another shape with both shapes and how many more differ; nothing is loaded then.
     """
     target = unwrap_model(model)
     try:
         tensors = safetensors_views(data)
     except CheckpointError as e:
         raise CheckpointError(f"{source}: {e}") from e
-    expected = target.state_dict().keys()
-    tensors = match_saved_keys(tensors, expected)  # another tool's file: keys of a compiled / DDP-wrapped model
-    mismatch = describe_key_mismatch((k for k in expected if k not in tensors), (k for k in tensors if k not in expected))
+    expected = target.state_dict()
+    tensors = match_saved_keys(tensors, expected.keys())  # another tool's file: keys of a compiled / DDP-wrapped model
+    mismatch = (describe_key_mismatch((k for k in expected if k not in tensors), (k for k in tensors if k not in expected))
+                or describe_shape_mismatch(tensors, expected))
     if mismatch:
-        raise CheckpointError(f"{source} does not match the model ({type(target).__name__}): {mismatch}")
+        raise CheckpointMismatchError(f"{source} does not match the model ({type(target).__name__}): {mismatch}")
     try:
         if load is not None:
             load(tensors)
         else:
             target.load_state_dict(tensors, strict=True)
     except RuntimeError as e:
-        raise CheckpointError(f"{source} does not match the model ({type(target).__name__}): {e}") from e
+        text = " ".join(str(e).split())  # torch's text spans lines: one line
+        raise CheckpointError(f"{source} does not match the model ({type(target).__name__}): {text}") from e
 
 
 # -- optimizer / scheduler / scaler ------------------------------------------------------------

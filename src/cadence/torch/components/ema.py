@@ -41,12 +41,12 @@ from torch import nn
 
 from cadence.checkpoint.protocol import CheckpointReader
 from cadence.config.components.ema import EMAConfig
-from cadence.errors import CheckpointError
+from cadence.errors import CheckpointError, CheckpointMismatchError
 from cadence.extensions import Callback, RunContext
 from cadence.torch.checkpoint_io.kinds import is_sharded_checkpoint
 from cadence.torch.checkpoint_io.pipelined import CopyJobs, StateFence
 from cadence.torch.checkpoint_io.safetensors_io import SafetensorsPayload, safetensors_views
-from cadence.torch.checkpoint_io.state import describe_key_mismatch, unwrap_model
+from cadence.torch.checkpoint_io.state import describe_key_mismatch, describe_shape_mismatch, unwrap_model
 
 __all__ = ["EMA_FILE", "ModelEMA", "RAW_PREFIX", "SHARDED_KEY", "applied", "raw_metrics"]
 
@@ -216,20 +216,17 @@ class ModelEMA(Callback):
             tensors = safetensors_views(data)
         except CheckpointError as e:
             raise CheckpointError(f"{source}: {e}") from e
-        mismatch = describe_key_mismatch(set(self._state) - set(tensors), set(tensors) - set(self._state))
+        mismatch = (describe_key_mismatch(set(self._state) - set(tensors), set(tensors) - set(self._state))
+                    or describe_shape_mismatch(tensors, self._state))
         if mismatch:
-            raise CheckpointError(f"{source} does not match the model: {mismatch}")
+            raise CheckpointMismatchError(f"{source} does not match the model: {mismatch}")
         done: set[int] = set()
         with torch.no_grad():
             for name, target in self._state.items():
                 if id(target) in done or not _is_float(target):  # tied: once; integer buffers: the model's
                     continue
                 done.add(id(target))
-                saved = tensors[name]
-                if tuple(saved.shape) != tuple(target.shape):
-                    raise CheckpointError(f"{source}: {name!r} has shape {tuple(saved.shape)}, the model's "
-                                          f"{tuple(target.shape)}")
-                _assign(target, saved)
+                _assign(target, tensors[name])  # shapes checked above
 
 
 def _assign(target: torch.Tensor, full: torch.Tensor) -> None:

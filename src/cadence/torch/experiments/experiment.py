@@ -53,14 +53,15 @@ def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
     if not in_process_validation:
         return _train_only(cfg, progress)
     run = build_run(cfg, progress=progress)
-    export_final = (
-        ModelExporter(cfg, run.task, run.model, "final", chief=run.ctx.is_chief, ema=run.ema)
-        if cfg.export is not None and cfg.export.on == "final" else None
-    )
-    _save_config_if_training(cfg, run)
     t = cfg.trainer
     sanity_steps = t.sanity_val_steps if t.validation_steps == -1 else min(t.sanity_val_steps, t.validation_steps)
-    with run, run.controller as controller:  # the controller closes (commits) before the lease goes
+    # the controller closes (commits) before the lease goes; bad input before any step leaves nothing (Run.release)
+    with run, run.controller as controller:
+        export_final = (
+            ModelExporter(cfg, run.task, run.model, "final", chief=run.ctx.is_chief, ema=run.ema)
+            if cfg.export is not None and cfg.export.on == "final" else None
+        )
+        _save_config_if_training(cfg, run)
         metrics = controller.train_and_evaluate(
             train_steps=t.train_steps, eval_steps=t.validation_steps, eval_interval=t.validation_interval,
             throttle_secs=cfg.eval_spec.throttle_secs, start_delay_secs=cfg.eval_spec.start_delay_secs,
@@ -81,8 +82,8 @@ def _train_only(cfg: ExperimentConfig, progress: bool | None) -> dict[str, Any]:
         logger.warning("trainer.eval_at_start is ignored without in-process validation: the sidecar evaluates "
                        "checkpoints (cadence evaluate --initial evaluates the initialized model)")
     run = build_run(cfg, evaluate=False, progress=progress)
-    _save_config_if_training(cfg, run)
     with run, run.controller as controller:
+        _save_config_if_training(cfg, run)
         controller.train(cfg.trainer.train_steps)
     return {}
 

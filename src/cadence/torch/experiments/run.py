@@ -1,7 +1,9 @@
 """One process's run of an experiment config: :func:`build_run` assembles the task, runners,
 actions, callbacks, checkpoint manager and controller (:class:`Run`), after taking the model dir's
 writer lease (:func:`acquire_writer_lease`) for a training run, and checking that every rank sees
-it (:func:`~cadence.checkpoint.shared_dir.check_shared`)."""
+it (:func:`~cadence.checkpoint.shared_dir.check_shared`). A training run refused by bad input
+before it trained or evaluated anything leaves the model dir as it found it
+(:mod:`cadence.checkpoint.footprint`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 
 from cadence import layout
 from cadence.checkpoint import CheckpointManager
+from cadence.checkpoint.footprint import ModelDirFootprint, check_training_paths, is_refusal
 from cadence.checkpoint.shared_dir import check_shared
 from cadence.checkpoint.writer_lease import WriterLease
 from cadence.config import ExperimentConfig
@@ -45,26 +48,40 @@ class Run:
     """This rank's hang watchdog while it trains (``trainer.hang_timeout``); None: off."""
     ema: ModelEMA | None = None
     """The EMA of the weights (``trainer.ema``): what is evaluated and exported; None: off."""
+    footprint: ModelDirFootprint | None = None
+    """What the chief's training run found in the model dir, to take back when it is refused."""
+    started_at: tuple[int, int | None] = (0, None)
+    """The global step and the last evaluation's step once built: a run still there has neither
+    trained nor evaluated."""
 
     @property
     def model_dir(self) -> str:
         return self.config.require_model_dir()
 
-    def release(self) -> None:
+    def release(self, error: BaseException | None = None) -> None:
         """Stop the watchdog and release the writer lease (the next trainer of the model dir may
-        start at once); idempotent."""
+        start at once); idempotent. ``error``: what ended the run; bad input
+        (:func:`~cadence.checkpoint.footprint.is_refusal`) before the run trained or evaluated
+        anything takes back what it changed in the model dir, its lease file included
+        (:meth:`~cadence.checkpoint.footprint.ModelDirFootprint.undo`)."""
         if self.watchdog is not None:
             self.watchdog.stop()
         if isinstance(self.controller.trainer, TorchTrainer):
             self.controller.trainer.close_data()
-        if self.writer_lease is not None:
-            self.writer_lease.release()
+        if self.writer_lease is None:
+            return
+        if self.footprint is not None and is_refusal(error) and self._untouched():
+            self.footprint.undo(self.writer_lease)
+        self.writer_lease.release()  # a no-op once withdrawn
+
+    def _untouched(self) -> bool:
+        return (self.controller.global_step, self.controller.last_eval_step) == self.started_at
 
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self.release(exc)
 
 
 def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = True,
@@ -83,14 +100,24 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     every rank then reads the lease back (:func:`~cadence.checkpoint.shared_dir.check_shared`;
     :class:`~cadence.errors.ModelDirNotSharedError` on every rank when one does not see the
     chief's model dir), before anything is restored.
+
+    A training run refused by bad input (:func:`~cadence.checkpoint.footprint.is_refusal`: a
+    checkpoint that does not fit the model, a model dir not shared, ...) here, or later before it
+    trained or evaluated anything (:meth:`Run.release`), leaves the model dir as it found it:
+    the chief notes it around taking the lease (:class:`~cadence.checkpoint.footprint.ModelDirFootprint`).
     """
-    layout.check_model_dir(cfg.require_model_dir())
+    model_dir = layout.check_model_dir(cfg.require_model_dir())
+    if train:  # checkpoints/ a file: one line now, before anything is written
+        check_training_paths(model_dir)
     task, ctx, trainer, evaluator = build_runners_from_config(cfg, train=train, evaluate=evaluate)
     if trainer is not None:  # the training input now: a bad batch size fails before the model dir is written
         _ = trainer.train_data
+    footprint = ModelDirFootprint(model_dir) if train and ctx.is_chief else None
     lease = acquire_writer_lease(cfg, ctx.coordinator) if train else None
     watchdog = None
     try:
+        if lease is not None and footprint is not None:
+            footprint.held()
         if train and ctx.coordinator is not None:  # before the restore: a rank must not read another model dir
             check_shared(cfg.require_model_dir(), ctx.coordinator, lease.record if lease is not None else None)
         if train and cfg.trainer.hang_timeout is not None:  # from before the restore (a collective that may hang)
@@ -98,13 +125,17 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
             watchdog = Watchdog(ctx.heartbeat, cfg.trainer.hang_timeout, rank=ctx.rank).start()
         run = _assemble_run(cfg, task, ctx, trainer, evaluator, lease, train=train, evaluate=evaluate,
                             restore_step=restore_step, progress=progress, restore=restore)
-    except BaseException:
+    except BaseException as e:
         if watchdog is not None:
             watchdog.stop()
         if lease is not None:
-            lease.release()
+            if footprint is not None and is_refusal(e):
+                footprint.undo(lease)
+            lease.release()  # a no-op once withdrawn
         raise
     run.watchdog = watchdog
+    run.footprint = footprint if lease is not None else None
+    run.started_at = (run.controller.global_step, run.controller.last_eval_step)
     return run
 
 
