@@ -20,13 +20,12 @@ write. No torch: :mod:`cadence.actions` (export retention) uses it too.
 from __future__ import annotations
 
 import contextlib
-
 import json
 import posixpath
 from typing import Any, Iterable
 
 from cadence.errors import ConfigError
-from cadence.storage import Storage
+from cadence.storage import Storage, unwritable_reason
 
 __all__ = ["MARKER_FILE", "ExportTargetError", "check_export_target", "export_files", "marker_bytes", "refusal",
            "remove_export"]
@@ -158,6 +157,8 @@ def check_export_target(storage: Storage, path: str | None = None, *, label: str
     URL), when anything else is there."""
     path = storage.root if path is None else path
     why, replaces = _assess(storage, path)
+    if why is None and storage.atomic_rename:  # a local path: a file on it, a directory it may not write
+        why = unwritable_reason(path)
     if why is not None:
         raise ExportTargetError(f"{label} {shown or storage.url(path)}: {why}; {_CHOOSE}")
     return replaces

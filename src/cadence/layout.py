@@ -41,37 +41,22 @@ def check_model_dir(model_dir: str, *, must_exist: bool = False, writable: bool 
 
 
 def _check_local_writable(model_dir: str) -> None:
-    """ModelDirError unless this process can write into local ``model_dir``, or create it: its
-    nearest existing directory (itself or an ancestor) must be a writable, searchable directory."""
-    import os
+    """ModelDirError unless this process can write into local ``model_dir``, or create it."""
+    from cadence.storage import unwritable_reason
 
-    from cadence.storage import local_path
-
-    path = local_path(model_dir)
-    if path is None:  # an object store: its permissions show at the first write
-        return
-    existing = os.path.abspath(path)
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ModelDirError(f"model dir {model_dir}: {existing} is a file, not a directory"
-                           if os.path.isfile(existing) else f"model dir {model_dir}: {existing} is not a directory")
-    effective = os.access in os.supports_effective_ids  # root without CAP_DAC_OVERRIDE is refused too
-    if not os.access(existing, os.W_OK | os.X_OK, effective_ids=effective):
-        statvfs = os.statvfs(existing)
-        why = "a read-only file system" if statvfs.f_flag & os.ST_RDONLY else "permission denied"
-        what = "write into it" if existing == os.path.abspath(path) else f"create it in {existing}"
-        raise ModelDirError(f"model dir {model_dir}: cannot {what} ({why})")
+    why = unwritable_reason(model_dir)
+    if why is not None:
+        raise ModelDirError(f"model dir {model_dir}: {why}")
 
 
 def require_cadence_model_dir(model_dir: str) -> None:
-    """ModelDirError (bad input) unless ``model_dir`` exists and holds ``config.yaml``, ``checkpoints/``
-    or ``train/``: what ``ls`` and ``report`` read."""
+    """ModelDirError (bad input) unless ``model_dir`` exists and holds ``config.yaml``, ``checkpoints/``,
+    ``train/`` or ``.writer/`` (a trainer that is just starting): what ``ls`` and ``report`` read."""
     from cadence.storage import Storage
 
     check_model_dir(model_dir, must_exist=True)
     storage = Storage(model_dir)
-    if not set(storage.listdir(storage.root)) & {CONFIG, CHECKPOINTS, TRAIN}:
+    if not set(storage.listdir(storage.root)) & {CONFIG, CHECKPOINTS, TRAIN, WRITER}:
         raise ModelDirError(f"not a cadence model dir (no {CONFIG}, {CHECKPOINTS}/ or {TRAIN}/): {model_dir}")
 
 

@@ -52,6 +52,28 @@ def local_path(location: str) -> str | None:
     return path if protocol in LOCAL_PROTOCOLS else None
 
 
+def unwritable_reason(location: str) -> str | None:
+    """Why this process cannot write into local ``location`` or create it, as a phrase, or None when it
+    can (and for a URL of another store, whose permissions show at the first write). Its nearest
+    existing directory (itself or an ancestor) must be a directory this process may write and search:
+    a file on the path, a permission (root without ``CAP_DAC_OVERRIDE`` too), an immutable directory
+    or a read-only file system is named. Reads only: nothing is created."""
+    path = local_path(location)
+    if path is None:
+        return None
+    target = existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a directory" if os.path.isfile(existing) else \
+            f"{existing} is not a directory"
+    effective = os.access in os.supports_effective_ids  # root without CAP_DAC_OVERRIDE is refused too
+    if os.access(existing, os.W_OK | os.X_OK, effective_ids=effective):
+        return None
+    why = "a read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY else "permission denied"
+    return f"cannot write into it ({why})" if existing == target else f"cannot create it in {existing} ({why})"
+
+
 def is_url(location: str) -> bool:
     """Whether ``location`` is a URL of a store other than the local disks (see :func:`local_path`)."""
     return local_path(location) is None

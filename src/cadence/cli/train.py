@@ -204,7 +204,7 @@ def cmd_launch(args: argparse.Namespace, console: Console) -> int:
     cfg = _load(args)  # a bad config fails here (exit 2), before anything starts
     if args.profile and cfg.profiler is None:  # both processes get it; only the trainer traces
         args.overrides.append("profiler={}")
-    model_dir = cfg.require_model_dir()
+    model_dir = layout.check_model_dir(cfg.require_model_dir(), writable=True)  # before anything starts
     from cadence.checkpoint.leases import Leases
     from cadence.cluster.launch import launch, launch_exit_code, sidecar_commands
     from cadence.sidecar.evaluator import lease_holder

@@ -19,7 +19,7 @@ import struct
 
 from cadence import layout
 from cadence.errors import ConfigError
-from cadence.storage import Storage
+from cadence.storage import Storage, unwritable_reason
 
 __all__ = ["GENERATOR", "HTML_GENERATOR", "PNG_METADATA", "check_report_targets", "report_paths", "write_report"]
 
@@ -89,7 +89,7 @@ def _refusal(path: str, page: str) -> str | None:
     storage = Storage(path)
     kind = storage.entry_kind(storage.root)
     if kind is None:
-        return None
+        return unwritable_reason(path)  # a file on its path, a directory this process may not write
     if kind != "file":
         return {"link": "is a symbolic link", "dir": "is a directory"}.get(kind, "is not a regular file")
     if path == page:

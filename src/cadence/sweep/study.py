@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cadence.errors import ConfigError
-from cadence.storage import local_path
+from cadence.storage import local_path, unwritable_reason
 from cadence.sweep.space import SweepSpace
 
 __all__ = ["STUDY_FILE", "SWEEP_FILE", "SweepDir", "SweepLock", "SweepRecord", "is_sweep_dir", "load_sweep", "new_record",
@@ -46,13 +46,17 @@ class SweepDir:
 
     @classmethod
     def at(cls, path: str) -> SweepDir:
-        """ConfigError when ``path`` is a URL (a sweep dir is local), a file, or a model dir."""
+        """ConfigError when ``path`` is a URL (a sweep dir is local), a file, a model dir, or one this
+        process cannot create or write (a file on its path, permission, a read-only file system)."""
         local = local_path(path)
         if local is None:
             raise ConfigError(f"--sweep-dir: a sweep dir is local (its study is a sqlite file), got {path}")
         root = Path(local).expanduser().resolve()
         if root.exists() and not root.is_dir():
             raise ConfigError(f"--sweep-dir: not a directory: {root}")
+        why = unwritable_reason(str(root))  # a file on its path, a directory this process may not write
+        if why is not None:
+            raise ConfigError(f"--sweep-dir {path}: {why}")
         if (root / "checkpoints").is_dir():
             raise ConfigError(f"--sweep-dir: {root} is a model dir (it has checkpoints/); a sweep needs a directory "
                               "of its own, which holds one model dir per trial")

@@ -46,6 +46,7 @@ import cadence
 from cadence import layout
 from cadence.config import ExperimentConfig, config_from_dict, load_config, save_config
 from cadence.errors import ConfigError, one_line
+from cadence.storage import unwritable_reason
 from cadence.summaries.progress import format_value
 from cadence.summaries.scalars import flatten_scalars
 from cadence.units import format_size
@@ -142,7 +143,7 @@ def run_smoke(cfg: ExperimentConfig, *, steps: int = 2, keep_dir: str | None = N
 
     Raises:
       ValueError: ``steps`` < 1.
-      ConfigError: ``keep_dir`` exists and is not an empty directory.
+      ConfigError: ``keep_dir`` exists and is not an empty directory, or cannot be created or written.
     """
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
@@ -150,6 +151,9 @@ def run_smoke(cfg: ExperimentConfig, *, steps: int = 2, keep_dir: str | None = N
         keep = Path(keep_dir)
         if keep.exists() and (not keep.is_dir() or any(keep.iterdir())):
             raise ConfigError(f"--keep {keep_dir}: exists and is not an empty directory; give a new or empty one")
+        why = unwritable_reason(keep_dir)  # a file on its path, a directory this process may not write
+        if why is not None:
+            raise ConfigError(f"--keep {keep_dir}: {why}")
         keep.mkdir(parents=True, exist_ok=True)
         model_dir = str(keep.resolve())
     else:
