@@ -18,9 +18,9 @@ def require_model_dir(model_dir: str | None) -> str:
 
 
 def check_model_dir(model_dir: str, *, must_exist: bool = False, writable: bool = False) -> str:
-    """``model_dir``; :class:`~cadence.errors.ModelDirError` (bad input, exit 2) when it is a file, or,
-    with ``must_exist``, missing. ``writable`` (a trainer's model dir): also when, on a local disk, a
-    file stands on its path or this process may not create it or write into it (permission, a
+    """``model_dir``; :class:`~cadence.errors.ModelDirError` (bad input, exit 2) when it is a file or,
+    on a local disk, a file stands on its path, or, with ``must_exist``, missing. ``writable`` (a
+    trainer's model dir): also when this process may not create it or write into it (permission, a
     read-only file system); checked without creating anything."""
     from cadence.storage import Storage
 
@@ -33,11 +33,21 @@ def check_model_dir(model_dir: str, *, must_exist: bool = False, writable: bool 
     # writing between the two calls exists by then, and is still no file
     if storage.isfile(storage.root):
         raise ModelDirError(f"model dir is a file, not a directory: {model_dir}")
+    _check_no_file_on_path(model_dir)
     if must_exist and not storage.exists(storage.root):
         raise ModelDirError(f"model dir not found: {model_dir}")
     if writable:
         _check_local_writable(model_dir)
     return model_dir
+
+
+def _check_no_file_on_path(model_dir: str) -> None:
+    """ModelDirError when, on a local disk, a file stands on ``model_dir``'s path."""
+    from cadence.storage import file_on_path
+
+    why = file_on_path(model_dir)
+    if why is not None:
+        raise ModelDirError(f"model dir {model_dir}: {why}")
 
 
 def _check_local_writable(model_dir: str) -> None:

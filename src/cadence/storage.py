@@ -52,21 +52,40 @@ def local_path(location: str) -> str | None:
     return path if protocol in LOCAL_PROTOCOLS else None
 
 
+def _nearest_existing(path: str) -> str:
+    """``path`` made absolute, or its nearest ancestor that exists (a link counts as existing)."""
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    return existing
+
+
+def file_on_path(location: str) -> str | None:
+    """Why nothing can be created at local ``location`` because a file stands on its path (itself or
+    its nearest existing ancestor is no directory), as a phrase, or None (also for a URL of another
+    store). Reads only."""
+    path = local_path(location)
+    if path is None:
+        return None
+    existing = _nearest_existing(path)
+    if os.path.isdir(existing):
+        return None
+    return f"{existing} is a file, not a directory" if os.path.isfile(existing) else f"{existing} is not a directory"
+
+
 def unwritable_reason(location: str) -> str | None:
     """Why this process cannot write into local ``location`` or create it, as a phrase, or None when it
     can (and for a URL of another store, whose permissions show at the first write). Its nearest
     existing directory (itself or an ancestor) must be a directory this process may write and search:
-    a file on the path, a permission (root without ``CAP_DAC_OVERRIDE`` too), an immutable directory
-    or a read-only file system is named. Reads only: nothing is created."""
+    a file on the path (:func:`file_on_path`), a permission (root without ``CAP_DAC_OVERRIDE`` too),
+    an immutable directory or a read-only file system is named. Reads only: nothing is created."""
     path = local_path(location)
     if path is None:
         return None
-    target = existing = os.path.abspath(path)
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"{existing} is a file, not a directory" if os.path.isfile(existing) else \
-            f"{existing} is not a directory"
+    on_path = file_on_path(path)
+    if on_path is not None:
+        return on_path
+    target, existing = os.path.abspath(path), _nearest_existing(path)
     effective = os.access in os.supports_effective_ids  # root without CAP_DAC_OVERRIDE is refused too
     if os.access(existing, os.W_OK | os.X_OK, effective_ids=effective):
         return None

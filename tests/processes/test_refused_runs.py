@@ -102,16 +102,23 @@ def test_a_model_of_another_size_is_one_line_and_the_model_dir_stays_as_it_was(t
         assert snapshot(run) == before, command
 
 
-def test_a_refused_two_rank_job_prints_only_cadences_line_and_leaves_nothing(tmp_path, write_config):
-    """Without OMP_NUM_THREADS (torch's launcher would print its banner) and with best/ (which both
-    ranks create): no line of torch's launcher (the banner, ``failed (exitcode: 2)``, stopping the
-    other rank), and no model dir."""
-    config = write_config(tmp_path, "BadStepTask", params={"returns": "text"}, trainer=BEST)
+@pytest.mark.parametrize("case", ["bad-step", "batch-63"])
+def test_a_refused_two_rank_job_prints_only_cadences_line_and_leaves_nothing(tmp_path, write_config, case):
+    """Without OMP_NUM_THREADS (torch's launcher would print its banner): no line of torch's launcher
+    (the banner, ``failed (exitcode: 2)``, stopping the other rank), and no model dir. Refused after the
+    writer lease (a ``train_step`` with no loss, with best/, which both ranks create), or before it (the
+    issue's case: a global batch of 63 on 2 ranks)."""
+    if case == "bad-step":
+        config, sets = write_config(tmp_path, "BadStepTask", params={"returns": "text"}, trainer=BEST), []
+        expected = "cadence: error: BadStepTask.train_step must return a loss tensor or a dict with 'loss', got str"
+    else:
+        config, sets = DIGITS, ["--set", "task.params.global_batch_size=63"]
+        expected = ("cadence: error: task.params.global_batch_size: 63 does not divide by the world size 2 "
+                    "(processes): use a multiple of 2, e.g. 62 or 64")
     env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
     proc = run_python(["-m", "cadence", "--log-level", "WARNING", "train", str(config), "--model-dir",
-                       str(tmp_path / "run"), "--nproc", "2", "--no-progress"], env=env, timeout=180)
+                       str(tmp_path / "run"), "--nproc", "2", "--no-progress", *sets], env=env, timeout=180)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
-    assert proc.stderr.strip().splitlines() == [
-        "cadence: error: BadStepTask.train_step must return a loss tensor or a dict with 'loss', got str"], proc.stderr
+    assert proc.stderr.strip().splitlines() == [expected], proc.stderr
     assert not (tmp_path / "run").exists()

@@ -175,24 +175,19 @@ def test_a_checkpoint_that_does_not_exist_is_bad_input(refused, cfg, tmp_path):
 
 # -- the Task's code at its first use ---------------------------------------------------------------------
 
-def test_a_task_file_with_a_syntax_error_names_the_file_and_line(refused, tmp_path):
+@pytest.mark.parametrize(("source", "expected"), [
+    ("import torch\n\ndef build(:\n    pass\n", "task.class: cannot import module '{task}': {task}, line 3: SyntaxError: "),
+    ("X = 1\nraise RuntimeError('no GPU here')\n",
+     "task.class: importing module '{task}' raised RuntimeError: no GPU here ({task}, line 2)"),
+], ids=["syntax-error", "raises-at-import"])
+def test_a_task_file_that_cannot_be_imported_names_the_file_and_line(refused, tmp_path, source, expected):
     code = tmp_path / "code"
     code.mkdir()
     task = code / "broken.py"
-    task.write_text("import torch\n\ndef build(:\n    pass\n")
+    task.write_text(source)
     config = write_config(code, f"{task}:Broken")
     message = refused("train", config, "--model-dir", tmp_path / "run", "--no-progress")
-    assert message.startswith(f"task.class: cannot import module '{task}': {task}, line 3: SyntaxError: "), message
-
-
-def test_a_task_module_that_raises_as_it_is_imported_names_the_module(refused, tmp_path):
-    code = tmp_path / "code"
-    code.mkdir()
-    task = code / "raising.py"
-    task.write_text("X = 1\nraise RuntimeError('no GPU here')\n")
-    config = write_config(code, f"{task}:Raising")
-    assert refused("train", config, "--model-dir", tmp_path / "run", "--no-progress") == (
-        f"task.class: importing module '{task}' raised RuntimeError: no GPU here ({task}, line 2)")
+    assert message.startswith(expected.format(task=task)), message
 
 
 @pytest.mark.parametrize(("model", "shown"), [(None, "None"), (3, "a value of type int")])

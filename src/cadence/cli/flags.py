@@ -57,8 +57,8 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def log_level(text: str) -> str:
-    """``--log-level``'s type: one of :data:`LOG_LEVELS`, in any case; argparse's error (exit 2) otherwise."""
-    name = text.strip().upper()
-    if name not in LOG_LEVELS:
+    """``--log-level``'s type: one of :data:`LOG_LEVELS`, in any case (returned as typed); argparse's
+    error (exit 2) otherwise."""
+    if text.strip().upper() not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)} (any case), got {text!r}")
-    return name
+    return text.strip()  # as typed: the ranks of --nproc get it so

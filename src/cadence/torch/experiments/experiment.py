@@ -134,13 +134,11 @@ def run_evaluation(cfg: ExperimentConfig, step: int | None = None, *,
     a fresh run starts; no checkpoint is read, ``step`` must be ``None``): step 0.
 
     Raises:
-      ModelDirError: the model dir does not exist (or is a file), unless ``initial``.
+      ModelDirError: the model dir is a file, or a file stands on its path.
       NoCheckpointError: the model dir has no committed checkpoint (or not that step), before
         anything is built.
     """
-    model_dir = cfg.require_model_dir()
-    if not initial:  # a missing model dir, or a file on its path, is named as such
-        layout.check_model_dir(model_dir, must_exist=True)
+    model_dir = layout.check_model_dir(cfg.require_model_dir())  # a file, or a file on its path
     checkpoints = layout.checkpoints_dir(model_dir)
     none = NoCheckpointError(f"no committed checkpoint in {checkpoints}: nothing to evaluate "
                              "(--initial evaluates the initialized model)")
