@@ -234,6 +234,25 @@ def test_a_two_rank_checkpoint_loads_resharded_on_another_world_size(tmp_path, s
         verified(run, step)
 
 
+def test_a_model_of_another_size_is_one_line_on_a_sharded_checkpoint_and_the_model_dir_stays(tmp_path, straight):
+    """Issue 39: a config that builds another model than the sharded checkpoint's (TinyTask's hidden 16 ->
+    32) is bad input, found before anything is read: one line naming the first tensor and both shapes,
+    exit 2, for ``evaluate`` on one process and a resume on two ranks; the model dir stays byte for byte."""
+    from hashlib import sha256
+
+    config, reference = straight
+    run = copy_run(reference, tmp_path / "run")
+    before = {str(p): sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir" for p in sorted(run.rglob("*"))}
+    expected = (f"cadence: error: {ckpt(run, STEPS)}: the model state does not match this model: '0.weight' has "
+                "shape (16, 8) in the checkpoint, (32, 8) in the model (and 2 more tensors differ in shape)")
+    for command in (["evaluate", str(config)], ["train", str(config), "--nproc", "2", "--no-progress"]):
+        proc = cadence("--log-level", "WARNING", *command, "--model-dir", str(run), "--set", "task.params.hidden=32")
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stderr.strip().splitlines() == [expected], proc.stderr
+        after = {str(p): sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir" for p in sorted(run.rglob("*"))}
+        assert after == before, command[0]
+
+
 # -- 3. a corrupt rank shard --------------------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException, _wrap_exceptio
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from cadence.checkpoint import checksum as checksum_lib
-from cadence.errors import CheckpointError, UnsafeCheckpointError
+from cadence.errors import CheckpointError, CheckpointMismatchError, UnsafeCheckpointError
 from cadence.torch.checkpoint_io import sharded as sc
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP: "assuming ... a single process"
@@ -128,19 +128,21 @@ class Reshaped(Net):
 
 
 @pytest.mark.parametrize("module, match", [
-    (Wider, r"missing keys: extra\.bias, extra\.weight"),  # strict as model.safetensors: not left at its init
-    (Narrower, r"unexpected keys: counts, embed\.weight, head\.weight"),
-    (Reshaped, r"lin\.(weight|bias)"),
+    (Wider, r"missing keys: extra\.bias, extra\.weight$"),  # strict as model.safetensors: not left at its init
+    (Narrower, r"unexpected keys: counts, embed\.weight, head\.weight$"),
+    (Reshaped, r": the model state does not match this model: 'lin\.weight' has shape \(3, 4\) in the checkpoint, "
+               r"\(5, 4\) in the model \(and 1 more tensor differs in shape\)$"),
 ])
-def test_load_model_into_a_module_that_does_not_match_is_a_checkpoint_error(saved, module, match: str) -> None:
+def test_load_model_into_a_module_that_does_not_match_is_one_line_of_bad_input(saved, module, match: str) -> None:
+    """A model the checkpoint does not fit (keys or shapes) is bad input (exit 2), in one line naming the
+    first tensor and both shapes, found before anything is read."""
     _, directory = saved
     target = module()
     before = {k: v.clone() for k, v in target.state_dict().items()}
-    with pytest.raises(CheckpointError, match=match) as e:
+    with pytest.raises(CheckpointMismatchError, match=match) as e:
         sc.load_model(str(directory), target)
-    assert not isinstance(e.value, UnsafeCheckpointError)
-    if module is not Reshaped:  # refused before anything is read
-        assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    assert e.value.exit_code == 2 and "\n" not in str(e.value)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
 
 
 def test_load_trainer_state_without_a_scheduler_refuses_a_model_with_more_layers(tmp_path: Path) -> None:

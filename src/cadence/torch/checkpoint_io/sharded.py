@@ -27,6 +27,7 @@ import io
 import pickle
 import sys
 import warnings
+from types import SimpleNamespace
 from typing import Any, Mapping
 
 import torch
@@ -47,10 +48,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from cadence.checkpoint import checksum as checksum_lib
-from cadence.errors import CheckpointError, UnsafeCheckpointError
+from cadence.errors import CheckpointError, CheckpointMismatchError, UnsafeCheckpointError
 from cadence.storage import Storage, local_path
 from cadence.torch.checkpoint_io.kinds import METADATA_FILE, is_sharded_checkpoint
-from cadence.torch.checkpoint_io.state import describe_key_mismatch
+from cadence.torch.checkpoint_io.state import describe_key_mismatch, describe_shape_mismatch
 
 __all__ = [
     "METADATA_FILE",
@@ -172,6 +173,9 @@ def _load(state: dict[str, Any], directory: str, storage_options: Mapping[str, A
         unsafe = _find(e, UnsafeCheckpointError) or reader.unsafe
         if unsafe is not None:
             raise unsafe from None
+        mismatch = _find(e, CheckpointMismatchError)
+        if mismatch is not None:
+            raise CheckpointMismatchError(f"{directory}: {mismatch}") from None
         raise CheckpointError(f"{directory}: cannot load the sharded checkpoint: {describe(e)}") from e
 
 
@@ -307,12 +311,17 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         if self.strict is None or metadata is None:
             return
         prefix = f"{self.strict}."
-        wanted = {key for key in self.state_dict if key.startswith(prefix)}
-        saved = {key for key in metadata.state_dict_metadata if key.startswith(prefix)}
-        mismatch = describe_key_mismatch((key[len(prefix):] for key in wanted - saved),
-                                         (key[len(prefix):] for key in saved - wanted))
-        if mismatch:
-            raise CheckpointError(f"the {self.strict} state does not match: {mismatch}")
+        wanted = {key: value for key, value in self.state_dict.items() if key.startswith(prefix)}
+        saved = {key: item for key, item in metadata.state_dict_metadata.items() if key.startswith(prefix)}
+        mismatch = describe_key_mismatch((key[len(prefix):] for key in wanted.keys() - saved.keys()),
+                                         (key[len(prefix):] for key in saved.keys() - wanted.keys()))
+        if not mismatch:  # a DTensor's shape is the whole tensor's, as the metadata's size
+            mismatch = describe_shape_mismatch(
+                {key[len(prefix):]: SimpleNamespace(shape=item.size) for key, item in saved.items()
+                 if isinstance(item, TensorStorageMetadata)},
+                {key[len(prefix):]: value for key, value in wanted.items() if isinstance(value, torch.Tensor)})
+        if mismatch:  # bad input: the config builds another model; nothing is read
+            raise CheckpointMismatchError(f"the {self.strict} state does not match this model: {mismatch}")
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
