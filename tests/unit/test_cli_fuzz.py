@@ -131,8 +131,8 @@ def command_lines(draw: st.DrawFn) -> tuple[list[str], bool, list[str]]:
     path = st.sampled_from(PATHS)
     unwritable = st.sampled_from(UNWRITABLE)
     count, seconds = st.sampled_from(BAD_COUNTS), st.sampled_from(BAD_SECONDS)
-    command = draw(st.sampled_from(["export", "evaluate", "train", "ls", "report", "launch", "smoke", "sweep",
-                                    "log-level"]))
+    command = draw(st.sampled_from(["export", "evaluate", "sidecar", "train", "ls", "report", "launch", "smoke",
+                                    "sweep", "log-level"]))
     if command == "export":
         model, checkpoint, out = draw(path), draw(st.sampled_from(CHECKPOINTS)), draw(st.one_of(st.none(), path))
         argv = ["export", model, "--checkpoint", checkpoint, "--format", "safetensors"]
@@ -144,6 +144,9 @@ def command_lines(draw: st.DrawFn) -> tuple[list[str], bool, list[str]]:
         model_dir, checkpoint = draw(path), draw(st.sampled_from([c for c in CHECKPOINTS if c not in ("best", "latest")]))
         refused = model_dir != "model" or checkpoint not in ("4", "8")
         return ["evaluate", "config.yaml", "--model-dir", model_dir, "--checkpoint", checkpoint], refused, []
+    if command == "sidecar":
+        return (["evaluate", "config.yaml", "--continuous", "--model-dir", draw(unwritable), "--timeout", "1"], True,
+                [])
     if command == "train":
         flags = draw(st.sampled_from([[], ["--nproc", draw(count)], ["--set", f"trainer.train_steps={draw(count)}"]]))
         return ["train", "config.yaml", "--model-dir", draw(unwritable), "--no-progress", *flags], True, []
@@ -212,6 +215,7 @@ EXPORT = ["export", "model", "--checkpoint", "latest", "--format", "safetensors"
 @example(line=(["evaluate", "config.yaml", "--model-dir", "model", "--checkpoint", "-5"], True, []))
 @example(line=(["export", "model", "--checkpoint", "999", "--format", "safetensors"], True, ["model/export"]))
 @example(line=(["launch", "config.yaml", "--sidecar", "--model-dir", "missing", "--grace", "-1"], True, []))
+@example(line=(["evaluate", "config.yaml", "--continuous", "--model-dir", "locked", "--timeout", "1"], True, []))
 @example(line=(["smoke", "config.yaml", "--keep", "locked/sub"], True, []))
 @example(line=(["--log-level", "BOGUS", "ls", "model"], True, []))
 @example(line=(["ls", "user"], True, []))

@@ -184,6 +184,7 @@ def _cmd_sidecar(args: argparse.Namespace, console: Console, flags: dict[str, tu
     if args.checkpoint is not None:
         raise ConfigError("--checkpoint and --continuous exclude each other")
     cfg = _load(args, flags)
+    layout.check_model_dir(cfg.require_model_dir(), writable=True)  # it writes eval/, best/, its lease: before it waits
     from cadence.torch.experiments.experiment import run_sidecar
 
     return _sidecar_done(run_sidecar(cfg), console)
