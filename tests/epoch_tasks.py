@@ -10,11 +10,13 @@ from tasks import TinyTask
 
 class PlainLoaderTask(TinyTask):
     """TinyTask on a plain DataLoader: shuffled from the global RNG, or with ``sampler`` over a
-    ``DistributedSampler`` (each rank its shard, a new order per epoch through ``set_epoch``)."""
+    ``DistributedSampler`` (each rank its shard, a new order per epoch through ``set_epoch``);
+    ``num_workers`` worker processes."""
 
-    def __init__(self, sampler: bool = False, **kwargs) -> None:
+    def __init__(self, sampler: bool = False, num_workers: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
         self.sampler = sampler
+        self.num_workers = num_workers
 
     def build_inputs(self, split, ctx):
         if split != "train":
@@ -22,5 +24,5 @@ class PlainLoaderTask(TinyTask):
         if self.sampler:
             sampler = DistributedSampler(self.train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
                                          seed=ctx.seed, drop_last=True)
-            return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+            return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)

@@ -2,13 +2,15 @@
 
 The position is checkpointed through the data's ``state_dict`` / ``load_state_dict`` when it has
 them (``{"kind": "stateful", "state": ...}``); otherwise as the number of batches consumed
-(``{"kind": "replay", "batches": n}``), which a resume replays (draws and drops), in O(n).
+(``{"kind": "replay", "batches": n}``): a resume of a plain ``DataLoader`` with torch's own samplers
+skips them without loading their samples (:mod:`cadence.torch.data.sampler_skip`); any other
+input is replayed (its batches drawn and dropped, in O(n), with a warning).
 
 Epochs: a re-iterable input (``iter(data) is not data``: a DataLoader, a list) that runs out is
 iterated again, as Lightning, HF Trainer and torchtnt do, after ``set_epoch(epoch)`` on the data
 when it has one, else on its ``sampler`` / ``batch_sampler`` (a ``DistributedSampler``). From
 epoch 1 on, the position holds ``"epoch"``; a replayed one also holds ``"rng"``, the torch CPU RNG
-state (and the loader's own ``generator``'s) at that epoch's start, which a resume iterates under,
+state (and that of the loader's own ``generator`` and its sampler's) at that epoch's start, which a resume iterates under,
 so that a shuffled ``DataLoader`` repeats the order it drew. A one-shot iterator (a generator) that
 runs out ends the training data, and so does the end of epoch ``max_epochs - 1``.
 """
@@ -23,6 +25,7 @@ import torch
 from cadence.extensions import Stateful
 from cadence.errors import CheckpointError, ConfigError
 from cadence.runtime.watchdog import unwatched
+from cadence.torch.data import sampler_skip
 from cadence.torch.data import state as data_state
 from cadence.torch.runtime.context import Context
 from cadence.torch.task.task import Task
@@ -49,13 +52,30 @@ def set_epoch(data: Any, epoch: int) -> None:
             sampler.set_epoch(epoch)
 
 
-def _rng_state(data: Any) -> dict[str, Any]:
-    """The torch CPU RNG state and the loader's ``generator``'s, as JSON: what a ``DataLoader``
-    draws from when an iteration starts."""
-    state = {"cpu": data_state.to_json(torch.get_rng_state())}
+def _generators(data: Any) -> dict[str, torch.Generator]:
+    """The random generators a ``DataLoader`` draws from besides the global RNG: its own
+    (``"generator"``) and its sampler's, or its batch sampler's sampler's, when another one
+    (``"sampler_generator"``)."""
+    found: dict[str, torch.Generator] = {}
     generator = getattr(data, "generator", None)
     if isinstance(generator, torch.Generator):
-        state["generator"] = data_state.to_json(generator.get_state())
+        found["generator"] = generator
+    sampler = getattr(data, "sampler", None)
+    batch_sampler = getattr(data, "batch_sampler", None)
+    for owner in (sampler, getattr(batch_sampler, "sampler", None)):
+        own = getattr(owner, "generator", None)
+        if isinstance(own, torch.Generator) and own is not generator:
+            found["sampler_generator"] = own
+            break
+    return found
+
+
+def _rng_state(data: Any) -> dict[str, Any]:
+    """The torch CPU RNG state and the loader's generators' (:func:`_generators`), as JSON: what a
+    ``DataLoader`` draws from when an iteration starts."""
+    state = {"cpu": data_state.to_json(torch.get_rng_state())}
+    for name, generator in _generators(data).items():
+        state[name] = data_state.to_json(generator.get_state())
     return state
 
 
@@ -102,8 +122,8 @@ class TrainData:
 
     def start(self) -> Iterator[Any]:
         """Start iterating the data from the pending position (a restored one; none: the data's
-        own start). A stateful data's state is loaded; otherwise the consumed batches are replayed
-        (under the RNG state saved at the epoch's start, when there is one)."""
+        own start). A stateful data's state is loaded; otherwise the consumed batches are skipped or
+        replayed (:meth:`_resume`), under the RNG state saved at the epoch's start when there is one."""
         data = self.data
         pending, self._pending_state = self._pending_state, None
         skip = 0
@@ -127,19 +147,18 @@ class TrainData:
         if rng is not None:
             with torch.random.fork_rng(devices=[]):  # the epoch's start as it was; the caller restores the RNG
                 torch.set_rng_state(data_state.from_json(rng["cpu"]))
-                generator = getattr(data, "generator", None)
-                if "generator" in rng and isinstance(generator, torch.Generator):
-                    generator.set_state(data_state.from_json(rng["generator"]))
-                self._iterator = iter(data)
-                self._replay(skip)
+                for name, generator in _generators(data).items():
+                    if name in rng:
+                        generator.set_state(data_state.from_json(rng[name]))
+                self._resume(data, skip)
         else:
-            self._iterator = iter(data)
+            self._resume(data, skip)
             if self.ends_with_data and self.max_epochs is None and self.reiterable:
                 raise ConfigError(
                     f"trainer.train_steps and trainer.max_epochs are both null, and the train data ({type(data).__name__}) "
                     "is re-iterable: its epochs would never end; set trainer.train_steps or trainer.max_epochs")
-            self._replay(skip)
         self.batches_consumed = skip
+        assert self._iterator is not None
         return self._iterator
 
     def next_epoch(self, consumed: int = 0) -> tuple[Iterator[Any], Any] | None:
@@ -166,6 +185,20 @@ class TrainData:
             log.warning("the train data yielded no batch in epoch %d: it has ended", self.epoch)
             return None
         return self._iterator, first
+
+    def _resume(self, data: Iterable[Any], skip: int) -> None:
+        """Start iterating ``data`` past its first ``skip`` batches: skipped without loading them
+        (a plain ``DataLoader`` with torch's samplers: :mod:`cadence.torch.data.sampler_skip`),
+        else replayed."""
+        skipping = sampler_skip.skipping_iterator(data, skip) if skip else None
+        if skipping is None:
+            self._iterator = iter(data)
+            self._replay(skip)
+            return
+        self._iterator, skipped = skipping
+        log.info("resuming the train data at batch %d without loading the skipped samples", skip)
+        if skipped < skip:
+            log.warning("train data exhausted after skipping %d of %d batches", skipped, skip)
 
     def _replay(self, skip: int) -> None:
         assert self._iterator is not None

@@ -37,7 +37,8 @@ class TorchTrainer:
     ``train_data`` defaults to ``task.build_inputs("train", ctx)``, built at the first
     :meth:`train`. Its position is checkpointed through its ``state_dict`` /
     ``load_state_dict`` when it has them; otherwise the number of batches consumed is saved and
-    a resume replays (draws and drops) that many batches, which is O(n) and logged
+    a resume skips them (a plain ``DataLoader``: none of their samples loaded) or replays (draws
+    and drops) them, which is O(n) and logged
     (:class:`~cadence.torch.loop.train_data.TrainData`). What a checkpoint holds is written and read
     by :class:`~cadence.torch.loop.trainer_checkpoint.TrainerCheckpoint`.
 

@@ -57,8 +57,9 @@ class Task(abc.ABC):
 
         Shard with ``ctx.rank`` / ``ctx.world_size`` and seed with ``ctx.seed``. For exact resume
         return something with ``state_dict`` / ``load_state_dict`` (e.g.
-        :class:`cadence.torch.ResumableLoader`); any other iterable is resumed by replaying the
-        batches already consumed. Validation inputs are iterated afresh for each evaluation.
+        :class:`cadence.torch.ResumableLoader`); a plain ``DataLoader`` with torch's samplers
+        skips the batches already consumed without loading them, any other iterable replays
+        them. Validation inputs are iterated afresh for each evaluation.
 
         ``"validation"`` may return a mapping ``{name: iterable}`` (named splits, e.g. ``{"train":
         ..., "val": ...}``): each is evaluated in turn and the metrics are nested, ``{name: {metric:
