@@ -50,6 +50,8 @@ class EpochTask(Task):
         self.calls.append("scheduler")
         self.plan = plan
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        if self.schedule == "none":  # the config's trainer.lr_schedule
+            return None
         if self.schedule == "plain":
             return scheduler
         return LRSchedule(scheduler, interval=self.schedule, frequency=self.frequency)
@@ -160,7 +162,8 @@ def test_intervals_in_epochs_convert_to_steps():
     assert interval_steps("f", "2ep", batches_per_epoch=10) == 20
     assert interval_steps("f", "1ep", batches_per_epoch=10, grad_accum_steps=5) == 2
     assert interval_steps("f", 7, batches_per_epoch=None) == 7 and interval_steps("f", None, batches_per_epoch=None) is None
-    with pytest.raises(ConfigError, match=r"^trainer.validation_interval is '1ep' \(in epochs\), but the train data has no length"):
+    no_length = r"^trainer.validation_interval is '1ep' \(in epochs\), but the train data has no length"
+    with pytest.raises(ConfigError, match=no_length):
         interval_steps("trainer.validation_interval", "1ep", batches_per_epoch=None)
     with pytest.raises(ConfigError, match=r"an epoch's 10 batches are not a whole number of optimizer steps of "
                                           r"trainer.grad_accum_steps \(3\)"):
@@ -213,3 +216,36 @@ def test_a_torch_trainer_plans_its_epochs_for_the_progress_line(monkeypatch, cap
     Controller(trainer=trainer, steps_per_loop=4, progress=True).train(None)
     assert capsys.readouterr().err.splitlines()[-1].startswith("step 12/12 (100%)")
     assert trainer_for(EpochTask()).planned_steps is None  # no max_epochs: no end but train_steps
+
+
+def test_a_rollback_keeps_an_epoch_scheduler_with_the_data():
+    from in_memory import save
+
+    trainer = trainer_for(EpochTask())
+    trainer.train(4)
+    reader, state = save(trainer)  # in epoch 0
+    assert trainer.train(4)["learning_rate"] == LR / 2  # steps 5-8: epoch 1 started at step 7
+    trainer.load_checkpoint(reader, state, restore_data=False, restore_rng=False)  # NaN recovery's rollback
+    assert trainer.global_step == 4 and trainer.train(1)["learning_rate"] == LR / 2  # epoch 1's rate, not epoch 0's
+
+
+def test_the_configs_schedule_decays_over_max_epochs_steps_without_train_steps():
+    from cadence.torch.experiments.runners import build_runners_from_config
+
+    def built(params: dict[str, Any] | None = None, lr: dict[str, Any] | None = None, **trainer: Any):
+        data = {"task": {"class": f"{__file__}:EpochTask", "params": {"schedule": "none", **(params or {})}},
+                "trainer": {"train_steps": None, "max_epochs": 2, "device": "cpu", **trainer,
+                            "lr_schedule": {"kind": "warmup_linear", "warmup_steps": 2, **(lr or {})}}}
+        return build_runners_from_config(config_from_dict(data), train=True, evaluate=False)[2]
+
+    trained = rates(built(), 12)  # 2 epochs of 6 steps: warmup to step 2, then down to 0 at step 12
+    assert trained[1] == LR and trained[-2] == pytest.approx(LR * 0.1) and trained[-1] == 0.0
+    with pytest.raises(ConfigError, match=r"decays over trainer.max_epochs' steps \(train_steps is null\), but the "
+                                          r"train data has no length"):
+        built(params={"generator": True})
+    with pytest.raises(ConfigError, match=r"max_epochs' steps \(train_steps is null\): 12, fewer than "
+                                          r"trainer.lr_schedule.warmup_steps \(20\)"):
+        built(lr={"warmup_steps": 20})
+    with pytest.raises(ConfigError, match="which is null, as is trainer.max_epochs: set trainer.train_steps, "
+                                          "trainer.max_epochs or trainer.lr_schedule.decay_steps"):
+        built(max_epochs=None)

@@ -154,8 +154,8 @@ class TrainerConfig(ConfigModel):
     lr_schedule: LRScheduleConfig | None = Field(
         default=None,
         description=("A learning-rate schedule built by cadence, e.g. `{kind: warmup_cosine, warmup_steps: 100, "
-                     "min_lr_ratio: 0.1}`: decays over its `decay_steps`, else `train_steps` (one must be set); for a Task whose "
-                     "`build_lr_scheduler` returns `None` (giving both is an error). Its state is checkpointed "
+                     "min_lr_ratio: 0.1}`: decays over its `decay_steps`, else `train_steps`, else `max_epochs`' steps; "
+                     "for a Task whose `build_lr_scheduler` returns `None` (giving both is an error). Its state is checkpointed "
                      "like any scheduler's. `null`: none."),
     )
     ema: EMAConfig | None = Field(

@@ -53,7 +53,7 @@ def build_runners(
     train: bool = True,
     evaluate: bool = True,
     strategy: str = "ddp",
-    lr_schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
+    lr_schedule: Callable[[torch.optim.Optimizer, TrainingPlan], Any] | None = None,
     ema: EMAConfig | None = None,
     peak_tflops: float | None = None,
     log_throughput: bool = True,
@@ -82,7 +82,7 @@ def build_runners(
     (``task.build_inputs("train", ctx)``), then ``task.configure_lr_scheduler(optimizer, plan)`` with
     the :class:`~cadence.torch.task.lr_schedule.TrainingPlan` (the input's ``len()``,
     ``grad_accum_steps``, ``max_epochs``, ``train_steps``).
-    ``lr_schedule``: builds the LR scheduler from the optimizer (the config's
+    ``lr_schedule``: builds the LR scheduler from the optimizer and the plan (the config's
     ``trainer.lr_schedule``) when the task's returns ``None``; a
     :class:`~cadence.errors.ConfigError` when it returns a scheduler too.
 
@@ -182,7 +182,7 @@ def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: b
 
 
 def _lr_scheduler(task: Task, optimizer: torch.optim.Optimizer, plan: TrainingPlan,
-                  lr_schedule: Callable[[torch.optim.Optimizer], Any] | None) -> Any:
+                  lr_schedule: Callable[[torch.optim.Optimizer, TrainingPlan], Any] | None) -> Any:
     """The task's LR scheduler (``configure_lr_scheduler``), else the config's (``lr_schedule``);
     a :class:`ConfigError` when both give one."""
     scheduler = task.configure_lr_scheduler(optimizer, plan)
@@ -192,7 +192,7 @@ def _lr_scheduler(task: Task, optimizer: torch.optim.Optimizer, plan: TrainingPl
         shown = scheduler.scheduler if isinstance(scheduler, LRSchedule) else scheduler
         raise ConfigError(f"trainer.lr_schedule is set, and {type(task).__name__}.build_lr_scheduler() returns a "
                           f"{type(shown).__name__} too: remove one of them")
-    return lr_schedule(optimizer)
+    return lr_schedule(optimizer, plan)
 
 
 def pretrained_loader(directory: str | None) -> Callable[[torch.nn.Module], None] | None:
@@ -202,12 +202,25 @@ def pretrained_loader(directory: str | None) -> Callable[[torch.nn.Module], None
     return lambda module: load_pretrained(module, directory)
 
 
-def _lr_schedule(cfg: ExperimentConfig) -> Callable[[Any], Any] | None:
-    """``trainer.lr_schedule`` as a function of the optimizer (None: not set)."""
+def _lr_schedule(cfg: ExperimentConfig) -> Callable[[Any, TrainingPlan], Any] | None:
+    """``trainer.lr_schedule`` as a function of the optimizer and the plan (None: not set): it decays
+    over ``decay_steps``, else ``train_steps``, else ``max_epochs``' steps (the plan's ``total_steps``;
+    a :class:`ConfigError` when the train data has no length or they are fewer than the warmup)."""
     schedule, total = cfg.trainer.lr_schedule, cfg.trainer.train_steps
     if schedule is None:
         return None
-    assert total is not None or schedule.decay_steps is not None, "checked by the schema"
     from cadence.torch.components.lr_schedule import build_lr_schedule
 
-    return lambda optimizer: build_lr_schedule(optimizer, schedule, total_steps=total)
+    def build(optimizer: Any, plan: TrainingPlan) -> Any:
+        horizon = total
+        if horizon is None and schedule.decay_steps is None:
+            horizon = plan.total_steps
+            where = f"trainer.lr_schedule ({schedule.kind}) decays over trainer.max_epochs' steps (train_steps is null)"
+            if horizon is None:
+                raise ConfigError(f"{where}, but the train data has no length (len()): set trainer.train_steps or "
+                                  "trainer.lr_schedule.decay_steps")
+            if schedule.warmup_steps > horizon:
+                raise ConfigError(f"{where}: {horizon}, fewer than trainer.lr_schedule.warmup_steps ({schedule.warmup_steps})")
+        return build_lr_schedule(optimizer, schedule, total_steps=horizon)
+
+    return build

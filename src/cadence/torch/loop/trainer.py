@@ -457,7 +457,8 @@ class TorchTrainer:
         """Restore model, optimizer, scheduler, grad scaler, global step, data position, then RNG.
 
         ``restore_data=False`` / ``restore_rng=False`` keep the current data position / RNG
-        (a rollback after a loss spike moves on past the offending batches).
+        (a rollback after a loss spike moves on past the offending batches); an epoch-stepped LR
+        scheduler is then stepped for the epochs started since the checkpoint, so it stays with the data.
 
         Every rank loads the same files; rank ``r`` restores ``rng[r]``. A checkpoint saved by
         fewer ranks than now (an elastic resume) has no state for the new ranks: they are seeded
@@ -475,5 +476,10 @@ class TorchTrainer:
             # is built and its iteration restarted now, before the RNG is restored: whatever randomness
             # that draws (a random split, a DataLoader's seed) cannot shift the stream.
             self._data.restore(self._checkpoint.rank_data_state(state, source))
+        elif self.lr_scheduler is not None and self.lr_interval == "epoch":  # a rollback: the data's epochs go on
+            saved = self._checkpoint.rank_data_state(state, source) or {}
+            for epoch in range(int(saved.get("epoch", 0)) + 1, self._data.epoch + 1):
+                if epoch % self.lr_frequency == 0:  # the epochs started since the checkpoint, as _epoch_started
+                    self.lr_scheduler.step()
         if restore_rng and state.get("rng") is not None:
             self._checkpoint.restore_rng(state["rng"], source, self._global_step)
