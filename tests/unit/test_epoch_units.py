@@ -122,7 +122,8 @@ def test_a_plan_rounds_an_epoch_of_groups_down_and_takes_the_earlier_end():
 
 def test_an_epoch_scheduler_over_a_one_shot_iterator_is_one_line():
     trainer = trainer_for(EpochTask(generator=True))
-    with pytest.raises(ConfigError, match="stepped per epoch, but the train data .* is a one-shot iterator"):
+    iterator = r"the train data \(_SingleProcessDataLoaderIter\) never ends an epoch"  # iter(a DataLoader)
+    with pytest.raises(ConfigError, match=rf"stepped per epoch, but {iterator}"):
         trainer.train(1)
 
 
@@ -249,3 +250,16 @@ def test_the_configs_schedule_decays_over_max_epochs_steps_without_train_steps()
     with pytest.raises(ConfigError, match="which is null, as is trainer.max_epochs: set trainer.train_steps, "
                                           "trainer.max_epochs or trainer.lr_schedule.decay_steps"):
         built(max_epochs=None)
+
+
+def test_an_endless_resumable_loader_ends_no_epoch_so_no_epoch_scheduler_nor_planned_total():
+    from cadence.torch import ResumableLoader
+
+    class Endless(EpochTask):
+        def build_inputs(self, split: str, ctx: Context) -> Any:
+            return ResumableLoader(dataset(), BATCH, seed=ctx.seed)  # epochs=None: one iteration, forever
+
+    trainer = trainer_for(Endless(), max_epochs=2)
+    assert trainer.plan().steps_per_epoch == BATCHES and trainer.planned_steps is None  # intervals in epochs still convert
+    with pytest.raises(ConfigError, match=r"never ends an epoch \(a one-shot iterator, or a ResumableLoader with epochs=None\)"):
+        trainer.train(1)

@@ -24,6 +24,7 @@ from cadence.extensions import Stateful
 from cadence.errors import CheckpointError, ConfigError
 from cadence.runtime.watchdog import unwatched
 from cadence.torch.data import state as data_state
+from cadence.torch.data.loaders import ResumableLoader
 from cadence.torch.runtime.context import Context
 from cadence.torch.task.task import Task
 
@@ -111,6 +112,13 @@ class TrainData:
     def iterator(self) -> Iterator[Any]:
         """The running iterator; started (:meth:`start`) when there is none."""
         return self._iterator if self._iterator is not None else self.start()
+
+    @property
+    def has_epochs(self) -> bool:
+        """Whether the input (built now) ends epochs: not a one-shot iterator, nor an endless
+        :class:`~cadence.torch.data.loaders.ResumableLoader` (``epochs=None``: its epochs run on in one iteration)."""
+        data = self.data
+        return not isinstance(data, Iterator) and not (isinstance(data, ResumableLoader) and data.epochs is None)
 
     @property
     def reiterable(self) -> bool:

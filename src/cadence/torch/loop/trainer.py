@@ -152,7 +152,7 @@ class TorchTrainer:
     def planned_steps(self) -> int | None:
         """:class:`~cadence.extensions.PlansSteps`: the global step at which ``max_epochs`` epochs
         end (:attr:`TrainingPlan.total_steps`), for a train input with a length; ``None`` otherwise."""
-        if self._data.max_epochs is None:
+        if self._data.max_epochs is None or not self._data.has_epochs:
             return None
         return self.plan().total_steps
 
@@ -216,9 +216,10 @@ class TorchTrainer:
                                "controller's callbacks (Controller(..., callbacks=[trainer.ema]))")
         it = self._data.iterator()
         model, optimizer, scheduler, scaler = self.model, self.optimizer, self.lr_scheduler, self.grad_scaler
-        if scheduler is not None and self.lr_interval == "epoch" and not self._data.reiterable:
+        if scheduler is not None and self.lr_interval == "epoch" and not self._data.has_epochs:
             raise ConfigError(f"the LR scheduler is stepped per epoch, but the train data ({type(self.train_data).__name__}) "
-                              "is a one-shot iterator, which has no epochs: return a re-iterable input or step it per step")
+                              "never ends an epoch (a one-shot iterator, or a ResumableLoader with epochs=None): return a "
+                              "finite, re-iterable input or step it per step")
         per_step = scheduler if self.lr_interval == "step" else None  # stepped here; per epoch: at an epoch's start
         lr_every = self.lr_frequency
         task, device = self.task, self.ctx.device
