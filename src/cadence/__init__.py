@@ -19,7 +19,7 @@ _EXPORTS = {
     # what a user implements (cadence.extensions lists them all)
     **dict.fromkeys(
         ("Action", "Callback", "ChecksOutputs", "Closeable", "Composite", "EndsTraining", "Evaluator", "GathersCheckpoint",
-         "Initializable", "NamedInCheckpoint", "ReportsSteps", "RunAware", "RunContext", "Stateful", "Trainer"),
+         "Initializable", "NamedInCheckpoint", "PlansSteps", "ReportsSteps", "RunAware", "RunContext", "Stateful", "Trainer"),
         "cadence.extensions"),
     "Tracker": "cadence.trackers.base",
     "CheckpointManager": "cadence.checkpoint",
@@ -83,6 +83,7 @@ if TYPE_CHECKING:  # pragma: no cover
         GathersCheckpoint,
         Initializable,
         NamedInCheckpoint,
+        PlansSteps,
         ReportsSteps,
         RunAware,
         RunContext,

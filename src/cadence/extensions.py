@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from cadence.runtime.coordination import Coordinator
 
 __all__ = ["Action", "Callback", "ChecksOutputs", "Closeable", "Composite", "EndsTraining", "Evaluator", "GathersCheckpoint",
-           "Initializable", "Logs", "NamedInCheckpoint", "ReportsSteps", "RunAware", "RunContext", "Stateful",
+           "Initializable", "Logs", "NamedInCheckpoint", "PlansSteps", "ReportsSteps", "RunAware", "RunContext", "Stateful",
            "StepEnd", "Trainer"]
 
 JSON = Any
@@ -125,6 +125,18 @@ class EndsTraining(Protocol):
 
     @property
     def training_ended(self) -> bool: ...
+
+
+@runtime_checkable
+class PlansSteps(Protocol):
+    """A trainer that knows where its input ends before training (``trainer.max_epochs`` epochs of
+    an input with a length): with no step target (``train_steps=None``), or an earlier end than the
+    target, :attr:`planned_steps` is the progress display's total (and so its ETA)."""
+
+    @property
+    def planned_steps(self) -> int | None:
+        """The global step training ends at by the input's end; ``None``: unknown."""
+        ...
 
 
 # -- what actions and callbacks may use and be ---------------------------------------------------

@@ -735,7 +735,7 @@ def test_the_schema_imports_no_yaml_and_no_overrides() -> None:
                                "cadence.config.components", "cadence.config.components.compile",
                                "cadence.config.components.ema", "cadence.config.components.lr_schedule",
                                "cadence.config.components.profiler", "cadence.config.components.slurm",
-                               "cadence.config.schema", "cadence.config.trainer"])
+                               "cadence.config.intervals", "cadence.config.schema", "cadence.config.trainer"])
 
 
 def test_the_package_still_exports_every_name() -> None:

@@ -416,9 +416,11 @@ class ExperimentConfig(ConfigModel):
             return self
         if schedule.decay_steps is not None:  # the horizon, checked against warmup_steps by the schedule's model
             return self
-        if steps is None:
-            raise ValueError(f"trainer.lr_schedule ({schedule.kind}) decays over trainer.train_steps, which is null: "
-                             "set trainer.train_steps or trainer.lr_schedule.decay_steps")
+        if steps is None and self.trainer.max_epochs is None:
+            raise ValueError(f"trainer.lr_schedule ({schedule.kind}) decays over trainer.train_steps, which is null, as is "
+                             "trainer.max_epochs: set trainer.train_steps, trainer.max_epochs or trainer.lr_schedule.decay_steps")
+        if steps is None:  # over max_epochs' steps, known once the train data is built (it needs a len())
+            return self
         if schedule.warmup_steps > steps:
             raise ValueError(f"trainer.lr_schedule.warmup_steps ({schedule.warmup_steps}) is more than "
                              f"trainer.train_steps ({steps})")

@@ -16,6 +16,7 @@ from cadence.config.components.compile import COMPILE_FORM, CompileConfig, compi
 from cadence.config.components.ema import EMAConfig
 from cadence.config.components.lr_schedule import LRScheduleConfig
 from cadence.config.components.slurm import SlurmConfig
+from cadence.config.intervals import INTERVAL_FORM, check_interval_value
 
 __all__ = ["BestCheckpointConfig", "EarlyStoppingConfig", "Precision", "RecoveryConfig", "Strategy", "TrainerConfig"]
 
@@ -78,13 +79,16 @@ class TrainerConfig(ConfigModel):
         description=("Steps per inner loop. Checkpoints, validation, summaries and actions happen at loop "
                      "boundaries, so every interval below is effectively rounded up to a multiple of it."),
     )
-    checkpoint_interval: int | None = Field(
-        default=1000, ge=1, strict=True,
-        description="Save a checkpoint every this many steps; `null` saves only when training completes.",
+    checkpoint_interval: int | str | None = Field(
+        default=1000, json_schema_extra={"expected": INTERVAL_FORM},
+        description=("Save a checkpoint every this many steps, or epochs (`1ep`: at the end of every epoch; the "
+                     "train data must have a `len()`, and the inner loops are then cut at these steps); `null` "
+                     "saves only when training completes."),
     )
-    validation_interval: int | None = Field(
-        default=None, ge=1, strict=True,
-        description="Validate every this many steps; `null` validates once, at the end of training.",
+    validation_interval: int | str | None = Field(
+        default=None, json_schema_extra={"expected": INTERVAL_FORM},
+        description=("Validate every this many steps, or epochs (`2ep`: the train data must have a `len()`); `null` "
+                     "validates once, at the end of training."),
     )
     eval_at_start: StrictBool = Field(
         default=False,
@@ -150,8 +154,8 @@ class TrainerConfig(ConfigModel):
     lr_schedule: LRScheduleConfig | None = Field(
         default=None,
         description=("A learning-rate schedule built by cadence, e.g. `{kind: warmup_cosine, warmup_steps: 100, "
-                     "min_lr_ratio: 0.1}`: decays over its `decay_steps`, else `train_steps` (one must be set); for a Task whose "
-                     "`build_lr_scheduler` returns `None` (giving both is an error). Its state is checkpointed "
+                     "min_lr_ratio: 0.1}`: decays over its `decay_steps`, else `train_steps`, else `max_epochs`' steps; "
+                     "for a Task whose `build_lr_scheduler` returns `None` (giving both is an error). Its state is checkpointed "
                      "like any scheduler's. `null`: none."),
     )
     ema: EMAConfig | None = Field(
@@ -244,6 +248,11 @@ class TrainerConfig(ConfigModel):
             raise ValueError("trainer.slurm.requeue needs trainer.save_on_preemption (the requeued job resumes "
                              "from the checkpoint that the signal makes the run commit)")
         return self
+
+    @field_validator("checkpoint_interval", "validation_interval", mode="before")
+    @classmethod
+    def _check_interval(cls, value: Any) -> int | str | None:
+        return check_interval_value(value)
 
     @field_validator("device")
     @classmethod

@@ -23,7 +23,7 @@ from cadence.loop.reports import LoopReports
 from cadence.loop.run_state import RunState
 from cadence.loop.sanity import sanity_check
 from cadence.loop.schedule import (EvalThrottle, check_advance, check_interval, check_loop_settings, crossed,
-                                   already_reached, loop_size, segment_target)
+                                   already_reached, loop_size, progress_total, segment_target)
 from cadence.runtime.coordination import Coordinator, LocalCoordinator
 from cadence.runtime.watchdog import Heartbeat
 from cadence.sidecar.continuous import ContinuousEvaluation
@@ -33,7 +33,6 @@ logger = logging.getLogger("cadence")
 
 StepsPerLoop = int | Callable[[int], int]
 _T = TypeVar("_T")
-
 __all__ = ["Controller", "Action"]
 
 
@@ -400,7 +399,8 @@ class Controller:
         self._session.complete(self.global_step, self.save_checkpoint, reason=self.stop_reason)
 
     def _progress(self, total: int | None, *, enabled: bool = True) -> ProgressReporter:
-        return ProgressReporter(total, initial_step=self.global_step, enabled=self.progress if enabled else False)
+        total, on = progress_total(self.trainer, total), enabled and self.progress
+        return ProgressReporter(total, initial_step=self.global_step, enabled=on)
 
     def close(self) -> None:
         """Wait for a pending asynchronous checkpoint (raising its failure) and report its commit,

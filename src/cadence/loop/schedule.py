@@ -10,10 +10,12 @@ import logging
 import time
 from typing import Any, Callable
 
+from cadence.extensions import PlansSteps
+
 logger = logging.getLogger("cadence")
 
 __all__ = ["EvalState", "EvalThrottle", "already_reached", "check_advance", "check_interval", "check_loop_settings",
-           "crossed", "loop_size", "segment_target"]
+           "crossed", "loop_size", "progress_total", "segment_target"]
 
 
 def check_interval(name: str, value: int | None) -> None:
@@ -152,3 +154,12 @@ def already_reached(step: int, target: int | None, *, saved: bool) -> bool:
         where = "the model dir has" if saved else "the trainer has"
         logger.warning("%s trained to step %d, past train_steps=%d: nothing to train", where, step, target)
     return True
+
+
+def progress_total(trainer: object, target: int | None) -> int | None:
+    """The progress display's total: the step ``target`` (None: none), or a
+    :class:`~cadence.extensions.PlansSteps` trainer's planned end when that is known and earlier."""
+    planned = trainer.planned_steps if isinstance(trainer, PlansSteps) else None
+    if planned is None:
+        return target
+    return planned if target is None else min(target, planned)

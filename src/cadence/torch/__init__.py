@@ -19,6 +19,7 @@ from cadence.torch.components.precision import Precision, resolve_precision
 from cadence.torch.export.signatures import export_model_signatures, read_signatures
 from cadence.torch.task.export_specs import ExportSignature
 from cadence.torch.task.task import Task
+from cadence.torch.task.lr_schedule import LRSchedule, TrainingPlan
 from cadence.torch.loop.trainer import TorchTrainer
 from cadence.torch.experiments.runners import build_runners
 
@@ -45,6 +46,7 @@ __all__ = [
     "ExportSignature",
     "ExportSpec",
     "FORMATS",
+    "LRSchedule",
     "Precision",
     "ResumableLoader",
     "ResumableSampler",
@@ -53,6 +55,7 @@ __all__ = [
     "TorchEvaluator",
     "TorchMetricsReducer",
     "TorchTrainer",
+    "TrainingPlan",
     "build_runners",
     "export_model",
     "export_model_signatures",

@@ -44,7 +44,8 @@ class LRScheduleConfig(ConfigModel):
     decay_steps: int | None = Field(
         default=None, ge=1, le=MAX_INT, strict=True,
         description=("The decay horizon `D`: the step index at which the factor reaches its minimum, held after it "
-                     "(nanoGPT's `lr_decay_iters`); `null`: `trainer.train_steps`. At least `warmup_steps`."),
+                     "(nanoGPT's `lr_decay_iters`); `null`: `trainer.train_steps`, else the steps of `trainer.max_epochs` "
+                     "epochs (a train input with a `len()`). At least `warmup_steps`."),
     )
     min_lr_ratio: float = Field(
         default=0.0, ge=0, le=1, allow_inf_nan=False,

@@ -63,7 +63,7 @@ def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
         )
         _save_config_if_training(cfg, run)
         metrics = controller.train_and_evaluate(
-            train_steps=t.train_steps, eval_steps=t.validation_steps, eval_interval=t.validation_interval,
+            train_steps=t.train_steps, eval_steps=t.validation_steps, eval_interval=run.intervals.validation,
             throttle_secs=cfg.eval_spec.throttle_secs, start_delay_secs=cfg.eval_spec.start_delay_secs,
             sanity_steps=sanity_steps, eval_at_start=t.eval_at_start,
         )

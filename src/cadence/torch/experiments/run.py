@@ -7,7 +7,7 @@ before it trained or evaluated anything leaves the model dir as it found it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cadence import layout
@@ -24,6 +24,7 @@ from cadence.torch.checkpoint_io.state_size import StateSizeEstimate
 from cadence.torch.components.ema import ModelEMA
 from cadence.torch.experiments.actions import build_actions
 from cadence.torch.experiments.callbacks import build_callbacks, tracking_callbacks
+from cadence.torch.experiments.intervals import StepIntervals, resolve_intervals
 from cadence.torch.experiments.runners import build_runners_from_config
 from cadence.torch.loop.trainer import TorchTrainer
 from cadence.torch.runtime.context import Context
@@ -50,6 +51,8 @@ class Run:
     """The EMA of the weights (``trainer.ema``): what is evaluated and exported; None: off."""
     footprint: ModelDirFootprint | None = None
     """What the chief's training run found in the model dir, to take back when it is refused."""
+    intervals: StepIntervals = field(default_factory=lambda: StepIntervals(None, None, 1))
+    """The checkpoint and validation intervals in steps (``trainer.*_interval``, epochs converted)."""
     started_at: tuple[int, int | None] = (0, None)
     """The global step and the last evaluation's step once built: a run still there has neither
     trained nor evaluated."""
@@ -110,8 +113,9 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     if train:  # checkpoints/ a file: one line now, before anything is written
         check_training_paths(model_dir)
     task, ctx, trainer, evaluator = build_runners_from_config(cfg, train=train, evaluate=evaluate)
-    if trainer is not None:  # the training input now: a bad batch size fails before the model dir is written
-        _ = trainer.train_data
+    intervals = StepIntervals(None, None, cfg.trainer.steps_per_loop)
+    if trainer is not None:  # the training input now: a bad batch size, an interval in epochs without a len(),
+        intervals = resolve_intervals(cfg.trainer, trainer.plan().batches_per_epoch)  # fail before the model dir is written
     footprint = ModelDirFootprint(model_dir) if train and ctx.is_chief else None
     lease = acquire_writer_lease(cfg, ctx.coordinator) if train else None
     watchdog = None
@@ -123,7 +127,7 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
         if train and cfg.trainer.hang_timeout is not None:  # from before the restore (a collective that may hang)
             ctx.heartbeat = Heartbeat()
             watchdog = Watchdog(ctx.heartbeat, cfg.trainer.hang_timeout, rank=ctx.rank).start()
-        run = _assemble_run(cfg, task, ctx, trainer, evaluator, lease, train=train, evaluate=evaluate,
+        run = _assemble_run(cfg, task, ctx, trainer, evaluator, lease, intervals, train=train, evaluate=evaluate,
                             restore_step=restore_step, progress=progress, restore=restore)
     except BaseException as e:
         if watchdog is not None:
@@ -159,7 +163,7 @@ def acquire_writer_lease(cfg: ExperimentConfig, coordinator: Coordinator | None)
 
 
 def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any, evaluator: Any,
-                  lease: WriterLease | None, *, train: bool, evaluate: bool, restore_step: int | None,
+                  lease: WriterLease | None, intervals: StepIntervals, *, train: bool, evaluate: bool, restore_step: int | None,
                   progress: bool | None, restore: bool = True) -> Run:
     model_dir = cfg.require_model_dir()
     t = cfg.trainer
@@ -190,8 +194,8 @@ def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any,
         trainer=trainer,
         evaluator=evaluator,
         checkpoint_manager=manager,
-        steps_per_loop=t.steps_per_loop if train else None,
-        checkpoint_interval=t.checkpoint_interval,
+        steps_per_loop=intervals.steps_per_loop if train else None,
+        checkpoint_interval=intervals.checkpoint,
         summary_interval=t.summary_interval,
         summary_dir=layout.train_dir(model_dir) if train else None,
         eval_summary_dir=layout.eval_dir(model_dir) if train else None,
@@ -205,4 +209,4 @@ def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any,
         heartbeat=ctx.heartbeat,
     )
     return Run(config=cfg, task=task, ctx=ctx, controller=controller, checkpoint_manager=manager, model=model,
-               writer_lease=lease, ema=ema)
+               writer_lease=lease, ema=ema, intervals=intervals)

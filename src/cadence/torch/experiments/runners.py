@@ -14,12 +14,14 @@ from cadence.torch.components.compile import compile_model
 from cadence.torch.components.ema import ModelEMA
 from cadence.torch.components.precision import resolve_precision
 from cadence.torch.loop.evaluator import TorchEvaluator
+from cadence.torch.loop.train_data import batches_per_epoch
 from cadence.torch.loop.trainer import TorchTrainer
 from cadence.torch.parallel import sharding
 from cadence.torch.experiments.task_loader import build_task
 from cadence.torch.hf.pretrained import load_pretrained
 from cadence.torch.runtime.context import Context
 from cadence.torch.runtime.rng import seed_everything
+from cadence.torch.task.lr_schedule import LRSchedule, TrainingPlan
 from cadence.torch.task.task import Task
 
 if TYPE_CHECKING:
@@ -51,12 +53,13 @@ def build_runners(
     train: bool = True,
     evaluate: bool = True,
     strategy: str = "ddp",
-    lr_schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
+    lr_schedule: Callable[[torch.optim.Optimizer, TrainingPlan], Any] | None = None,
     ema: EMAConfig | None = None,
     peak_tflops: float | None = None,
     log_throughput: bool = True,
     compile_config: CompileConfig | None = None,
     max_epochs: int | None = None,
+    train_steps: int | None = None,
     ends_with_data: bool = False,
     pipelined_snapshots: bool = True,
     init_from_pretrained: str | None = None,
@@ -75,8 +78,12 @@ def build_runners(
     the same sharded module. ``ValueError`` for an unknown strategy or ``precision="fp16"`` with
     ``"fsdp"``.
 
-    ``lr_schedule``: builds the LR scheduler from the optimizer (the config's
-    ``trainer.lr_schedule``) when the task's ``build_lr_scheduler`` returns ``None``; a
+    Build order when ``train``: the model, ``task.build_optimizer(model)``, the train input
+    (``task.build_inputs("train", ctx)``), then ``task.configure_lr_scheduler(optimizer, plan)`` with
+    the :class:`~cadence.torch.task.lr_schedule.TrainingPlan` (the input's ``len()``,
+    ``grad_accum_steps``, ``max_epochs``, ``train_steps``).
+    ``lr_schedule``: builds the LR scheduler from the optimizer and the plan (the config's
+    ``trainer.lr_schedule``) when the task's returns ``None``; a
     :class:`~cadence.errors.ConfigError` when it returns a scheduler too.
 
     ``ema``: keep an EMA of the weights (the config's ``trainer.ema``), one
@@ -94,6 +101,7 @@ def build_runners(
 
     ``max_epochs``: the trainer's train data ends after that many epochs (``trainer.max_epochs``;
     ``None``: a re-iterable input is iterated again for as long as steps remain).
+    ``train_steps``: the run's last step (``trainer.train_steps``), for the plan only.
     ``ends_with_data``: only the data's end ends training (``trainer.train_steps`` is null; see
     :class:`~cadence.torch.loop.trainer.TorchTrainer`).
     ``pipelined_snapshots``: an asynchronous save's copy runs beside the next step
@@ -118,20 +126,15 @@ def build_runners(
         else:
             wrapped = ctx.wrap_model(model)
         optimizer = task.build_optimizer(model)
-        scheduler = task.build_lr_scheduler(optimizer)
-        if lr_schedule is not None:
-            if scheduler is not None:
-                raise ConfigError(
-                    f"trainer.lr_schedule is set, and {type(task).__name__}.build_lr_scheduler() returns a "
-                    f"{type(scheduler).__name__} too: remove one of them"
-                )
-            scheduler = lr_schedule(optimizer)
+        train_data = task.build_inputs("train", ctx)  # before the scheduler: its length is the plan's
+        plan = TrainingPlan(batches_per_epoch(train_data), grad_accum_steps, max_epochs, train_steps)
         trainer = TorchTrainer(
             task,
             wrapped,
             optimizer,
-            scheduler,
+            _lr_scheduler(task, optimizer, plan, lr_schedule),
             ctx=ctx,
+            train_data=train_data,
             precision=precision,
             grad_accum_steps=grad_accum_steps,
             grad_clip_norm=grad_clip_norm,
@@ -171,10 +174,25 @@ def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: b
         grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate, strategy=t.strategy,
         lr_schedule=_lr_schedule(cfg), ema=t.ema,
         peak_tflops=t.peak_tflops, log_throughput=t.log_throughput, compile_config=t.compile if compile_model else None,
-        max_epochs=t.max_epochs, ends_with_data=t.train_steps is None, pipelined_snapshots=cfg.checkpoint.pipelined,
+        max_epochs=t.max_epochs, train_steps=t.train_steps, ends_with_data=t.train_steps is None,
+        pipelined_snapshots=cfg.checkpoint.pipelined,
         init_from_pretrained=cfg.task.init_from_pretrained,
     )
     return task, ctx, trainer, evaluator
+
+
+def _lr_scheduler(task: Task, optimizer: torch.optim.Optimizer, plan: TrainingPlan,
+                  lr_schedule: Callable[[torch.optim.Optimizer, TrainingPlan], Any] | None) -> Any:
+    """The task's LR scheduler (``configure_lr_scheduler``), else the config's (``lr_schedule``);
+    a :class:`ConfigError` when both give one."""
+    scheduler = task.configure_lr_scheduler(optimizer, plan)
+    if lr_schedule is None:
+        return scheduler
+    if scheduler is not None:
+        shown = scheduler.scheduler if isinstance(scheduler, LRSchedule) else scheduler
+        raise ConfigError(f"trainer.lr_schedule is set, and {type(task).__name__}.build_lr_scheduler() returns a "
+                          f"{type(shown).__name__} too: remove one of them")
+    return lr_schedule(optimizer, plan)
 
 
 def pretrained_loader(directory: str | None) -> Callable[[torch.nn.Module], None] | None:
@@ -184,12 +202,25 @@ def pretrained_loader(directory: str | None) -> Callable[[torch.nn.Module], None
     return lambda module: load_pretrained(module, directory)
 
 
-def _lr_schedule(cfg: ExperimentConfig) -> Callable[[Any], Any] | None:
-    """``trainer.lr_schedule`` as a function of the optimizer (None: not set)."""
+def _lr_schedule(cfg: ExperimentConfig) -> Callable[[Any, TrainingPlan], Any] | None:
+    """``trainer.lr_schedule`` as a function of the optimizer and the plan (None: not set): it decays
+    over ``decay_steps``, else ``train_steps``, else ``max_epochs``' steps (the plan's ``total_steps``;
+    a :class:`ConfigError` when the train data has no length or they are fewer than the warmup)."""
     schedule, total = cfg.trainer.lr_schedule, cfg.trainer.train_steps
     if schedule is None:
         return None
-    assert total is not None or schedule.decay_steps is not None, "checked by the schema"
     from cadence.torch.components.lr_schedule import build_lr_schedule
 
-    return lambda optimizer: build_lr_schedule(optimizer, schedule, total_steps=total)
+    def build(optimizer: Any, plan: TrainingPlan) -> Any:
+        horizon = total
+        if horizon is None and schedule.decay_steps is None:
+            horizon = plan.total_steps
+            where = f"trainer.lr_schedule ({schedule.kind}) decays over trainer.max_epochs' steps (train_steps is null)"
+            if horizon is None:
+                raise ConfigError(f"{where}, but the train data has no length (len()): set trainer.train_steps or "
+                                  "trainer.lr_schedule.decay_steps")
+            if schedule.warmup_steps > horizon:
+                raise ConfigError(f"{where}: {horizon}, fewer than trainer.lr_schedule.warmup_steps ({schedule.warmup_steps})")
+        return build_lr_schedule(optimizer, schedule, total_steps=horizon)
+
+    return build

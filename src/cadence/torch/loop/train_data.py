@@ -18,7 +18,7 @@ runs out ends the training data, and so does the end of epoch ``max_epochs - 1``
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
+from typing import Any, Iterable, Iterator, Protocol, Sized, runtime_checkable
 
 import torch
 
@@ -27,12 +27,13 @@ from cadence.errors import CheckpointError, ConfigError
 from cadence.runtime.watchdog import unwatched
 from cadence.torch.data import sampler_skip
 from cadence.torch.data import state as data_state
+from cadence.torch.data.loaders import ResumableLoader
 from cadence.torch.runtime.context import Context
 from cadence.torch.task.task import Task
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainData", "set_epoch"]
+__all__ = ["TrainData", "batches_per_epoch", "set_epoch"]
 
 
 @runtime_checkable
@@ -50,6 +51,18 @@ def set_epoch(data: Any, epoch: int) -> None:
         sampler = getattr(data, name, None)
         if isinstance(sampler, _SetsEpoch):
             sampler.set_epoch(epoch)
+
+
+def batches_per_epoch(data: Iterable[Any]) -> int | None:
+    """``len(data)``: the batches of one epoch of a training input on this process; ``None`` when it
+    has no length (a generator, a ``DataLoader`` over an ``IterableDataset`` without ``__len__``) or no
+    epochs (a one-shot iterator, even one with a length: ``iter(loader)``)."""
+    if not isinstance(data, Sized) or isinstance(data, Iterator):
+        return None
+    try:
+        return len(data)
+    except TypeError:  # DataLoader.__len__ of an IterableDataset without one
+        return None
 
 
 def _generators(data: Any) -> dict[str, torch.Generator]:
@@ -111,9 +124,21 @@ class TrainData:
                 self._data = self._task.build_inputs("train", self._ctx)
         return self._data
 
+    @property
+    def batches_per_epoch(self) -> int | None:
+        """:func:`batches_per_epoch` of the training input (built now when it was not)."""
+        return batches_per_epoch(self.data)
+
     def iterator(self) -> Iterator[Any]:
         """The running iterator; started (:meth:`start`) when there is none."""
         return self._iterator if self._iterator is not None else self.start()
+
+    @property
+    def has_epochs(self) -> bool:
+        """Whether the input (built now) ends epochs: not a one-shot iterator, nor an endless
+        :class:`~cadence.torch.data.loaders.ResumableLoader` (``epochs=None``: its epochs run on in one iteration)."""
+        data = self.data
+        return not isinstance(data, Iterator) and not (isinstance(data, ResumableLoader) and data.epochs is None)
 
     @property
     def reiterable(self) -> bool:

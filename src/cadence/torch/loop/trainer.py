@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from cadence.checkpoint.protocol import CheckpointReader, CheckpointWriter, ShardTarget
+from cadence.errors import ConfigError
 from cadence.extensions import StepEnd
 from cadence.summaries.throughput import LoopWork
 from cadence.torch.checkpoint_io.state import unwrap_model
@@ -26,6 +27,7 @@ from cadence.torch.runtime.context import Context
 from cadence.torch.runtime.distributed import broadcast_unsharded
 from cadence.torch.runtime.rng import rank_seed, seed_everything
 from cadence.torch.task.step_logs import FOLD, ScalarSum, add_extras, split_output
+from cadence.torch.task.lr_schedule import LRSchedule, TrainingPlan
 from cadence.torch.task.task import Task
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,10 @@ class TorchTrainer:
     a gradient scaler); raises ``RuntimeError`` at construction if the device cannot run it.
     ``grad_accum_steps``: batches per optimizer step (the loss is divided by it).
     ``grad_clip_norm``: clip the global gradient norm to this value (``None``: no clipping).
+    ``lr_scheduler``: a scheduler, stepped after every optimizer step, or an
+    :class:`~cadence.torch.task.lr_schedule.LRSchedule` saying when: every ``frequency``-th step, or
+    (``interval="epoch"``) when every ``frequency``-th epoch of the train data ends, as the next
+    epoch's first batch is drawn (so a checkpoint at an epoch's last step resumes to the same step).
     After each optimizer step (after the LR scheduler's) it calls what the controller handed
     :meth:`set_step_end` (:class:`~cadence.extensions.ReportsSteps`: the callbacks'
     ``on_train_step_end``); nothing when none was.
@@ -80,7 +86,7 @@ class TorchTrainer:
         task: Task,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        lr_scheduler: Any | None = None,
+        lr_scheduler: Any | LRSchedule | None = None,
         *,
         ctx: Context,
         precision: str = "32",
@@ -97,7 +103,8 @@ class TorchTrainer:
     ) -> None:
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
-        if isinstance(lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        schedule = lr_scheduler if isinstance(lr_scheduler, LRSchedule) else LRSchedule(lr_scheduler)
+        if isinstance(schedule.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             raise TypeError(
                 "ReduceLROnPlateau needs a metric and cannot be stepped per optimizer step; "
                 "step it from an action on evaluation results instead"
@@ -107,7 +114,8 @@ class TorchTrainer:
         self.task = task
         self.model = model
         self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
+        self.lr_scheduler: Any = schedule.scheduler
+        self.lr_interval, self.lr_frequency = schedule.interval, schedule.frequency
         self.ctx = ctx
         self.precision = resolve_precision(precision, ctx.device)
         self._sharded = sharding.is_sharded(model)
@@ -140,6 +148,19 @@ class TorchTrainer:
     def training_ended(self) -> bool:
         """:class:`~cadence.extensions.EndsTraining`: the train data ended after ``max_epochs`` epochs."""
         return self._data.ended
+
+    @property
+    def planned_steps(self) -> int | None:
+        """:class:`~cadence.extensions.PlansSteps`: the global step at which ``max_epochs`` epochs
+        end (:attr:`TrainingPlan.total_steps`), for a train input with a length; ``None`` otherwise."""
+        if self._data.max_epochs is None or not self._data.has_epochs:
+            return None
+        return self.plan().total_steps
+
+    def plan(self, train_steps: int | None = None) -> TrainingPlan:
+        """The length of training: the train input's (built now) batches per epoch, ``max_epochs``,
+        ``grad_accum_steps`` and ``train_steps``."""
+        return TrainingPlan(self._data.batches_per_epoch, self.grad_accum_steps, self._data.max_epochs, train_steps)
 
     @property
     def train_data(self) -> Iterable[Any]:
@@ -196,6 +217,12 @@ class TorchTrainer:
                                "controller's callbacks (Controller(..., callbacks=[trainer.ema]))")
         it = self._data.iterator()
         model, optimizer, scheduler, scaler = self.model, self.optimizer, self.lr_scheduler, self.grad_scaler
+        if scheduler is not None and self.lr_interval == "epoch" and not self._data.has_epochs:
+            raise ConfigError(f"the LR scheduler is stepped per epoch, but the train data ({type(self.train_data).__name__}) "
+                              "never ends an epoch (a one-shot iterator, or a ResumableLoader with epochs=None): return a "
+                              "finite, re-iterable input or step it per step")
+        per_step = scheduler if self.lr_interval == "step" else None  # stepped here; per epoch: at an epoch's start
+        lr_every = self.lr_frequency
         task, device = self.task, self.ctx.device
         autocast = self.precision.autocast if self.precision.dtype is not None else None
         k = self.grad_accum_steps
@@ -237,6 +264,7 @@ class TorchTrainer:
                             exhausted = True
                             break
                         it, batch = started
+                        self._epoch_started()
                     consumed += 1
                     if count is not None:
                         count(batch)
@@ -259,6 +287,7 @@ class TorchTrainer:
                                 exhausted = True
                                 break
                             it, batch = started
+                            self._epoch_started()
                         consumed += 1
                         if count is not None:
                             count(batch)
@@ -293,12 +322,13 @@ class TorchTrainer:
                     step_optimizer()
                 if scheduler is not None:
                     trained_lr = lr_group["lr"]
+                if per_step is not None and (lr_every == 1 or (start_step + steps + 1) % lr_every == 0):
                     if scaler is not None:
                         with warnings.catch_warnings():  # a step skipped by the scaler is expected
                             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-                            scheduler.step()
+                            per_step.step()
                     else:
-                        scheduler.step()
+                        per_step.step()
                 steps += 1
                 if step_end is not None:
                     step_end(start_step + steps)
@@ -325,6 +355,12 @@ class TorchTrainer:
             logs["epoch"] = float(self._data.epoch)
         logs.update(self._meter.end_loop())
         return logs
+
+    def _epoch_started(self) -> None:
+        """A new epoch of the train data started (its first batch drawn): step an epoch-stepped LR
+        scheduler when the epochs ended so far are a multiple of its frequency."""
+        if self.lr_scheduler is not None and self.lr_interval == "epoch" and self._data.epoch % self.lr_frequency == 0:
+            self.lr_scheduler.step()
 
     def loop_work(self) -> LoopWork:
         """What the last :meth:`train` call processed on this rank (:class:`cadence.summaries.throughput.CountsWork`,
@@ -423,7 +459,8 @@ class TorchTrainer:
         """Restore model, optimizer, scheduler, grad scaler, global step, data position, then RNG.
 
         ``restore_data=False`` / ``restore_rng=False`` keep the current data position / RNG
-        (a rollback after a loss spike moves on past the offending batches).
+        (a rollback after a loss spike moves on past the offending batches); an epoch-stepped LR
+        scheduler is then stepped for the epochs started since the checkpoint, so it stays with the data.
 
         Every rank loads the same files; rank ``r`` restores ``rng[r]``. A checkpoint saved by
         fewer ranks than now (an elastic resume) has no state for the new ranks: they are seeded
@@ -441,5 +478,10 @@ class TorchTrainer:
             # is built and its iteration restarted now, before the RNG is restored: whatever randomness
             # that draws (a random split, a DataLoader's seed) cannot shift the stream.
             self._data.restore(self._checkpoint.rank_data_state(state, source))
+        elif self.lr_scheduler is not None and self.lr_interval == "epoch":  # a rollback: the data's epochs go on
+            saved = self._checkpoint.rank_data_state(state, source) or {}
+            for epoch in range(int(saved.get("epoch", 0)) + 1, self._data.epoch + 1):
+                if epoch % self.lr_frequency == 0:  # the epochs started since the checkpoint, as _epoch_started
+                    self.lr_scheduler.step()
         if restore_rng and state.get("rng") is not None:
             self._checkpoint.restore_rng(state["rng"], source, self._global_step)

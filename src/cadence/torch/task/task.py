@@ -10,6 +10,7 @@ from torch import nn
 
 from cadence.torch.data.batch import first_tensor
 from cadence.torch.runtime.context import Context
+from cadence.torch.task.lr_schedule import LRSchedule, TrainingPlan
 
 if TYPE_CHECKING:  # signatures imports this module
     from cadence.torch.task.export_specs import ExportSpec
@@ -47,9 +48,25 @@ class Task(abc.ABC):
         ``trainer.strategy: fsdp`` sharded it, both in place; before :meth:`initialize` and before a
         checkpoint's state is restored into the model and this optimizer."""
 
-    def build_lr_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
-        """An LR scheduler, stepped once per optimizer step; ``None`` (the default) for none."""
+    def build_lr_scheduler(
+        self, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.lr_scheduler.LRScheduler | LRSchedule | None:
+        """An LR scheduler, stepped once per optimizer step, or an :class:`LRSchedule` saying when to
+        step it (``LRSchedule(StepLR(optimizer, 30), interval="epoch")``); ``None`` (the default) for
+        none. Called by :meth:`configure_lr_scheduler`'s default; override that one to read the
+        length of training."""
         return None
+
+    def configure_lr_scheduler(
+        self, optimizer: torch.optim.Optimizer, plan: TrainingPlan
+    ) -> torch.optim.lr_scheduler.LRScheduler | LRSchedule | None:
+        """The LR scheduler, knowing the length of training (``plan.steps_per_epoch``,
+        ``plan.total_steps``: a ``OneCycleLR``'s ``total_steps``). What the framework calls, once,
+        after :meth:`build_optimizer` and after the train input was built (``build_inputs("train",
+        ctx)``, whose ``len()`` gives the steps per epoch), before a checkpoint is restored. A bare
+        scheduler is stepped once per optimizer step; an :class:`LRSchedule` says ``interval``
+        (``"step"`` or ``"epoch"``) and ``frequency``. Default: :meth:`build_lr_scheduler`."""
+        return self.build_lr_scheduler(optimizer)
 
     @abc.abstractmethod
     def build_inputs(self, split: str, ctx: Context) -> Iterable[Any]:
