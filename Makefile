@@ -57,11 +57,14 @@ lint: $(STAMP)
 # Side-by-side measurements (peers installed from the bench extra); writes benchmarks/results/.
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"
-	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run.py
+	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.run
 
-# On a machine with CUDA (and transformers): the stall of a GPT-2-small-sized state's asynchronous save.
+# On a machine with CUDA (and transformers): the stall of a GPT-2-small-sized state's asynchronous save, then
+# cadence's loop on GPT-2 small (bf16, eager and compiled) against a hand-written one; then the docs' tables.
 bench-gpu: $(STAMP)
-	$(BIN)/python benchmarks/checkpoint_stall_cuda.py --out benchmarks/results/checkpoint_stall_cuda.md
+	$(BIN)/python benchmarks/checkpoint/stall_cuda.py --out benchmarks/results/checkpoint_stall_cuda.md
+	$(BIN)/python benchmarks/loop/gpu_loop.py --out benchmarks/results/gpu_loop.md
+	$(BIN)/python benchmarks/docs_tables.py
 
 $(VENV)/.docs-installed: $(STAMP) pyproject.toml
 	$(BIN)/pip install -q -e ".[docs]"

@@ -17,23 +17,26 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+if __name__ == "__main__":  # run as a file: the checkout's root, not this folder, first on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # (imports `benchmarks`: see its __init__)
 
-import checkpoint_markdown  # noqa: E402
-import checkpoint_stall_cuda  # noqa: E402
-import checkpoint_stall_page  # noqa: E402
-from checkpoint_throughput import TARGETS as CHECKPOINT_TARGETS  # noqa: E402
-import compile_speed  # noqa: E402
-import ema_overhead  # noqa: E402
-import goodput  # noqa: E402
-import goodput_nodes  # noqa: E402
-import loop_overhead  # noqa: E402
-import profiler_overhead  # noqa: E402
-import resume_cost  # noqa: E402
-import save_mode_crossover  # noqa: E402
-import sidecar_latency  # noqa: E402
-import throughput_overhead  # noqa: E402
+HERE = Path(__file__).resolve().parent
+
+from benchmarks.checkpoint import save_load_page as checkpoint_markdown  # noqa: E402
+from benchmarks.checkpoint import stall_cuda as checkpoint_stall_cuda  # noqa: E402
+from benchmarks.checkpoint import stall_page as checkpoint_stall_page  # noqa: E402
+from benchmarks.checkpoint.throughput import TARGETS as CHECKPOINT_TARGETS  # noqa: E402
+from benchmarks.loop import compile_speed  # noqa: E402
+from benchmarks.loop import ema_overhead  # noqa: E402
+from benchmarks.loop import gpu_loop  # noqa: E402
+from benchmarks.faults import goodput  # noqa: E402
+from benchmarks.faults import goodput_nodes  # noqa: E402
+from benchmarks.loop import overhead as loop_overhead  # noqa: E402
+from benchmarks.loop import profiler_overhead  # noqa: E402
+from benchmarks.checkpoint import resume_cost  # noqa: E402
+from benchmarks.checkpoint import save_mode_crossover  # noqa: E402
+from benchmarks.sidecar import latency as sidecar_latency  # noqa: E402
+from benchmarks.loop import throughput_overhead  # noqa: E402
 
 RESULTS = HERE / "results"
 PAGES = (HERE.parent / "README.md", HERE.parent / "docs" / "guide" / "performance.md")
@@ -53,14 +56,19 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "profiler": profiler_overhead.markdown_lines,
     "throughput": throughput_overhead.markdown_lines,
     "ema": ema_overhead.markdown_lines,
+    "gpu_loop": gpu_loop.markdown_lines,
 }
 """Each benchmark's tables, in the order of ``make bench``'s page."""
 
 OWN_FILES = {"stall": "checkpoint_stall", "stall_cuda": "checkpoint_stall_cuda", "crossover": "save_mode_crossover",
              "sharded": "sharded_checkpoint",
              "goodput_nodes": "goodput_nodes", "compile": "compile_speed", "profiler": "profiler_overhead",
-             "throughput": "throughput_overhead", "ema": "ema_overhead"}
+             "throughput": "throughput_overhead", "ema": "ema_overhead", "gpu_loop": "gpu_loop"}
 """The results file (in ``results/``, without ``.json``) a benchmark writes when run on its own."""
+
+UNMEASURED = {"stall_cuda": "Not measured yet: needs a CUDA device (`make bench-gpu`).",
+              "gpu_loop": "Not measured yet: needs a CUDA device (`make bench-gpu`)."}
+"""What a block of a benchmark ``make bench`` does not run says until its results file exists."""
 
 BLOCK = re.compile(r"(<!-- bench:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.DOTALL)
 
@@ -162,6 +170,11 @@ def headline_lines(results: dict[str, dict]) -> list[str]:
         if first is not None and honest:  # (before, a first save could reuse another contender's pinned memory)
             rows.append(_row("the same: the first save's stall (of a sync save)", [("", first["value"], first["met"])],
                              _percent, f"≤ {first['bound'] * 100:.0f}%"))
+    if "gpu_loop" in results:
+        r = results["gpu_loop"]
+        rows.append(_row(f"cadence's loop on GPT-2 small, bf16, {r['device']} (× a hand-written loop, paired)",
+                         [(s["compile"] or "eager", s["target"]["value"], s["target"]["met"]) for s in r["settings"]],
+                         _fine_ratio, f"≤ {r['settings'][0]['target']['bound']:.2f}×"))
     if "sidecar" in results:
         median = results["sidecar"]["median_s"]
         rows.append(_row("sidecar: a commit to its evaluation starting (median)", [("", median, median <= 1)],
@@ -178,7 +191,7 @@ def block_lines(name: str, results: dict[str, dict]) -> list[str]:
     if name not in RENDERERS:
         raise KeyError(f"unknown benchmark block {name!r}; known: headline, {', '.join(RENDERERS)}")
     if name not in results:
-        return [f"(No results for `{name}` in benchmarks/results/: run `make bench`.)"]
+        return [UNMEASURED.get(name, f"(No results for `{name}` in benchmarks/results/: run `make bench`.)")]
     result = results[name]
     return [*RENDERERS[name](result), _measured(result.get("machine"))]
 

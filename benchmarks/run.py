@@ -1,6 +1,6 @@
 """``make bench``: run every benchmark, write ``results/latest.json`` and ``results/latest.md``.
 
-    python benchmarks/run.py [--quick]
+    python -m benchmarks.run [--quick]   (from the checkout; or python benchmarks/run.py)
         [--only loop,checkpoint,stall,crossover,sharded,sidecar,resume,goodput,goodput_nodes,profiler,throughput,ema,compile]
 
 ``--only`` updates those entries of ``latest.json`` and keeps the others. ``--quick`` runs the
@@ -22,24 +22,26 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+if __name__ == "__main__":  # run as a file: the checkout's root, not this folder, first on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # (imports `benchmarks`: see its __init__)
 
-import checkpoint_stall  # noqa: E402
-import checkpoint_throughput  # noqa: E402
-import compile_speed  # noqa: E402
-import ema_overhead  # noqa: E402
-import goodput  # noqa: E402
-import goodput_nodes  # noqa: E402
-import loop_overhead  # noqa: E402
-import profiler_overhead  # noqa: E402
-import resume_cost  # noqa: E402
-import save_mode_crossover  # noqa: E402
-import sharded_checkpoint  # noqa: E402
-import sidecar_latency  # noqa: E402
-import throughput_overhead  # noqa: E402
-from docs_tables import RENDERERS, regenerate  # noqa: E402
-from results_file import header, machine, write_results  # noqa: E402
+HERE = Path(__file__).resolve().parent
+
+from benchmarks.checkpoint import stall as checkpoint_stall  # noqa: E402
+from benchmarks.checkpoint import throughput as checkpoint_throughput  # noqa: E402
+from benchmarks.loop import compile_speed  # noqa: E402
+from benchmarks.loop import ema_overhead  # noqa: E402
+from benchmarks.faults import goodput  # noqa: E402
+from benchmarks.faults import goodput_nodes  # noqa: E402
+from benchmarks.loop import overhead as loop_overhead  # noqa: E402
+from benchmarks.loop import profiler_overhead  # noqa: E402
+from benchmarks.checkpoint import resume_cost  # noqa: E402
+from benchmarks.checkpoint import save_mode_crossover  # noqa: E402
+from benchmarks.checkpoint import sharded as sharded_checkpoint  # noqa: E402
+from benchmarks.sidecar import latency as sidecar_latency  # noqa: E402
+from benchmarks.loop import throughput_overhead  # noqa: E402
+from benchmarks.docs_tables import RENDERERS, regenerate  # noqa: E402
+from benchmarks.common.results_file import header, machine, write_results  # noqa: E402
 
 BENCHMARKS = {
     "loop": loop_overhead.run,

@@ -1,26 +1,24 @@
-"""The checkpoint benchmarks' quick modes run end to end: every contender saves, loads back exactly
-what it saved (checked), and the report renders. Timings are not checked."""
+"""The benchmarks' quick modes run end to end: every checkpoint contender saves, loads back exactly
+what it saved (checked), the loops run the same steps, and the reports render. Timings are not checked."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import math
 from pathlib import Path
 
 import torch
 from cli_run import run_python
 from zygote import forking_children
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[2]  # holds the package `benchmarks`
 
 
 def test_checkpoint_benchmark_quick(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import checkpoint_throughput
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.checkpoint import throughput as checkpoint_throughput
 
-    spec = importlib.util.spec_from_file_location("cadence_benchmarks_run", BENCHMARKS / "run.py")
-    bench_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_run)
+    from benchmarks import run as bench_run
 
     result = checkpoint_throughput.run(quick=True, root=str(tmp_path), sizes={"tiny": 64})
     (size,) = result["sizes"]
@@ -39,13 +37,13 @@ def test_sharded_checkpoint_benchmark_quick(tmp_path, monkeypatch):
     """The sharded benchmark's quick mode on 1, 2 and 3 torchrun ranks: both contenders save and load
     back exactly what they saved (checked on every rank), and the table it writes has a row per
     world size and contender."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import sharded_checkpoint
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.checkpoint import sharded as sharded_checkpoint
 
     out = tmp_path / "results" / "sharded.md"
     root = tmp_path / "ckpt"
     root.mkdir()
-    proc = run_python([str(BENCHMARKS / "sharded_checkpoint.py"), "--quick", "--root", str(root), "--out", str(out)],
+    proc = run_python([str(ROOT / "benchmarks" / "checkpoint" / "sharded.py"), "--quick", "--root", str(root), "--out", str(out)],
                       timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert list(root.iterdir()) == []  # every checkpoint written was deleted
@@ -62,9 +60,7 @@ def test_sharded_checkpoint_benchmark_quick(tmp_path, monkeypatch):
         assert f"\n| {n} | plain DCP (dcp.save / dcp.load) |" in text
         assert f"\n| {n} | cadence (CheckpointSession, crc32c) |" in text
     assert "## Sharded checkpoint save and load under FSDP2" in text
-    spec = importlib.util.spec_from_file_location("cadence_benchmarks_run", BENCHMARKS / "run.py")
-    bench_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_run)
+    from benchmarks import run as bench_run
     assert bench_run.BENCHMARKS["sharded"] is sharded_checkpoint.run  # part of `make bench`
 
 
@@ -72,8 +68,8 @@ def test_goodput_benchmark_quick(tmp_path, monkeypatch):
     """The goodput benchmark's quick mode: a 2-rank run without faults and one whose ranks are
     SIGKILLed once (when its attempt has run 25 steps) both finish, with bit-identical weights
     (checked by the benchmark), and the table renders."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import goodput
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.faults import goodput
 
     with forking_children():  # its cadence processes forked from the tests' zygote
         result = goodput.run(quick=True, root=str(tmp_path))
@@ -85,9 +81,7 @@ def test_goodput_benchmark_quick(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # the runs' directories were deleted
     text = "\n".join(goodput.markdown_lines(result))
     assert "## Goodput under failures" in text and "| a rank killed after 25 steps, once |" in text
-    spec = importlib.util.spec_from_file_location("cadence_benchmarks_run", BENCHMARKS / "run.py")
-    bench_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_run)
+    from benchmarks import run as bench_run
     assert bench_run.BENCHMARKS["goodput"] is goodput.run  # part of `make bench`
 
 
@@ -95,8 +89,8 @@ def test_goodput_nodes_benchmark_quick(tmp_path, monkeypatch):
     """The node-loss goodput benchmark's quick mode: a two-node job (one rank per node) without faults and
     one whose node 1 is lost once (SIGKILL to its agent's process group and worker) and started again both
     finish, with bit-identical weights (checked by the benchmark), and the table renders."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import goodput_nodes
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.faults import goodput_nodes
 
     with forking_children():  # its cadence processes forked from the tests' zygote
         result = goodput_nodes.run(quick=True, root=str(tmp_path))
@@ -110,9 +104,7 @@ def test_goodput_nodes_benchmark_quick(tmp_path, monkeypatch):
     text = "\n".join(goodput_nodes.markdown_lines(result))
     assert "## Goodput under node loss" in text and "| node 1 lost after 15 steps, 1 time(s), keep-alive 1 s x 4 |" in text
     assert "82.3% of steps committed with a failure every 60 s" in text
-    spec = importlib.util.spec_from_file_location("cadence_benchmarks_run", BENCHMARKS / "run.py")
-    bench_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_run)
+    from benchmarks import run as bench_run
     assert bench_run.BENCHMARKS["goodput_nodes"] is goodput_nodes.run  # part of `make bench`
 
 
@@ -121,8 +113,8 @@ def test_checkpoint_stall_benchmark_quick(tmp_path, monkeypatch):
     contender saves while training, the stalls, step ratios and peak RSS are positive, the table
     renders with a row per contender and the targets, and it is part of `make bench`. Timings are
     not compared (a noisy machine)."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import checkpoint_stall
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.checkpoint import stall as checkpoint_stall
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as `make bench` trains (OMP_NUM_THREADS=1); 2 threads on 2 busy cores crawl
@@ -148,8 +140,35 @@ def test_checkpoint_stall_benchmark_quick(tmp_path, monkeypatch):
     assert text.count("## Checkpoint stall") == 2 and text.count("Targets, cadence pipelined: ") == 2
     for contender in checkpoint_stall.CONTENDERS.values():
         assert text.count(f"\n| {contender} | ") == 2
-    spec = importlib.util.spec_from_file_location("cadence_benchmarks_run", BENCHMARKS / "run.py")
-    bench_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_run)
+    from benchmarks import run as bench_run
     assert bench_run.BENCHMARKS["stall"] is checkpoint_stall.run  # part of `make bench`
     assert "## Checkpoint stall" in bench_run.markdown({"machine": bench_run.machine(), "stall": result})
+
+
+def test_gpu_loop_benchmark_quick_on_cpu(monkeypatch):
+    """The GPU loop benchmark's smoke test (``--quick --device cpu``: a 2-layer GPT-2, bf16 autocast, eager and
+    aot_eager): both contenders run the same number of steps and, running the same ops on the same inputs and
+    weights, the same loss at step 1 (an untrained model's: about ln(vocabulary)); the table renders with the
+    paired ratio, no MFU off CUDA. Timings are not compared."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.loop import gpu_loop
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = gpu_loop.run("cpu", quick=True)
+    finally:
+        torch.set_num_threads(threads)
+    q = gpu_loop.QUICK
+    assert [s["compile"] for s in result["settings"]] == [None, "aot_eager"]
+    for setting in result["settings"]:
+        rows = {row["contender"]: row for row in setting["rows"]}
+        assert list(rows) == list(gpu_loop.CONTENDERS)
+        hand, cadence = rows["hand-written"], rows["cadence"]
+        assert hand["steps"] == cadence["steps"] == 1 + (q["warmup"] - 1) + q["steps"] * q["repeats"]
+        assert hand["first_loss"] == cadence["first_loss"]
+        assert abs(hand["first_loss"] - math.log(q["config"]["vocab_size"])) < 0.5
+        assert all(row["ms_per_step_median"] > 0 and row["mfu"] is None for row in rows.values())
+        assert setting["ratio_paired"] > 0 and setting["flops_per_step"] > 0 and setting["peak_flops"] is None
+    text = "\n".join(gpu_loop.markdown_lines(result))
+    assert "| off | cadence |" in text and "| aot_eager | hand-written |" in text and "Target <= 1.01x" in text

@@ -327,13 +327,13 @@ def test_fsdp_on_two_ranks_writes_sharded_checkpoints_to_s3(tmp_path: Path, url:
 
 
 def test_kill_9_torture_on_s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    """2 kills here, one of a run saving synchronously and one asynchronously (benchmarks/s3_torture.py runs
+    """2 kills here, one of a run saving synchronously and one asynchronously (benchmarks/faults/s3_torture.py runs
     20+): every committed checkpoint verifies after each kill, and the resumed run's final weights and metrics
     equal an uninterrupted run's (trained in a local directory here). 80 steps: the killed runs (seed 1) reach
     about step 16 on a loaded machine, at most about 60 on a fast one, so the last kill always finds a run
     still training."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import s3_torture
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.faults import s3_torture
 
     with forking_children():  # its cadence processes forked from the tests' zygote
         result = s3_torture.torture(s3_server.bucket, s3_server.env(), kills=2, steps=80, seed=1, local_reference=True)

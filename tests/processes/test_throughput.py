@@ -1,11 +1,10 @@
 """Throughput in the train summaries: samples/s and tokens/s from the loop's own timing, FLOPs per
 sample (the task's, or counted once on the meta device) and MFU against a peak, peak CUDA memory,
 the GPU peak table, the progress line and ``cadence report``. Speed is measured in
-``benchmarks/throughput_overhead.py``, never here."""
+``benchmarks/loop/throughput_overhead.py``, never here."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import logging
 import math
@@ -35,7 +34,7 @@ from cadence.torch.runtime.rng import seed_everything
 from cadence.torch.components.throughput import count_flops_per_sample
 
 TASKS = Path(__file__).parents[1] / "tasks.py"
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[2]  # holds the package `benchmarks`
 BATCH, SEQ, VOCAB = 4, 7, 13
 
 
@@ -374,10 +373,10 @@ def test_the_report_plots_the_throughput_and_gives_its_medians(tmp_path):
 
 
 def test_the_benchmark_quick_mode_runs_every_contender(monkeypatch):
-    """``benchmarks/throughput_overhead.py --quick`` end to end: every contender trains and logs what
+    """``benchmarks/loop/throughput_overhead.py --quick`` end to end: every contender trains and logs what
     it promises; timings are not checked."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import throughput_overhead
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.loop import throughput_overhead
 
     result = throughput_overhead.run(quick=True)
     logged = {row["contender"]: set(row["logged"]) for row in result["rows"]}
@@ -390,7 +389,5 @@ def test_the_benchmark_quick_mode_runs_every_contender(monkeypatch):
     }
     assert result["costs"]["flops_per_sample"] == mlp_flops_per_sample((32, 64, 10))
     assert "## Throughput logging overhead" in "\n".join(throughput_overhead.markdown_lines(result))
-    spec = importlib.util.spec_from_file_location("cadence_benchmarks_run", BENCHMARKS / "run.py")
-    bench_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_run)
+    from benchmarks import run as bench_run
     assert bench_run.BENCHMARKS["throughput"] is throughput_overhead.run  # part of `make bench`

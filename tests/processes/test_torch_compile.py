@@ -386,10 +386,10 @@ def test_on_two_ranks_ddp_compiles_the_model_and_fsdp_each_unit_and_their_checkp
 
 
 def test_the_compile_benchmark_runs_in_its_quick_mode(tmp_path, monkeypatch):
-    """``benchmarks/compile_speed.py --quick`` (aot_eager) end to end: eager and compiled train from
+    """``benchmarks/loop/compile_speed.py --quick`` (aot_eager) end to end: eager and compiled train from
     the same weights on the same batches to the same loss, and the table renders. No timing is checked."""
-    monkeypatch.syspath_prepend(str(HERE.parent / "benchmarks"))
-    import compile_speed
+    monkeypatch.syspath_prepend(str(HERE.parent))  # the checkout: the package `benchmarks`
+    from benchmarks.loop import compile_speed
 
     result = compile_speed.run(quick=True, root=str(tmp_path))
     (process,) = result["processes"]

@@ -233,11 +233,11 @@ def test_bad_profiler_settings_are_one_line_errors(tmp_path, override, message):
 
 
 def test_the_overhead_benchmark_runs(monkeypatch):
-    """benchmarks/profiler_overhead.py's quick mode: both contenders timed, the profiled ones wrote
+    """benchmarks/loop/profiler_overhead.py's quick mode: both contenders timed, the profiled ones wrote
     the default window's trace before their timed steps, the reference window its own. Timings are
     not checked."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import profiler_overhead
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.loop import profiler_overhead
 
     result = profiler_overhead.run(quick=True)
     assert [row["contender"] for row in result["rows"]] == list(profiler_overhead.CONTENDERS)

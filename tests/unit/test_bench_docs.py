@@ -3,20 +3,23 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
+import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from by_path import load_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def docs_tables() -> ModuleType:
-    return load_module("cadence_bench_docs_tables", ROOT / "benchmarks" / "docs_tables.py")
+    if str(ROOT) not in sys.path:  # the checkout holds the package `benchmarks`
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module("benchmarks.docs_tables")
 
 
 def test_the_pages_tables_are_the_committed_results(docs_tables: ModuleType) -> None:
@@ -80,3 +83,33 @@ def test_a_headline_row_is_met_only_when_every_state_meets_its_target(docs_table
                       "| ≤ 5% | yes |")
     missed = docs_tables.headline_lines({"stall": {"states": [state("1 GiB", 0.001), state("charlm", 0.113)]}})
     assert missed[2].endswith("| 1 GiB 0.1% · charlm 11.3% | ≤ 5% | **no** |")
+
+
+def test_the_gpu_loop_says_it_is_unmeasured_until_its_results_exist_then_shows_its_table_and_headline(
+        tmp_path: Path, docs_tables: ModuleType) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("<!-- bench:gpu_loop -->\n<!-- /bench:gpu_loop -->\n<!-- bench:headline -->\n<!-- /bench:headline -->\n")
+    docs_tables.regenerate((page,), tmp_path / "none")
+    text = page.read_text()
+    assert "<!-- bench:gpu_loop -->\nNot measured yet: needs a CUDA device (`make bench-gpu`).\n" in text
+    assert "GPT-2" not in text  # no headline row either
+
+    def setting(backend: str | None, ratio: float) -> dict:
+        rows = [{"contender": name, "ms_per_step_median": 20.0, "steps_per_s": 50.0, "mfu": 0.4, "steps": 511,
+                 "first_loss": 10.9} for name in ("hand-written", "cadence")]
+        return {"compile": backend, "rows": rows, "ratio_paired": ratio,
+                "target": {"bound": 1.01, "value": ratio, "met": ratio <= 1.01}}
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "gpu_loop.json").write_text(json.dumps({
+        "device": "NVIDIA H100 80GB HBM3", "quick": False, "batch": [8, 1024], "warmup": 10, "steps": 100,
+        "repeats": 5, "model": {"n_layer": 12, "n_embd": 768, "vocab_size": 50257, "parameters": 124439808},
+        "settings": [setting(None, 1.004), setting("inductor", 1.013)], "machine": "an H100 box"}))
+    docs_tables.regenerate((page,), results)
+    text = page.read_text()
+    assert "| off | cadence | 20.00 | 50.0 | 40.0% | 1.004 |" in text and "| inductor | hand-written |" in text
+    assert "Target <= 1.01x: eager 1.004x (met); inductor 1.013x (**missed**)." in text
+    assert "Measured on an H100 box." in text
+    assert ("| cadence's loop on GPT-2 small, bf16, NVIDIA H100 80GB HBM3 (× a hand-written loop, paired) "
+            "| eager 1.004× · inductor 1.013× | ≤ 1.01× | **no** |") in text

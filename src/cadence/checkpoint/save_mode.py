@@ -31,7 +31,7 @@ optimizer and EMA state); called at most once, before the first measured save.""
 
 AUTO_COST_THRESHOLD = 0.02
 """Seconds of a save's write and commit above which ``"auto"`` makes the next save asynchronous
-(the crossover measured with ``benchmarks/save_mode_crossover.py``; see docs/guide/performance.md)."""
+(the crossover measured with ``benchmarks/checkpoint/save_mode_crossover.py``; see docs/guide/performance.md)."""
 
 AUTO_SIZE_THRESHOLD = 16 << 20
 """Bytes of state from which ``"auto"``'s first save, not yet measured, is asynchronous."""

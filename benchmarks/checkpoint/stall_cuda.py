@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+if __name__ == "__main__":  # run as a file: the checkout's root, not this folder, first on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # (imports `benchmarks`: see its __init__)
 
-from checkpoint_stall import CONTENDERS, Workload, measure_state, optimizer_state_made  # noqa: E402
-from results_file import run_on_this_machine, write_results  # noqa: E402
+from benchmarks.checkpoint.stall import CONTENDERS, Workload, measure_state, optimizer_state_made  # noqa: E402
+from benchmarks.common.results_file import run_on_this_machine, write_results  # noqa: E402
 
 BATCH, SEQ = 8, 512
 QUICK = {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 128, "n_positions": 32}
@@ -159,8 +159,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     text, result = run_on_this_machine(
-        "checkpoint stall on CUDA", "checkpoint_stall_cuda.py",
-        lambda: run(args.device, quick=args.quick, saves=args.saves, root=args.root), markdown_lines)
+        "checkpoint stall on CUDA", "checkpoint/stall_cuda.py",
+        lambda: run(args.device, quick=args.quick, saves=args.saves, root=args.root), markdown_lines,
+        results="checkpoint_stall_cuda")
     write_results(args.out, text, result)
     print(text)
 

@@ -1,9 +1,9 @@
 """Profiler overhead: the training loop with the profiler configured but outside its window, next to
 the same loop without a profiler; and, for reference, the steps inside a window.
 
-    OMP_NUM_THREADS=1 python benchmarks/profiler_overhead.py [--quick] [--out benchmarks/results/profiler_overhead.md]
+    OMP_NUM_THREADS=1 python benchmarks/loop/profiler_overhead.py [--quick] [--out benchmarks/results/profiler_overhead.md]
 
-The workload of the loop benchmark (``loop_overhead.py``: a 32-64-10 MLP, batch 16, SGD, batches
+The workload of the loop benchmark (``loop/overhead.py``: a 32-64-10 MLP, batch 16, SGD, batches
 in memory, one torch thread) through cadence's ``Controller`` and ``TorchTrainer``. Each run first
 trains ``WARMUP`` untimed steps -- for the profiled contender these hold the default window
 (``profiler:`` defaults, steps 13-15: a real trace is written), so the timed steps come *after* a
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+if __name__ == "__main__":  # run as a file: the checkout's root, not this folder, first on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # (imports `benchmarks`: see its __init__)
 
-import loop_overhead  # noqa: E402  (the same model and task)
-from results_file import run_on_this_machine, write_results  # noqa: E402
+from benchmarks.loop import overhead as loop_overhead  # noqa: E402  (the same model and task)
+from benchmarks.common.results_file import run_on_this_machine, write_results  # noqa: E402
 
 WARMUP = 20
 FULL = {"steps": 2000, "repeats": 15, "inside_steps": 500}
@@ -170,7 +170,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short run (smoke test)")
     parser.add_argument("--out", default=None, help="write the table here (and the JSON next to it)")
     args = parser.parse_args()
-    text, result = run_on_this_machine("profiler overhead", "profiler_overhead.py", lambda: run(quick=args.quick), markdown_lines)
+    text, result = run_on_this_machine("profiler overhead", "loop/profiler_overhead.py",
+                                       lambda: run(quick=args.quick), markdown_lines)
     print(text)
     write_results(args.out, text, result)
 

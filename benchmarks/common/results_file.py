@@ -50,9 +50,11 @@ def write_results(out: str | Path | None, text: str, result: dict[str, Any]) -> 
 
 
 def run_on_this_machine(title: str, script: str, run: Callable[[], dict[str, Any]],
-                        markdown_lines: Callable[[dict[str, Any]], list[str]]) -> tuple[str, dict[str, Any]]:
+                        markdown_lines: Callable[[dict[str, Any]], list[str]],
+                        results: str | None = None) -> tuple[str, dict[str, Any]]:
     """``run()``, with the machine and its load average (1 min) before and after added to the
-    result as ``machine``; the page: ``# title``, the machine line and how to reproduce it, the table."""
+    result as ``machine``; the page: ``# title``, the machine line and how to reproduce it (``script``:
+    its path under ``benchmarks/``, writing ``results/<results>.md``, by default the script's name), the table."""
     load = os.getloadavg()[0]
     result = run()
     result["machine"] = {**machine(), "load_average_1min": [load, os.getloadavg()[0]]}
@@ -61,5 +63,5 @@ def run_on_this_machine(title: str, script: str, run: Callable[[], dict[str, Any
                       (f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, {m['date']}; load "
                        f"average (1 min) {load:.1f} at the start, {m['load_average_1min'][1]:.1f} at the end. "
                        f"Reproduce: `OMP_NUM_THREADS=1 python benchmarks/{script} "
-                       f"--out benchmarks/results/{Path(script).stem}.md`.\n"), *markdown_lines(result)])
+                       f"--out benchmarks/results/{results or Path(script).stem}.md`.\n"), *markdown_lines(result)])
     return text, result

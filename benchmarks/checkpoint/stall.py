@@ -51,12 +51,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+if __name__ == "__main__":  # run as a file: the checkout's root, not this folder, first on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # (imports `benchmarks`: see its __init__)
 
-from checkpoint_throughput import BIG, LAYERS, SIZES, _copy_floor, build, nbytes  # noqa: E402
-from checkpoint_stall_page import markdown_lines  # noqa: E402  (run.py and the tests call it from here)
-from results_file import run_on_this_machine, write_results  # noqa: E402
+from benchmarks.checkpoint.throughput import BIG, LAYERS, SIZES, _copy_floor, build, nbytes  # noqa: E402
+from benchmarks.checkpoint.stall_page import markdown_lines  # noqa: E402  (run.py and the tests call it from here)
+from benchmarks.common.results_file import run_on_this_machine, write_results  # noqa: E402
 
 BATCH = 8  # rows per step of the layers' state
 SAVES = {"1 GiB": 4, "4 GiB": 3}
@@ -197,7 +197,7 @@ def layers_workload(width: int) -> Workload:
 
 
 def charlm_workload(params: dict[str, int]) -> Workload:
-    from example_tasks import example_task_class
+    from benchmarks.common.example_tasks import example_task_class
 
     CharLMTask = example_task_class("charlm", "CharLMTask")
     torch.manual_seed(0)
@@ -477,8 +477,9 @@ def main() -> None:
     args = parser.parse_args()
     sizes = {k: SIZES[k] for k in args.size} if args.size else None
     text, result = run_on_this_machine(
-        "checkpoint stall", "checkpoint_stall.py",
-        lambda: run(quick=args.quick, root=args.root, sizes=sizes, saves=args.saves), markdown_lines)
+        "checkpoint stall", "checkpoint/stall.py",
+        lambda: run(quick=args.quick, root=args.root, sizes=sizes, saves=args.saves), markdown_lines,
+        results="checkpoint_stall")
     write_results(args.out, text, result)
     print(text)
 

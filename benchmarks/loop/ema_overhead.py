@@ -1,11 +1,11 @@
 """EMA overhead: the training loop keeping an EMA of the weights (``trainer.ema``, updated every step)
 next to the same loop without one, side by side in one run.
 
-    OMP_NUM_THREADS=1 python benchmarks/ema_overhead.py [--quick] [--out benchmarks/results/ema_overhead.md]
+    OMP_NUM_THREADS=1 python benchmarks/loop/ema_overhead.py [--quick] [--out benchmarks/results/ema_overhead.md]
 
 Two workloads through cadence's ``TorchTrainer`` (``build_runners``), one torch thread, CPU:
 
-* ``mlp``: the loop benchmark's (``loop_overhead.py``: a 32-64-10 MLP, batch 16, SGD, batches in
+* ``mlp``: the loop benchmark's (``loop/overhead.py``: a 32-64-10 MLP, batch 16, SGD, batches in
   memory) -- the worst case: a step of ~100 µs, so a fixed per-step cost shows most;
 * ``charlm``: the charlm example's transformer (``examples/charlm``: 2 layers, d_model 48, batch 32,
   AdamW), a step of a few ms.
@@ -30,12 +30,11 @@ from typing import Any, Callable
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+if __name__ == "__main__":  # run as a file: the checkout's root, not this folder, first on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # (imports `benchmarks`: see its __init__)
 
-import loop_overhead  # noqa: E402  (the loop benchmark's model and task)
-from results_file import run_on_this_machine, write_results  # noqa: E402
+from benchmarks.loop import overhead as loop_overhead  # noqa: E402  (the loop benchmark's model and task)
+from benchmarks.common.results_file import run_on_this_machine, write_results  # noqa: E402
 
 WARMUP = 20
 FULL = {"mlp": {"steps": 2000, "repeats": 11}, "charlm": {"steps": 200, "repeats": 7}}
@@ -54,7 +53,7 @@ def mlp_task() -> Any:
 
 
 def charlm_task() -> Any:
-    from example_tasks import example_task_class
+    from benchmarks.common.example_tasks import example_task_class
 
     return example_task_class("charlm", "CharLMTask")()
 
@@ -174,7 +173,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short run (smoke test)")
     parser.add_argument("--out", default=None, help="write the table here (and the JSON next to it)")
     args = parser.parse_args()
-    text, result = run_on_this_machine("EMA overhead", "ema_overhead.py", lambda: run(quick=args.quick), markdown_lines)
+    text, result = run_on_this_machine("EMA overhead", "loop/ema_overhead.py", lambda: run(quick=args.quick), markdown_lines)
     print(text)
     write_results(args.out, text, result)
 

@@ -1,7 +1,7 @@
 """Why steps slow down beside a background save: the stall benchmark's training step timed alone and
 beside each kind of work a save does, run in another process on the other core.
 
-    OMP_NUM_THREADS=1 python benchmarks/step_interference.py [--width 3344] [--steps 4]
+    OMP_NUM_THREADS=1 python benchmarks/checkpoint/step_interference.py [--width 3344] [--steps 4]
 
 The step is ``checkpoint_stall.layers_workload``'s (8 bias-free layers + Adam, batch 8, one torch
 thread; ``--width 3344``: the 1 GiB state). The neighbours, each a process of its own that loops
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+if __name__ == "__main__":  # run as a file: the checkout's root, not this folder, first on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # (imports `benchmarks`: see its __init__)
 
 BUFFER = 256 << 20
 
@@ -81,7 +81,7 @@ def _steps(work, n: int) -> float:
 
 
 def run(width: int = 3344, steps: int = 4) -> dict:
-    from checkpoint_stall import layers_workload, optimizer_state_made
+    from benchmarks.checkpoint.stall import layers_workload, optimizer_state_made
 
     torch.set_num_threads(1)
     work = layers_workload(width)

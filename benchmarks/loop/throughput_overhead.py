@@ -1,9 +1,9 @@
 """Throughput logging overhead: the training loop logging samples/s (and tokens/s, and MFU with its
 one-off FLOPs count) next to the same loop with ``trainer.log_throughput: false``.
 
-    OMP_NUM_THREADS=1 python benchmarks/throughput_overhead.py [--quick] [--out benchmarks/results/throughput_overhead.md]
+    OMP_NUM_THREADS=1 python benchmarks/loop/throughput_overhead.py [--quick] [--out benchmarks/results/throughput_overhead.md]
 
-The workload of the loop benchmark (``loop_overhead.py``: a 32-64-10 MLP, batch 16, SGD, batches in
+The workload of the loop benchmark (``loop/overhead.py``: a 32-64-10 MLP, batch 16, SGD, batches in
 memory, one torch thread) through cadence's ``Controller`` and ``TorchTrainer``, 100 steps per loop,
 train summaries (TensorBoard + ``metrics.jsonl``) written after every loop. Each run builds a fresh
 trainer, trains one untimed loop (``WARMUP`` steps: after it the MFU contender counts the FLOPs,
@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+if __name__ == "__main__":  # run as a file: the checkout's root, not this folder, first on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # (imports `benchmarks`: see its __init__)
 
-import loop_overhead  # noqa: E402  (the same model and task)
-from results_file import write_results  # noqa: E402
+from benchmarks.loop import overhead as loop_overhead  # noqa: E402  (the same model and task)
+from benchmarks.common.results_file import write_results  # noqa: E402
 
 FULL = {"steps": 2000, "repeats": 21, "timeit": 200_000}
 QUICK = {"steps": 100, "repeats": 1, "timeit": 2_000}

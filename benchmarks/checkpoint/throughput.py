@@ -23,7 +23,7 @@ contender writes a fresh directory that is deleted after its load (so none pays 
 pages); loads read the files just written, from the page cache. Contenders are interleaved round
 robin (the starting contender rotates with each repeat). Reported: the median and the minimum.
 
-Asynchronous saves (the stall, steps beside a save) are ``checkpoint_stall.py``'s.
+Asynchronous saves (the stall, steps beside a save) are ``stall.py``'s.
 
 Last, the loads alone on another shape (``LOAD_SHAPES``: 5 and 20 layers of 4096x4096 float32 + Adam,
 0.94 and 3.75 GiB, an independent benchmark's shape): raw, DCP and cadence, into the live model
@@ -247,7 +247,7 @@ def _check(model, opt, reference: list[torch.Tensor], who: str) -> None:
         raise AssertionError(f"{who}: the loaded state differs from the saved one")
 
 
-# -- the floor of a snapshot (checkpoint_stall.py's) ---------------------------------------------------
+# -- the floor of a snapshot (stall.py's) ---------------------------------------------------
 
 
 def _copy_floor(model, opt, repeats: int = 3) -> float:

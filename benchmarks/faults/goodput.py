@@ -2,7 +2,7 @@
 kept, for a 2-rank ``cadence train --nproc 2 --max-restarts K`` run whose ranks are killed
 (SIGKILL, a random rank) every N seconds, next to the same run without faults.
 
-    OMP_NUM_THREADS=1 python benchmarks/goodput.py [--quick] [--out benchmarks/results/goodput.md]
+    OMP_NUM_THREADS=1 python benchmarks/faults/goodput.py [--quick] [--out benchmarks/results/goodput.md]
 
 Kept-step time is read from the run's ``train/metrics.jsonl``: the records of the final history
 only (a restarted run drops what a killed one wrote past its restored checkpoint), each loop's
@@ -26,10 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from results_file import write_results
+if __name__ == "__main__":  # run as a file: the checkout's root, not this folder, first on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # (imports `benchmarks`: see its __init__)
+
+from benchmarks.common.results_file import write_results  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 TASK = f"{HERE / 'goodput_task.py'}:GoodputTask"
 
 FULL = {"steps": 1000, "step_time": 0.05, "steps_per_loop": 10, "checkpoint_interval": 50, "kill_every": 20.0}

@@ -1,4 +1,4 @@
-"""The Task of the goodput benchmark (``benchmarks/goodput.py``), loaded by path by every rank:
+"""The Task of the goodput benchmark (``benchmarks/faults/goodput.py``), loaded by path by every rank:
 a small MLP on synthetic data whose steps take ``step_time`` seconds (a sleep stands for the
 compute, so that the two ranks do not fight over the machine's cores), which tells the benchmark
 which processes run the current attempt and how many steps each attempt ran."""
@@ -72,7 +72,7 @@ class GoodputTask(Task):
 
 
 class NodeGoodputTask(GoodputTask):
-    """GoodputTask for the two-node run (``benchmarks/goodput_nodes.py``). A lost node's agent comes back with
+    """GoodputTask for the two-node run (``benchmarks/faults/goodput_nodes.py``). A lost node's agent comes back with
     restart count 0, so each worker's files are named by its node and pid (``n<N>-p<P>``): ``worker-n<N>-p<P>.json``
     (``{"node", "rank", "pid", "started"}``, ``started``: the wall-clock time its process started) written when
     it builds its data, ``steps-n<N>-p<P>`` as GoodputTask's, and ``first-n<N>-p<P>``: the wall-clock time

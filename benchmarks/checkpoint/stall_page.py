@@ -1,4 +1,4 @@
-"""The tables of ``checkpoint_stall.py``'s results (``checkpoint_stall.run``): a section per state,
+"""The tables of ``stall.py``'s results (``stall.run``): a section per state,
 the contenders' stalls side by side, and each target met or missed with why."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _why(t: dict, s: dict, rows: dict[str, dict]) -> str:
                 f"{cad['peak_rss_x_state'] - cad['rss_alone_x_state']:.2f}x (the staging copy)")
     return (f"the copy and the background commit's checksums and writes run on another core beside training "
             f"({os.cpu_count()} cores), and on a shared VM any work there slows the training core (a pure spin "
-            f"loop too: `benchmarks/step_interference.py` measures each kind); load average "
+            f"loop too: `benchmarks/checkpoint/step_interference.py` measures each kind); load average "
             f"{s['load_average_1min'][0]:.1f}")
 
 

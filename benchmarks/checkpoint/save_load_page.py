@@ -1,5 +1,5 @@
-"""The markdown tables of the two checkpoint benchmarks: ``checkpoint_throughput.py`` (one
-process, every contender) and ``sharded_checkpoint.py`` (FSDP2 ranks, DCP against cadence)."""
+"""The markdown tables of the two checkpoint benchmarks: ``throughput.py`` (one
+process, every contender) and ``sharded.py`` (FSDP2 ranks, DCP against cadence)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ TARGET_NAMES = {"save_vs_raw": "save vs raw", "save_vs_dcp": "save vs DCP", "loa
 
 
 def checkpoint_lines(r: dict) -> list[str]:
-    """The tables of ``benchmarks/checkpoint_throughput.py``'s result ``r``, one section per size."""
+    """The tables of ``benchmarks/checkpoint/throughput.py``'s result ``r``, one section per size."""
     if "sizes" not in r:  # written by an older version of this benchmark
         return ["## Checkpoint save and load\n", "(Old format: rerun `python benchmarks/run.py --only checkpoint`.)\n"]
     lines = []
@@ -75,7 +75,7 @@ def _phases(phases: dict, names: tuple[str, ...]) -> str:
 
 
 def sharded_lines(r: dict) -> list[str]:
-    """The tables of ``benchmarks/sharded_checkpoint.py``'s result ``r``."""
+    """The tables of ``benchmarks/checkpoint/sharded.py``'s result ``r``."""
     rows = r["rows"]
     sizes = sorted({f"{row['state_gib']:.2f}" for row in rows})
     lines = [(f"## Sharded checkpoint save and load under FSDP2 ({' / '.join(sizes)} GiB: {r['layers']} layers of "

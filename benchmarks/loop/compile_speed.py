@@ -1,7 +1,7 @@
 """``trainer.compile`` on CPU: the charlm example (examples/charlm, a 2-layer causal transformer,
 d_model 48, batch 32 of 32 characters) trained eagerly and compiled with inductor, side by side.
 
-    OMP_NUM_THREADS=1 python benchmarks/compile_speed.py [--quick] [--out benchmarks/results/compile_speed.md]
+    OMP_NUM_THREADS=1 python benchmarks/loop/compile_speed.py [--quick] [--out benchmarks/results/compile_speed.md]
 
 Both run in one process, through cadence's own trainer (``build_runners(..., compile_config=...)``),
 from the same initial weights on the same batches: the first training step of each (for the compiled
@@ -26,10 +26,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from results_file import write_results
+if __name__ == "__main__":  # run as a file: the checkout's root, not this folder, first on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # (imports `benchmarks`: see its __init__)
+
+from benchmarks.common.results_file import write_results  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 
 FULL = {"backend": "inductor", "repeats": 2, "warmup": 20, "window": 50, "windows": 7}
 QUICK = {"backend": "aot_eager", "repeats": 1, "warmup": 2, "window": 5, "windows": 2}

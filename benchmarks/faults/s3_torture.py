@@ -1,7 +1,7 @@
 """kill -9 torture of a model dir on S3: a real S3 API server (moto's server mode) on 127.0.0.1,
 ``cadence train`` killed with SIGKILL at random instants, over and over, then resumed to the end.
 
-    OMP_NUM_THREADS=1 python benchmarks/s3_torture.py [--kills 20] [--seed 0] [--out results/s3_torture.md]
+    OMP_NUM_THREADS=1 python benchmarks/faults/s3_torture.py [--kills 20] [--seed 0] [--out results/s3_torture.md]
 
 One run trains a small model (tests/tasks.py's TinyTask) to ``STEPS`` uninterrupted, in a bucket
 of its own. The tortured run, in another bucket, is a sequence of ``cadence train`` processes on
@@ -33,7 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__":  # run as a file: the checkout's root, not this folder, first on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # (imports `benchmarks`: see its __init__)
+
+ROOT = Path(__file__).resolve().parents[2]
 TASK = f"{ROOT / 'tests' / 'tasks.py'}:TinyTask"
 STEPS = 600
 STARTUP_EVERY = 4  # every fourth process is killed at a random instant of its start-up
@@ -215,7 +218,7 @@ def markdown(result: dict[str, Any]) -> str:
         "# kill -9 torture on an S3 model dir\n\n"
         f"{r['machine']['cpu']}, {r['machine']['cores']} cores, Python {r['machine']['python']}, torch "
         f"{r['machine']['torch']}, {r['machine']['date']}. S3: moto {r['moto']} server on 127.0.0.1, s3fs {r['s3fs']}. "
-        "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/s3_torture.py`.\n\n"
+        "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/faults/s3_torture.py`.\n\n"
         f"- {r['kills']} `kill -9` of `cadence train` on `s3://…/run` ({r['kills_in_startup']} during start-up, "
         f"{r['kills'] - r['kills_in_startup']} while training; {r['kills_with_async_save']} with asynchronous saves); "
         f"{r['kills_mid_save']} of them left a checkpoint dir without manifest (killed mid-save).\n"
@@ -235,13 +238,13 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "s3_torture.md")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "s3_torture.md")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT / "src"))
     from importlib.metadata import version
 
-    from results_file import machine, write_results
+    from benchmarks.common.results_file import machine, write_results
     from s3_server import S3Server
 
     with S3Server() as server:

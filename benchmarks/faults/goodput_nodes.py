@@ -3,12 +3,12 @@ rank each, ``--max-restarts K``) whose node 1 is lost every N seconds -- SIGKILL
 and to its worker, as a machine dies -- and started again at once, as a scheduler would; next to the same job
 without faults.
 
-    OMP_NUM_THREADS=1 python benchmarks/goodput_nodes.py [--quick] [--out benchmarks/results/goodput_nodes.md]
+    OMP_NUM_THREADS=1 python benchmarks/faults/goodput_nodes.py [--quick] [--out benchmarks/results/goodput_nodes.md]
 
-(``benchmarks/results/goodput.md`` shows its table under :mod:`goodput`'s.) The run with node losses runs once with
+(``benchmarks/results/goodput.md`` shows its table under ``goodput.py``'s.) The run with node losses runs once with
 torch's rendezvous keep-alive and once with a short one (``--rdzv-conf``, :data:`SHORT_KEEP_ALIVE`).
 
-Goodput is :mod:`goodput`'s: the time of the training loops the final model kept (``train/metrics.jsonl``) / wall
+Goodput is ``goodput.py``'s: the time of the training loops the final model kept (``train/metrics.jsonl``) / wall
 time, from node 0 starting to both nodes' exit. Time to recover: from the kill to the end of the first train step
 after it, split into *stop* (the kill to node 0's worker ending: its collective fails and its agent stops it),
 *rendezvous* (to both new workers' processes starting: node 0's agent and node 1's new one meet in a new
@@ -32,11 +32,14 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from goodput import _config, _kept_step_seconds, _same_weights
-from results_file import write_results
+if __name__ == "__main__":  # run as a file: the checkout's root, not this folder, first on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # (imports `benchmarks`: see its __init__)
+
+from benchmarks.faults.goodput import _config, _kept_step_seconds, _same_weights  # noqa: E402
+from benchmarks.common.results_file import write_results  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 TASK = f"{HERE / 'goodput_task.py'}:NodeGoodputTask"
 
 SHORT_KEEP_ALIVE = "keep_alive_interval=1,keep_alive_max_attempt=4"

@@ -1,7 +1,7 @@
-"""Rank worker of ``benchmarks/sharded_checkpoint.py`` (one world size per launch)::
+"""Rank worker of ``benchmarks/checkpoint/sharded.py`` (one world size per launch)::
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node N \\
-        benchmarks/sharded_checkpoint_worker.py --out RESULT.json --root DIR --width W --layers L --repeats R
+        benchmarks/checkpoint/sharded_worker.py --out RESULT.json --root DIR --width W --layers L --repeats R
 
 Every rank builds the same model (``L`` square ``W``x``W`` float32 linear layers, no bias), shards
 it with FSDP2 ``fully_shard`` (each layer a unit, then the root) and takes one AdamW step, so the

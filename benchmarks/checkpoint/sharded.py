@@ -1,12 +1,12 @@
 """Sharded checkpoints under FSDP2, side by side: cadence against plain torch.distributed.checkpoint
 (DCP), in one run, on 1, 2 and 3 ranks (torchrun processes, gloo, CPU).
 
-    OMP_NUM_THREADS=1 python benchmarks/sharded_checkpoint.py [--size-gib 3] [--repeats 5] [--quick]
+    OMP_NUM_THREADS=1 python benchmarks/checkpoint/sharded.py [--size-gib 3] [--repeats 5] [--quick]
 
 The state is a model of ``LAYERS`` square float32 linear layers sharded with FSDP2's
 ``fully_shard`` plus AdamW's two moment buffers: ``--size-gib`` in all (three tensors per
 parameter; the default, 3 GiB, is 1 GiB of parameters). For each world size one torchrun launch
-(:mod:`sharded_checkpoint_worker`) measures, ``--repeats`` times with the contender that goes
+(``sharded_worker.py``) measures, ``--repeats`` times with the contender that goes
 first alternating, after a warm-up round of both (off the clock):
 
 - plain DCP: ``dcp.save`` (``FileSystemWriter``: one file per rank, fsynced; no checksum, no
@@ -40,9 +40,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+if __name__ == "__main__":  # run as a file: the checkout's root, not this folder, first on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # (imports `benchmarks`: see its __init__)
+
 HERE = Path(__file__).resolve().parent
-WORKER = HERE / "sharded_checkpoint_worker.py"
-RESULTS = HERE / "results"
+WORKER = HERE / "sharded_worker.py"
+RESULTS = HERE.parent / "results"
 
 WORLD_SIZES = (1, 2, 3)
 LAYERS = 8
@@ -148,13 +151,12 @@ def main() -> None:
                         help="the markdown table (and .json beside it); default results/sharded_checkpoint.md, "
                              "none with --quick")
     args = parser.parse_args()
-    sys.path.insert(0, str(HERE))
-    from checkpoint_markdown import sharded_lines
-    from results_file import header, machine, write_results
+    from benchmarks.checkpoint.save_load_page import sharded_lines
+    from benchmarks.common.results_file import header, machine, write_results
 
     result = run(quick=args.quick, root=args.root, size_gib=args.size_gib, repeats=args.repeats,
                  world_sizes=tuple(int(n) for n in args.world_sizes.split(",")), quiet=False)
-    text = "\n".join(header(machine(), reproduce="OMP_NUM_THREADS=1 python benchmarks/sharded_checkpoint.py")
+    text = "\n".join(header(machine(), reproduce="OMP_NUM_THREADS=1 python benchmarks/checkpoint/sharded.py")
                      + sharded_lines(result))
     print(text)
     out = args.out if args.out is not None else (None if args.quick else RESULTS / "sharded_checkpoint.md")

@@ -8,7 +8,7 @@ measured write and commit of a synchronous save (``CheckpointManager.save_mode.l
 Asynchronous pays where its run is faster; ``checkpoint.async_save: auto`` goes asynchronous above
 the synchronous cost measured at that crossover (:data:`cadence.checkpoint.save_mode.AUTO_COST_THRESHOLD`).
 
-    OMP_NUM_THREADS=1 python benchmarks/save_mode_crossover.py [--repeats 7] [--sizes 0,1,4,16,64]
+    OMP_NUM_THREADS=1 python benchmarks/checkpoint/save_mode_crossover.py [--repeats 7] [--sizes 0,1,4,16,64]
         [--out benchmarks/results/save_mode_crossover.md]
 """
 
@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import loop_overhead  # noqa: E402
+if __name__ == "__main__":  # run as a file: the checkout's root, not this folder, first on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # (imports `benchmarks`: see its __init__)
+from benchmarks.loop import overhead as loop_overhead  # noqa: E402
 
 SIZES_MIB = (0, 1, 4, 16, 64)
 
@@ -106,7 +107,7 @@ def markdown_lines(r: dict) -> list[str]:
 def main() -> None:
     import argparse
 
-    from results_file import run_on_this_machine, write_results
+    from benchmarks.common.results_file import run_on_this_machine, write_results
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -114,7 +115,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the table here (and the JSON next to it)")
     args = parser.parse_args()
     sizes = tuple(int(a) for a in args.sizes.split(","))
-    text, result = run_on_this_machine("sync or async saves", "save_mode_crossover.py",
+    text, result = run_on_this_machine("sync or async saves", "checkpoint/save_mode_crossover.py",
                                        lambda: run(args.repeats, sizes), markdown_lines)
     write_results(args.out, text, result)
     print(text)

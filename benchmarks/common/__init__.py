@@ -1,0 +1,1 @@
+"""Shared by the benchmarks: the one results writer and the examples' Tasks."""

@@ -1,0 +1,1 @@
+"""The sidecar evaluator: a commit to its evaluation starting."""
