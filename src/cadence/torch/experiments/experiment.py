@@ -126,28 +126,40 @@ def run_sidecar(cfg: ExperimentConfig) -> SidecarResult:
     return build_sidecar(cfg).start()
 
 
-def run_evaluation(cfg: ExperimentConfig, step: int | None = None, *,
+def run_evaluation(cfg: ExperimentConfig, step: int | str | None = None, *,
                    initial: bool = False) -> tuple[int, dict[str, Any]]:
-    """Evaluate checkpoint ``step`` (``None``: the latest); return ``(step, metrics)``.
+    """Evaluate a checkpoint; return ``(step, metrics)``.
 
-    ``initial``: evaluate the initialized model instead (``build_model`` then ``Task.initialize``, as
-    a fresh run starts; no checkpoint is read, ``step`` must be ``None``): step 0.
+    ``step``: a step number, ``"latest"`` or ``None`` (the newest committed in ``checkpoints/``), or
+    ``"best"`` (the checkpoint in ``best/``: its step is returned). ``initial``: evaluate the
+    initialized model instead (``build_model`` then ``Task.initialize``, as a fresh run starts; no
+    checkpoint is read, ``step`` must be ``None``): step 0.
 
     Raises:
       ModelDirError: the model dir is a file, or a file stands on its path.
-      NoCheckpointError: the model dir has no committed checkpoint (or not that step), before
-        anything is built.
+      NoCheckpointError: the model dir has no committed checkpoint (or not that step, or no ``best/``
+        for ``"best"``), before anything is built.
     """
     model_dir = layout.check_model_dir(cfg.require_model_dir())  # a file, or a file on its path
     checkpoints = layout.checkpoints_dir(model_dir)
     none = NoCheckpointError(f"no committed checkpoint in {checkpoints}: nothing to evaluate "
                              "(--initial evaluates the initialized model)")
+    restore_from = None
+    if step == "latest":
+        step = None
     if initial:
         if step is not None:
             raise ValueError("run_evaluation: initial=True evaluates no checkpoint; step must be None")
+    elif step == "best":
+        restore_from = layout.best_dir(model_dir)
+        step = CheckpointManager(restore_from, writer=False).latest_step()
+        if step is None:
+            raise NoCheckpointError(_no_best(model_dir, "evaluate"))
     elif step is None and CheckpointManager(checkpoints, writer=False).latest_step() is None:
         raise none  # before anything is built: no "starting at step 0" line first
-    run = build_run(cfg, train=False, restore_step=step, progress=False, restore=not initial)
+    assert step is None or isinstance(step, int), f"run_evaluation: step must be an int, 'best' or 'latest', got {step!r}"
+    run = build_run(cfg, train=False, restore_step=step, progress=False, restore=not initial,
+                    restore_from=restore_from)
     with run.controller as controller:
         if initial:
             _initialize(run)
@@ -155,6 +167,12 @@ def run_evaluation(cfg: ExperimentConfig, step: int | None = None, *,
             raise none
         metrics = controller.evaluate(cfg.trainer.validation_steps)
         return controller.global_step, metrics
+
+
+def _no_best(model_dir: str, command: str) -> str:
+    """The message of a model dir without a best checkpoint, for ``--checkpoint best``."""
+    return (f"no best checkpoint in {layout.best_dir(model_dir)} (set trainer.best_checkpoint, "
+            f"or {command} --checkpoint latest)")
 
 
 def _initialize(run: Run) -> None:
@@ -173,12 +191,13 @@ def _initialize(run: Run) -> None:
         run.ema.reset()
 
 
-def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
+def run_export(model_dir: str, formats: list[str], checkpoint: str | int = "best",
                out: str | None = None) -> tuple[int, str, dict[str, str]]:
     """Export a checkpoint of a model dir as inference artefacts; return ``(step, directory, files)``.
 
     The model is built from the model dir's resolved ``config.yaml``. ``checkpoint``: ``"best"``
-    (``best/``), ``"latest"`` (the newest committed in ``checkpoints/``) or a step number.
+    (``best/``), ``"latest"`` (the newest committed in ``checkpoints/``) or a step number (an int, or
+    its digits).
     ``out``: the directory to write; default ``export/best/<step>/`` for the best checkpoint and
     ``export/checkpoint/<step>/`` otherwise. ``files``: ``{format: path}``; for a task with
     :meth:`Task.export_signatures`, ``{"<signature>/<format>": path}`` (one subdirectory of
@@ -212,8 +231,7 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
     if checkpoint == "best":
         manager = CheckpointManager(layout.best_dir(model_dir), writer=False)
         if manager.latest_step() is None:
-            raise NoCheckpointError(f"no best checkpoint in {layout.best_dir(model_dir)} (set trainer.best_checkpoint, "
-                                    "or export --checkpoint latest)")
+            raise NoCheckpointError(_no_best(model_dir, "export"))
         step = None
     else:
         manager = CheckpointManager(layout.checkpoints_dir(model_dir), writer=False)
