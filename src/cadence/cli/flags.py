@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 from cadence.config.base import MAX_SECONDS
 from cadence.errors import ConfigError
@@ -53,7 +53,7 @@ BOUNDS: dict[str, dict[str, Bound]] = {
 CHECKPOINT_COMMANDS = ("evaluate", "export")
 """The commands whose ``--checkpoint`` names a checkpoint (:func:`checkpoint_selector`)."""
 
-CheckpointSelector = Union[Literal["best", "latest"], int]
+CheckpointSelector = Literal["best", "latest"] | int
 """Which checkpoint a command reads: ``best`` (``best/``'s), ``latest`` (the newest committed) or a step."""
 
 

@@ -14,11 +14,13 @@ config from Python::
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from cadence import layout
 from cadence.checkpoint import CheckpointManager
 from cadence.config import ExperimentConfig, save_config
+from cadence.config.workdir import absolute_local, in_workdir
 from cadence.errors import NoCheckpointError
 from cadence.sidecar.evaluator import SidecarEvaluator, SidecarResult
 from cadence.torch.checkpoint_io.state import unwrap_model
@@ -46,12 +48,18 @@ def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
     a :class:`~cadence.errors.SanityCheckError` before any step); with ``trainer.eval_at_start``, a fresh
     run then evaluates step 0 (no eval action sees it). With ``export.on: final``,
     exports the final model. ``in_process_validation`` (default: ``trainer.in_process_validation``): False only trains,
-    for a sidecar to evaluate; the result is then ``{}``.
+    for a sidecar to evaluate; the result is then ``{}``. With ``cfg.workdir``, it runs there
+    (:func:`~cadence.config.workdir.in_workdir`); the config written records the directory it ran in.
     """
-    if in_process_validation is None:
-        in_process_validation = cfg.trainer.in_process_validation
-    if not in_process_validation:
-        return _train_only(cfg, progress)
+    with in_workdir(cfg) as cfg:
+        if in_process_validation is None:
+            in_process_validation = cfg.trainer.in_process_validation
+        if not in_process_validation:
+            return _train_only(cfg, progress)
+        return _train_and_evaluate(cfg, progress)
+
+
+def _train_and_evaluate(cfg: ExperimentConfig, progress: bool | None) -> dict[str, Any]:
     run = build_run(cfg, progress=progress)
     t = cfg.trainer
     sanity_steps = t.sanity_val_steps if t.validation_steps == -1 else min(t.sanity_val_steps, t.validation_steps)
@@ -94,7 +102,7 @@ def _save_config_if_training(cfg: ExperimentConfig, run: Run) -> None:
     train) keeps the config it was trained with."""
     steps = cfg.trainer.train_steps
     if steps is None or run.controller.global_step < steps:
-        save_config(cfg, layout.config_path(cfg.require_model_dir()))
+        save_config(cfg, layout.config_path(cfg.require_model_dir()), workdir=os.getcwd())
 
 
 def build_sidecar(cfg: ExperimentConfig) -> SidecarEvaluator:
@@ -122,8 +130,9 @@ def build_sidecar(cfg: ExperimentConfig) -> SidecarEvaluator:
 
 def run_sidecar(cfg: ExperimentConfig) -> SidecarResult:
     """Run the experiment's sidecar evaluator until it stops (``cadence evaluate --continuous``,
-    the evaluator role); return what it did and why it stopped."""
-    return build_sidecar(cfg).start()
+    the evaluator role), in ``cfg.workdir`` when set; return what it did and why it stopped."""
+    with in_workdir(cfg) as cfg:
+        return build_sidecar(cfg).start()
 
 
 def run_evaluation(cfg: ExperimentConfig, step: int | str | None = None, *,
@@ -133,13 +142,19 @@ def run_evaluation(cfg: ExperimentConfig, step: int | str | None = None, *,
     ``step``: a step number, ``"latest"`` or ``None`` (the newest committed in ``checkpoints/``), or
     ``"best"`` (the checkpoint in ``best/``: its step is returned). ``initial``: evaluate the
     initialized model instead (``build_model`` then ``Task.initialize``, as a fresh run starts; no
-    checkpoint is read, ``step`` must be ``None``): step 0.
+    checkpoint is read, ``step`` must be ``None``): step 0. With ``cfg.workdir``, it runs there
+    (:func:`~cadence.config.workdir.in_workdir`).
 
     Raises:
       ModelDirError: the model dir is a file, or a file stands on its path.
       NoCheckpointError: the model dir has no committed checkpoint (or not that step, or no ``best/``
         for ``"best"``), before anything is built.
     """
+    with in_workdir(cfg) as cfg:
+        return _evaluate(cfg, step, initial)
+
+
+def _evaluate(cfg: ExperimentConfig, step: int | str | None, initial: bool) -> tuple[int, dict[str, Any]]:
     model_dir = layout.check_model_dir(cfg.require_model_dir())  # a file, or a file on its path
     checkpoints = layout.checkpoints_dir(model_dir)
     none = NoCheckpointError(f"no committed checkpoint in {checkpoints}: nothing to evaluate "
@@ -202,7 +217,8 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str | int = "best
     ``export/checkpoint/<step>/`` otherwise. ``files``: ``{format: path}``; for a task with
     :meth:`Task.export_signatures`, ``{"<signature>/<format>": path}`` (one subdirectory of
     ``directory`` per signature, and ``signatures.json``). With ``trainer.ema`` in the model dir's
-    config, the checkpoint's EMA weights are exported (the evaluated ones). ``out`` must be absent,
+    config, the checkpoint's EMA weights are exported (the evaluated ones). The Task is built in the
+    run's ``workdir`` (:func:`~cadence.config.workdir.in_workdir`). ``out`` must be absent,
     an empty directory, or a cadence export (then replaced): checked before anything is built, and
     again when the export is published (:mod:`cadence.export_marker`); nothing else is ever deleted.
 
@@ -218,7 +234,6 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str | int = "best
     from cadence.errors import ModelDirError
     from cadence.export_marker import check_export_target
     from cadence.storage import Storage
-    from cadence.torch.export.api import export_task_model
 
     config_file = layout.config_path(model_dir)
     layout.check_model_dir(model_dir, must_exist=True)
@@ -227,6 +242,16 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str | int = "best
     if out is not None:  # before anything is built, read or created
         check_export_target(Storage(out), label="--out")
     cfg = load_config(config_file, model_dir=model_dir)
+    if cfg.workdir is not None:  # the Task runs in the run's working directory: paths given from here first
+        model_dir, out = absolute_local(model_dir), None if out is None else absolute_local(out)
+    with in_workdir(cfg) as cfg:
+        return _export(cfg, model_dir, formats, checkpoint, out)
+
+
+def _export(cfg: ExperimentConfig, model_dir: str, formats: list[str], checkpoint: str | int,
+            out: str | None) -> tuple[int, str, dict[str, str]]:
+    from cadence.torch.export.api import export_task_model
+
     task, _, _, evaluator = build_runners_from_config(cfg, train=False, device="cpu", precision="32", compile_model=False)
     if checkpoint == "best":
         manager = CheckpointManager(layout.best_dir(model_dir), writer=False)
