@@ -20,6 +20,7 @@ from cadence.config.class_paths import portable_class_path, resolve_class_path
 from cadence.config.errors import moved_key_errors, validation_message
 from cadence.config.overrides import apply_flags, apply_overrides
 from cadence.config.schema import ExperimentConfig
+from cadence.config.workdir import portable_workdir, resolve_workdir
 from cadence.config.yaml_io import Loc, parse_yaml, read_text
 from cadence.errors import ConfigError
 from cadence.storage import Storage, local_path
@@ -73,8 +74,6 @@ def config_from_dict(
     except ValidationError as exc:
         raise ConfigError(validation_message(exc, source, _lines or {}, overridden)) from None
     if cfg.workdir is not None:  # --set workdir=...: relative to here; the file's: to its folder
-        from cadence.config.workdir import resolve_workdir
-
         cfg.workdir = resolve_workdir(cfg.workdir, None if ("workdir",) in overridden else config_dir)
     if config_dir is not None:
         cfg._config_dir = Path(config_dir).resolve()
@@ -122,7 +121,6 @@ def save_config(cfg: ExperimentConfig, path_or_url: str | Path, *, workdir: str 
     written file (:func:`~cadence.config.class_paths.portable_class_path`); else absolute.
     ``workdir`` (default: the config's own) is recorded as the run's working directory, relative to a
     local file inside it (:func:`~cadence.config.workdir.portable_workdir`), else absolute."""
-    from cadence.config.workdir import portable_workdir
     from cadence.config.yaml_io import dump_yaml
 
     target = os.fspath(path_or_url)

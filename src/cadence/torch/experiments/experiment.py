@@ -172,7 +172,8 @@ def _evaluate(cfg: ExperimentConfig, step: int | str | None, initial: bool) -> t
             raise NoCheckpointError(_no_best(model_dir, "evaluate"))
     elif step is None and CheckpointManager(checkpoints, writer=False).latest_step() is None:
         raise none  # before anything is built: no "starting at step 0" line first
-    assert step is None or isinstance(step, int), f"run_evaluation: step must be an int, 'best' or 'latest', got {step!r}"
+    if step is not None and not isinstance(step, int):
+        raise ValueError(f"run_evaluation: step must be a step number, 'best' or 'latest', got {step!r}")
     run = build_run(cfg, train=False, restore_step=step, progress=False, restore=not initial,
                     restore_from=restore_from)
     with run.controller as controller:
