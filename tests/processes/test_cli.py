@@ -57,6 +57,17 @@ def test_evaluate_prints_metrics_json(digits_run):
     assert len(read_metrics(str(model_dir / "eval"))) == 3
 
 
+def test_evaluate_best_is_the_best_checkpoints_evaluation(digits_run):
+    model_dir, _ = digits_run
+    best_step = json.loads((model_dir / "best" / "best.json").read_text())["step"]
+    best = cadence("evaluate", str(DIGITS), "--model-dir", str(model_dir), "--checkpoint", "best")
+    assert best.returncode == 0, best.stderr
+    by_step = cadence("evaluate", str(DIGITS), "--model-dir", str(model_dir), "--checkpoint", str(best_step))
+    assert by_step.returncode == 0, by_step.stderr
+    assert json.loads(best.stdout) == json.loads(by_step.stdout)
+    assert json.loads(best.stdout)["step"] == best_step
+
+
 def test_evaluate_missing_checkpoint_is_a_clear_error(digits_run, tmp_path):
     model_dir, _ = digits_run
     proc = cadence("evaluate", str(DIGITS), "--model-dir", str(model_dir), "--checkpoint", "123")

@@ -14,7 +14,8 @@ from configs import write_config
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("evaluate-nproc")
-    config = write_config(tmp, params={"n": 256}, trainer={"train_steps": 8})
+    config = write_config(tmp, params={"n": 256}, trainer={"train_steps": 8, "validation_interval": 4,
+                                                           "best_checkpoint": {"metric": "loss", "higher_is_better": False}})
     proc = run_cadence("train", str(config), "--model-dir", str(tmp / "run"), "--no-progress")
     assert proc.returncode == 0, proc.stderr
     return config, tmp / "run"
@@ -32,7 +33,19 @@ def test_two_processes_print_one_json_line_with_the_single_process_metrics(train
     assert not [line for line in two.stderr.splitlines() if line.startswith("[rank1]") and "INFO" in line]
 
 
+def test_the_ranks_evaluate_the_best_checkpoint(trained):
+    """``--checkpoint best`` is passed on to the ranks, which read ``best/`` (issue 40)."""
+    config, run = trained
+    step = json.loads((run / "best" / "best.json").read_text())["step"]
+    one = run_cadence("evaluate", str(config), "--model-dir", str(run), "--checkpoint", str(step))
+    two = run_cadence("evaluate", str(config), "--model-dir", str(run), "--checkpoint", "best", "--nproc", "2")
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    assert json.loads(two.stdout)["step"] == step
+    assert json.loads(two.stdout) == pytest.approx(json.loads(one.stdout), rel=1e-6)
+
+
 @pytest.mark.parametrize("args, message", [
+    (("--checkpoint", "best", "--continuous"), "--checkpoint and --continuous exclude each other"),
     (("--nproc", "2", "--continuous"), "--nproc and --continuous exclude each other"),
     (("--nproc", "0"), "--nproc: must be >= 1, got 0"),
 ])

@@ -103,3 +103,21 @@ def test_two_ranks_under_fsdp_killed_mid_epoch_resume_bit_identical(data, tmp_pa
     resumed = train(data, run, *on_two)
     assert "restored checkpoint" in resumed.stdout + resumed.stderr
     assert same_weights(final_weights(run), final_weights(straight))
+
+
+def test_its_model_dir_exports_and_evaluates_from_any_directory(data, tmp_path):
+    """Issue 40: the example's ``data_dir`` is relative to the directory it trains from; the model dir
+    records that directory, so ``cadence export`` and ``evaluate`` of it work from another one."""
+    project, elsewhere = data.parent, tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run = tmp_path / "run"
+    run_cadence("train", str(CONFIG), "--model-dir", str(run), "--no-progress",
+                *sets(f"task.params.data_dir={data.name}", *SHORT, "trainer.train_steps=4", "task.params.num_workers=0"),
+                cwd=project, check=True)
+    exported = run_cadence("export", str(run), "--checkpoint", "best", "--format", "hf", "--out", "hf", cwd=elsewhere)
+    assert exported.returncode == 0, exported.stderr
+    assert (elsewhere / "hf" / "config.json").is_file() and (elsewhere / "hf" / "tokenizer.json").is_file()
+    evaluated = run_cadence("evaluate", str(run / "config.yaml"), "--model-dir", str(run), "--checkpoint", "best",
+                            cwd=elsewhere)
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert json.loads(evaluated.stdout)["step"] == 4

@@ -147,3 +147,19 @@ def test_launch_sidecar_on_the_digits_example(tmp_path):
     best = json.loads((model_dir / "best" / "best.json").read_text())
     assert best["step"] == best_row["step"] and best["value"] == best_row["metrics"]["accuracy"]
     assert best["value"] >= 0.95
+
+
+def test_launch_no_progress_silences_the_trainers_progress_lines(tmp_path):
+    """``cadence launch --no-progress``, as ``cadence train --no-progress`` (issue 40): the trainer prints
+    no progress line; without it, it prints them (plain lines: its output is a pipe)."""
+    import re
+
+    config = write_config(tmp_path, max_to_keep=None, eval_sleep=0.0, step_sleep=0.0)
+    progress = re.compile(r"^\[trainer\]\s+step \d+/30 \(\d+%\)")
+    shown = cadence("launch", str(config), "--sidecar", "--model-dir", str(tmp_path / "shown"))
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert [line for line in shown.stdout.splitlines() if progress.match(line)], shown.stdout
+    quiet = cadence("launch", str(config), "--sidecar", "--model-dir", str(tmp_path / "quiet"), "--no-progress")
+    assert quiet.returncode == 0, quiet.stdout + quiet.stderr
+    assert "trainer: exit 0" in quiet.stderr and "[trainer] done:" in quiet.stdout
+    assert not [line for line in quiet.stdout.splitlines() if progress.match(line)], quiet.stdout

@@ -141,8 +141,8 @@ def command_lines(draw: st.DrawFn) -> tuple[list[str], bool, list[str]]:
         refused = not good_out or model != "model" or checkpoint not in ("best", "latest", "4", "8")
         return argv, refused, [f"{model}/export"] if out is None else [out]
     if command == "evaluate":
-        model_dir, checkpoint = draw(path), draw(st.sampled_from([c for c in CHECKPOINTS if c not in ("best", "latest")]))
-        refused = model_dir != "model" or checkpoint not in ("4", "8")
+        model_dir, checkpoint = draw(path), draw(st.sampled_from(CHECKPOINTS))
+        refused = model_dir != "model" or checkpoint not in ("best", "latest", "4", "8")
         return ["evaluate", "config.yaml", "--model-dir", model_dir, "--checkpoint", checkpoint], refused, []
     if command == "sidecar":
         return (["evaluate", "config.yaml", "--continuous", "--model-dir", draw(unwritable), "--timeout", "1"], True,

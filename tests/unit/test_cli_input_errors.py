@@ -58,7 +58,10 @@ FLAGS = [
     (["launch", "{cfg}", "--sidecar", "--model-dir", "{md}", "--grace", "nan"], f"--grace: {SECONDS}, got nan"),
     (["sweep", "{cfg}", "--space", "{md}", "--trials", "2", "--grace", "-1"], f"--grace: {SECONDS}, got -1.0"),
     (["sweep", "{cfg}", "--space", "{md}", "--trials", "2", "--grace", "inf"], f"--grace: {SECONDS}, got inf"),
-    (["evaluate", "{cfg}", "--model-dir", "{md}", "--checkpoint", "-5"], "--checkpoint: must be >= 0, got -5"),
+    (["evaluate", "{cfg}", "--model-dir", "{md}", "--checkpoint", "-5"],
+     "--checkpoint: expected best, latest or a step number >= 0, got '-5'"),
+    (["export", "{md}", "--checkpoint", "BEST", "--format", "safetensors"],
+     "--checkpoint: expected best, latest or a step number >= 0, got 'BEST'"),
     (["evaluate", "{cfg}", "--model-dir", "{md}", "--continuous", "--timeout", "-1"],
      "--timeout: sidecar.timeout: expected a number from 0 to 31622400 or null, got -1.0"),
     (["evaluate", "{cfg}", "--model-dir", "{md}", "--continuous", "--timeout", "nan"],
@@ -171,6 +174,28 @@ def test_a_checkpoint_that_does_not_exist_is_bad_input(refused, cfg, tmp_path):
         f"no best checkpoint in {md}/best (set trainer.best_checkpoint, or export --checkpoint latest)")
     assert refused("export", md, "--checkpoint", "latest", "--format", "safetensors") == (
         f"no committed checkpoint in {checkpoints}")
+    # evaluate takes the same selector as export (issue 40): best/'s checkpoint, or the same one line
+    assert refused("evaluate", cfg, "--model-dir", md, "--checkpoint", "best") == (
+        f"no best checkpoint in {md}/best (set trainer.best_checkpoint, or evaluate --checkpoint latest)")
+    assert refused("evaluate", cfg, "--model-dir", md, "--checkpoint", "latest").startswith(
+        f"no committed checkpoint in {checkpoints}: nothing to evaluate")
+
+
+@pytest.mark.parametrize(("text", "selected"), [("best", "best"), ("latest", "latest"), ("0", 0), ("400", 400),
+                                                ("007", 7)])
+def test_a_checkpoint_selector_is_best_latest_or_a_step(text, selected):
+    from cadence.cli.flags import checkpoint_selector
+
+    assert checkpoint_selector(text) == selected and type(checkpoint_selector(text)) is type(selected)
+
+
+@pytest.mark.parametrize("text", ["-1", "BEST", "Latest", "", " 4", "4.0", "1e3", "0x10", "\u0663"])
+def test_anything_else_is_not_a_checkpoint_selector(text):
+    from cadence.cli.flags import checkpoint_selector
+    from cadence.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--checkpoint: expected best, latest or a step number >= 0, got "):
+        checkpoint_selector(text)
 
 
 # -- the Task's code at its first use ---------------------------------------------------------------------

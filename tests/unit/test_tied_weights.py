@@ -115,3 +115,19 @@ def test_the_ema_of_a_tied_model_keeps_one_average_and_writes_a_file_a_tied_mode
         for key, value in averaged.state_dict().items():
             if value.is_floating_point():
                 assert torch.equal(restored.averaged_state()[key], value), key
+
+
+def test_safetensors_load_model_takes_an_export_only_when_not_strict(tmp_path):
+    """What docs/guide/export.md says of ``safetensors.torch.load_model`` (issue 40, item 12), on the GPT's
+    export: strict, it refuses the tied tensor's second name; ``strict=False`` loads it exactly, tie intact,
+    that name returned as unexpected and nothing missing."""
+    trained = gpt(0)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(model_to_safetensors(trained))
+    with pytest.raises(RuntimeError, match=f'Unexpected key\\(s\\) in state_dict: "{WTE}"'):
+        safetensors.torch.load_model(gpt(1), str(path))
+    model = gpt(1)
+    missing, unexpected = safetensors.torch.load_model(model, str(path), strict=False)
+    assert not missing and list(unexpected) == [WTE]
+    assert tied(model) and all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                                  trained.state_dict().values()))

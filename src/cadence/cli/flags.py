@@ -1,6 +1,7 @@
 """The bounds of the ``cadence`` command's numeric flags, in one place: :func:`check_flags` refuses a
-value out of its range before the command starts (ConfigError, exit 2, naming the flag), and
-:func:`log_level` is ``--log-level``'s type. A flag that sets a config value (``evaluate --continuous
+value out of its range before the command starts (ConfigError, exit 2, naming the flag), and reads
+``--checkpoint`` (:func:`checkpoint_selector`: ``best``, ``latest`` or a step, for every command that
+takes one); :func:`log_level` is ``--log-level``'s type. A flag that sets a config value (``evaluate --continuous
 --timeout``) is checked by the config's schema instead, named by its flag (``load_config(flags=...)``)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from cadence.config.base import MAX_SECONDS
 from cadence.errors import ConfigError
@@ -39,7 +41,7 @@ _NPROC = Bound("--nproc", 1)
 _GRACE = Bound("--grace", 0, seconds=True)
 BOUNDS: dict[str, dict[str, Bound]] = {
     "train": {"nproc": _NPROC, "nnodes": Bound("--nnodes", 1), "max_restarts": Bound("--max-restarts", 0)},
-    "evaluate": {"nproc": _NPROC, "checkpoint": Bound("--checkpoint", 0)},
+    "evaluate": {"nproc": _NPROC},
     "launch": {"nproc": _NPROC, "grace": _GRACE},
     "smoke": {"steps": Bound("--steps", 1)},
     "sweep": {"trials": Bound("--trials", 1), "parallel": Bound("--parallel", 1), "grace": _GRACE},
@@ -48,12 +50,32 @@ BOUNDS: dict[str, dict[str, Bound]] = {
 :func:`cadence.cli.torchrun.wants_torchrun` checks it)."""
 
 
+CHECKPOINT_COMMANDS = ("evaluate", "export")
+"""The commands whose ``--checkpoint`` names a checkpoint (:func:`checkpoint_selector`)."""
+
+CheckpointSelector = Literal["best", "latest"] | int
+"""Which checkpoint a command reads: ``best`` (``best/``'s), ``latest`` (the newest committed) or a step."""
+
+
+def checkpoint_selector(text: str) -> CheckpointSelector:
+    """``--checkpoint``'s value read: ``"best"``, ``"latest"`` or a step number (an int ``>= 0``);
+    ConfigError (exit 2) naming the flag otherwise."""
+    if text in ("best", "latest"):
+        return "best" if text == "best" else "latest"
+    if text.isascii() and text.isdigit():
+        return int(text)
+    raise ConfigError(f"--checkpoint: expected best, latest or a step number >= 0, got {text!r}")
+
+
 def check_flags(args: argparse.Namespace) -> None:
-    """ConfigError (exit 2) naming the first numeric flag of ``args.command`` given out of its range."""
+    """ConfigError (exit 2) naming the first numeric flag of ``args.command`` given out of its range;
+    a given ``--checkpoint`` is replaced by what it selects (:func:`checkpoint_selector`)."""
     for name, bound in BOUNDS.get(args.command, {}).items():
         value = getattr(args, name)
         if value is not None:
             bound.check(value)
+    if args.command in CHECKPOINT_COMMANDS and isinstance(args.checkpoint, str):
+        args.checkpoint = checkpoint_selector(args.checkpoint)
 
 
 def log_level(text: str) -> str:

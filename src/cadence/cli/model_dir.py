@@ -10,12 +10,9 @@ import json
 
 from rich.console import Console
 
-from cadence.errors import ConfigError
 
 
 def cmd_export(args: argparse.Namespace, console: Console) -> int:
-    if args.checkpoint not in ("best", "latest") and not args.checkpoint.isdigit():
-        raise ConfigError(f"--checkpoint: expected best, latest or a step number, got {args.checkpoint!r}")
     from cadence.torch.experiments.experiment import run_export
 
     step, directory, files = run_export(args.model_dir, args.formats, args.checkpoint, args.out)

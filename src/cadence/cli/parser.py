@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = sub.add_parser("evaluate", help="evaluate a checkpoint; print its metrics as JSON")
     add_config_args(evaluate, model_dir_required=True)
-    evaluate.add_argument("--checkpoint", type=int, default=None, metavar="STEP",
-                          help="the checkpoint's step (default: the latest committed)")
+    evaluate.add_argument("--checkpoint", default=None, metavar="best|latest|STEP",
+                          help="which checkpoint: best (best/'s, the best checkpoint's step), latest (the newest "
+                               "committed) or a step (default: latest)")
     evaluate.add_argument("--initial", action="store_true",
                           help="evaluate the initialized model (build_model, then Task.initialize; no checkpoint "
                                "read) at step 0: the untrained baseline")
@@ -94,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="train on N processes of this machine (cadence train --nproc N); the sidecar is one more")
     launch.add_argument("--profile", action="store_true",
                         help="the trainer traces steps with torch.profiler, as cadence train --profile does")
+    launch.add_argument("--no-progress", action="store_true",
+                        help="the trainer prints no progress lines, as cadence train --no-progress (the sidecar "
+                             "prints none)")
 
     export = sub.add_parser("export", help="export a checkpoint as inference artefacts")
     export.add_argument("model_dir", help="model directory (its config.yaml builds the model)")

@@ -216,7 +216,8 @@ def cmd_launch(args: argparse.Namespace, console: Console) -> int:
     def sidecar_ready() -> bool:  # its lease protects every checkpoint from the trainer's retention
         return any(lease.holder == holder for lease in leases.active())
 
-    codes = launch(sidecar_commands(args.config, model_dir, args.overrides, nproc=args.nproc), env={"COLUMNS": "120"},
+    codes = launch(sidecar_commands(args.config, model_dir, args.overrides, nproc=args.nproc,
+                                   progress=not args.no_progress), env={"COLUMNS": "120"},
                    stop_others_on_failure=["trainer"], grace_s=args.grace,
                    start_when={"trainer": sidecar_ready})
     for name, code in codes.items():

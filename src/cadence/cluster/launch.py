@@ -44,10 +44,13 @@ def sidecar_commands(
     python: str = sys.executable,
     *,
     nproc: int | None = None,
+    progress: bool = False,
 ) -> dict[str, list[str]]:
     """The two commands of ``cadence launch CONFIG --sidecar``: a continuous evaluator, and a
     trainer that does not validate in-process, on the same model dir (in that order); ``nproc``:
-    the trainer runs on that many processes (``cadence train --nproc``; the sidecar stays one).
+    the trainer runs on that many processes (``cadence train --nproc``; the sidecar stays one);
+    ``progress``: the trainer prints its progress lines (else ``cadence train --no-progress``; the
+    sidecar prints none either way).
 
     Raises:
       ConfigError: ``model_dir`` is empty (both processes must agree on it).
@@ -59,7 +62,7 @@ def sidecar_commands(
     return {  # the sidecar first: the trainer may start once it holds its lease
         "sidecar": [python, "-m", "cadence", "evaluate", *common, "--continuous"],
         "trainer": [python, "-m", "cadence", "train", *common,
-                    "--set", "trainer.in_process_validation=false", "--no-progress",
+                    "--set", "trainer.in_process_validation=false", *([] if progress else ["--no-progress"]),
                     *(["--nproc", str(nproc)] if nproc is not None else [])],
     }
 

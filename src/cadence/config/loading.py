@@ -20,6 +20,7 @@ from cadence.config.class_paths import portable_class_path, resolve_class_path
 from cadence.config.errors import moved_key_errors, validation_message
 from cadence.config.overrides import apply_flags, apply_overrides
 from cadence.config.schema import ExperimentConfig
+from cadence.config.workdir import portable_workdir, resolve_workdir
 from cadence.config.yaml_io import Loc, parse_yaml, read_text
 from cadence.errors import ConfigError
 from cadence.storage import Storage, local_path
@@ -52,7 +53,8 @@ def config_from_dict(
     ``overrides`` are ``dotted.key=value`` strings applied first, then ``flags`` (command-line flags
     that set a value, ``{"--timeout": ("sidecar.timeout", 5.0)}``: an error names the flag), then
     ``model_dir`` (when not ``None``). ``source`` names the data in error messages; ``config_dir`` is
-    recorded for :func:`resolve_task_class`. Raises ConfigError.
+    recorded for :func:`resolve_task_class`, and a relative ``workdir`` resolved against it (one set by
+    an override: against the current directory). Raises ConfigError.
     """
     if not isinstance(data, Mapping):
         raise ConfigError(
@@ -71,6 +73,8 @@ def config_from_dict(
         cfg = ExperimentConfig.model_validate(work)
     except ValidationError as exc:
         raise ConfigError(validation_message(exc, source, _lines or {}, overridden)) from None
+    if cfg.workdir is not None:  # --set workdir=...: relative to here; the file's: to its folder
+        cfg.workdir = resolve_workdir(cfg.workdir, None if ("workdir",) in overridden else config_dir)
     if config_dir is not None:
         cfg._config_dir = Path(config_dir).resolve()
         for spec in (cfg.task, *cfg.callbacks):  # importable from any working directory
@@ -110,20 +114,26 @@ def load_config(
     )
 
 
-def save_config(cfg: ExperimentConfig, path_or_url: str | Path) -> None:
+def save_config(cfg: ExperimentConfig, path_or_url: str | Path, *, workdir: str | None = None) -> None:
     """Write the resolved config (:meth:`ExperimentConfig.to_dict`) as YAML to a local path or an
     fsspec URL, creating parents; atomic on local disks. In a local file, a ``file.py:Class`` whose
     file and the written file both lie inside the working directory is written relative to the
-    written file (:func:`~cadence.config.class_paths.portable_class_path`); else absolute."""
+    written file (:func:`~cadence.config.class_paths.portable_class_path`); else absolute.
+    ``workdir`` (default: the config's own) is recorded as the run's working directory, relative to a
+    local file inside it (:func:`~cadence.config.workdir.portable_workdir`), else absolute."""
     from cadence.config.yaml_io import dump_yaml
 
     target = os.fspath(path_or_url)
     data = cfg.to_dict()
+    if workdir is not None:
+        data["workdir"] = os.path.abspath(workdir)
     local = local_path(target)
     if local is not None:
         directory = os.path.dirname(os.path.abspath(local))
         for entry in (data["task"], *data["callbacks"]):
             entry["class"] = portable_class_path(entry["class"], directory)
+        if data["workdir"] is not None:
+            data["workdir"] = portable_workdir(data["workdir"], directory)
     storage = Storage(target)
     storage.makedirs(posixpath.dirname(storage.root))
     storage.write_atomic(storage.root, dump_yaml(data).encode("utf-8"))

@@ -111,7 +111,7 @@ class TaskConfig(ClassSpec):
         description=(
             "A local `save_pretrained` directory (an `hf` export, a downloaded model) whose weights a fresh "
             "start loads before `Task.initialize`; ignored when a checkpoint is restored. Relative to the "
-            "current directory."
+            "current directory (the run's `workdir`, when set)."
         ),
         json_schema_extra={"expected": "a directory path"},
     )
@@ -367,6 +367,14 @@ class ExperimentConfig(ConfigModel):
         description=("The model directory (checkpoints, summaries, exports): a local path or an fsspec URL. The "
                      "CLI's `--model-dir` overrides it."),
     )
+    workdir: str | None = Field(
+        default=None, json_schema_extra={"expected": "a directory path (a string)"},
+        description=("The directory the run's relative paths are relative to: `cadence train` records the one it ran "
+                     "in, into `MODEL_DIR/config.yaml` (relative to that file when the model dir lies inside it). "
+                     "`cadence export`, `evaluate` and the sidecar given that config build and run the Task there, "
+                     "so `task.params` paths and `task.init_from_pretrained` work from any directory. `null`: the "
+                     "current directory."),
+    )
     task: TaskConfig = Field(description="The Task (a subclass of `cadence.torch.Task`): what model, data and loss to train.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The training loop's schedule and numerics.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="How checkpoints are written.")
@@ -456,10 +464,13 @@ class ExperimentConfig(ConfigModel):
         return dump_yaml(self.to_dict())
 
     def __eq__(self, other: object) -> bool:
-        """Equal when they describe the same experiment, wherever they were loaded from."""
+        """Equal when they describe the same experiment, wherever they were loaded from (or run in:
+        ``workdir`` is not compared)."""
         if not isinstance(other, ExperimentConfig):
             return NotImplemented
-        return self._resolved() == other._resolved()
+        mine, theirs = self._resolved(), other._resolved()
+        mine.pop("workdir"), theirs.pop("workdir")
+        return mine == theirs
 
     def _resolved(self) -> dict[str, Any]:
         """``model_dump`` by alias, with every class path (task, callbacks) made absolute."""

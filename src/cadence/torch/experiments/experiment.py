@@ -14,11 +14,13 @@ config from Python::
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from cadence import layout
 from cadence.checkpoint import CheckpointManager
 from cadence.config import ExperimentConfig, save_config
+from cadence.config.workdir import absolute_local, in_workdir
 from cadence.errors import NoCheckpointError
 from cadence.sidecar.evaluator import SidecarEvaluator, SidecarResult
 from cadence.torch.checkpoint_io.state import unwrap_model
@@ -46,12 +48,18 @@ def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
     a :class:`~cadence.errors.SanityCheckError` before any step); with ``trainer.eval_at_start``, a fresh
     run then evaluates step 0 (no eval action sees it). With ``export.on: final``,
     exports the final model. ``in_process_validation`` (default: ``trainer.in_process_validation``): False only trains,
-    for a sidecar to evaluate; the result is then ``{}``.
+    for a sidecar to evaluate; the result is then ``{}``. With ``cfg.workdir``, it runs there
+    (:func:`~cadence.config.workdir.in_workdir`); the config written records the directory it ran in.
     """
-    if in_process_validation is None:
-        in_process_validation = cfg.trainer.in_process_validation
-    if not in_process_validation:
-        return _train_only(cfg, progress)
+    with in_workdir(cfg) as cfg:
+        if in_process_validation is None:
+            in_process_validation = cfg.trainer.in_process_validation
+        if not in_process_validation:
+            return _train_only(cfg, progress)
+        return _train_and_evaluate(cfg, progress)
+
+
+def _train_and_evaluate(cfg: ExperimentConfig, progress: bool | None) -> dict[str, Any]:
     run = build_run(cfg, progress=progress)
     t = cfg.trainer
     sanity_steps = t.sanity_val_steps if t.validation_steps == -1 else min(t.sanity_val_steps, t.validation_steps)
@@ -94,7 +102,7 @@ def _save_config_if_training(cfg: ExperimentConfig, run: Run) -> None:
     train) keeps the config it was trained with."""
     steps = cfg.trainer.train_steps
     if steps is None or run.controller.global_step < steps:
-        save_config(cfg, layout.config_path(cfg.require_model_dir()))
+        save_config(cfg, layout.config_path(cfg.require_model_dir()), workdir=os.getcwd())
 
 
 def build_sidecar(cfg: ExperimentConfig) -> SidecarEvaluator:
@@ -122,32 +130,52 @@ def build_sidecar(cfg: ExperimentConfig) -> SidecarEvaluator:
 
 def run_sidecar(cfg: ExperimentConfig) -> SidecarResult:
     """Run the experiment's sidecar evaluator until it stops (``cadence evaluate --continuous``,
-    the evaluator role); return what it did and why it stopped."""
-    return build_sidecar(cfg).start()
+    the evaluator role), in ``cfg.workdir`` when set; return what it did and why it stopped."""
+    with in_workdir(cfg) as cfg:
+        return build_sidecar(cfg).start()
 
 
-def run_evaluation(cfg: ExperimentConfig, step: int | None = None, *,
+def run_evaluation(cfg: ExperimentConfig, step: int | str | None = None, *,
                    initial: bool = False) -> tuple[int, dict[str, Any]]:
-    """Evaluate checkpoint ``step`` (``None``: the latest); return ``(step, metrics)``.
+    """Evaluate a checkpoint; return ``(step, metrics)``.
 
-    ``initial``: evaluate the initialized model instead (``build_model`` then ``Task.initialize``, as
-    a fresh run starts; no checkpoint is read, ``step`` must be ``None``): step 0.
+    ``step``: a step number, ``"latest"`` or ``None`` (the newest committed in ``checkpoints/``), or
+    ``"best"`` (the checkpoint in ``best/``: its step is returned). ``initial``: evaluate the
+    initialized model instead (``build_model`` then ``Task.initialize``, as a fresh run starts; no
+    checkpoint is read, ``step`` must be ``None``): step 0. With ``cfg.workdir``, it runs there
+    (:func:`~cadence.config.workdir.in_workdir`).
 
     Raises:
       ModelDirError: the model dir is a file, or a file stands on its path.
-      NoCheckpointError: the model dir has no committed checkpoint (or not that step), before
-        anything is built.
+      NoCheckpointError: the model dir has no committed checkpoint (or not that step, or no ``best/``
+        for ``"best"``), before anything is built.
     """
+    with in_workdir(cfg) as cfg:
+        return _evaluate(cfg, step, initial)
+
+
+def _evaluate(cfg: ExperimentConfig, step: int | str | None, initial: bool) -> tuple[int, dict[str, Any]]:
     model_dir = layout.check_model_dir(cfg.require_model_dir())  # a file, or a file on its path
     checkpoints = layout.checkpoints_dir(model_dir)
     none = NoCheckpointError(f"no committed checkpoint in {checkpoints}: nothing to evaluate "
                              "(--initial evaluates the initialized model)")
+    restore_from = None
+    if step == "latest":
+        step = None
     if initial:
         if step is not None:
             raise ValueError("run_evaluation: initial=True evaluates no checkpoint; step must be None")
+    elif step == "best":
+        restore_from = layout.best_dir(model_dir)
+        step = CheckpointManager(restore_from, writer=False).latest_step()
+        if step is None:
+            raise NoCheckpointError(_no_best(model_dir, "evaluate"))
     elif step is None and CheckpointManager(checkpoints, writer=False).latest_step() is None:
         raise none  # before anything is built: no "starting at step 0" line first
-    run = build_run(cfg, train=False, restore_step=step, progress=False, restore=not initial)
+    if step is not None and not isinstance(step, int):
+        raise ValueError(f"run_evaluation: step must be a step number, 'best' or 'latest', got {step!r}")
+    run = build_run(cfg, train=False, restore_step=step, progress=False, restore=not initial,
+                    restore_from=restore_from)
     with run.controller as controller:
         if initial:
             _initialize(run)
@@ -155,6 +183,12 @@ def run_evaluation(cfg: ExperimentConfig, step: int | None = None, *,
             raise none
         metrics = controller.evaluate(cfg.trainer.validation_steps)
         return controller.global_step, metrics
+
+
+def _no_best(model_dir: str, command: str) -> str:
+    """The message of a model dir without a best checkpoint, for ``--checkpoint best``."""
+    return (f"no best checkpoint in {layout.best_dir(model_dir)} (set trainer.best_checkpoint, "
+            f"or {command} --checkpoint latest)")
 
 
 def _initialize(run: Run) -> None:
@@ -173,17 +207,19 @@ def _initialize(run: Run) -> None:
         run.ema.reset()
 
 
-def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
+def run_export(model_dir: str, formats: list[str], checkpoint: str | int = "best",
                out: str | None = None) -> tuple[int, str, dict[str, str]]:
     """Export a checkpoint of a model dir as inference artefacts; return ``(step, directory, files)``.
 
     The model is built from the model dir's resolved ``config.yaml``. ``checkpoint``: ``"best"``
-    (``best/``), ``"latest"`` (the newest committed in ``checkpoints/``) or a step number.
+    (``best/``), ``"latest"`` (the newest committed in ``checkpoints/``) or a step number (an int, or
+    its digits).
     ``out``: the directory to write; default ``export/best/<step>/`` for the best checkpoint and
     ``export/checkpoint/<step>/`` otherwise. ``files``: ``{format: path}``; for a task with
     :meth:`Task.export_signatures`, ``{"<signature>/<format>": path}`` (one subdirectory of
     ``directory`` per signature, and ``signatures.json``). With ``trainer.ema`` in the model dir's
-    config, the checkpoint's EMA weights are exported (the evaluated ones). ``out`` must be absent,
+    config, the checkpoint's EMA weights are exported (the evaluated ones). The Task is built in the
+    run's ``workdir`` (:func:`~cadence.config.workdir.in_workdir`). ``out`` must be absent,
     an empty directory, or a cadence export (then replaced): checked before anything is built, and
     again when the export is published (:mod:`cadence.export_marker`); nothing else is ever deleted.
 
@@ -199,7 +235,6 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
     from cadence.errors import ModelDirError
     from cadence.export_marker import check_export_target
     from cadence.storage import Storage
-    from cadence.torch.export.api import export_task_model
 
     config_file = layout.config_path(model_dir)
     layout.check_model_dir(model_dir, must_exist=True)
@@ -208,12 +243,21 @@ def run_export(model_dir: str, formats: list[str], checkpoint: str = "best",
     if out is not None:  # before anything is built, read or created
         check_export_target(Storage(out), label="--out")
     cfg = load_config(config_file, model_dir=model_dir)
+    if cfg.workdir is not None:  # the Task runs in the run's working directory: paths given from here first
+        model_dir, out = absolute_local(model_dir), None if out is None else absolute_local(out)
+    with in_workdir(cfg) as cfg:
+        return _export(cfg, model_dir, formats, checkpoint, out)
+
+
+def _export(cfg: ExperimentConfig, model_dir: str, formats: list[str], checkpoint: str | int,
+            out: str | None) -> tuple[int, str, dict[str, str]]:
+    from cadence.torch.export.api import export_task_model
+
     task, _, _, evaluator = build_runners_from_config(cfg, train=False, device="cpu", precision="32", compile_model=False)
     if checkpoint == "best":
         manager = CheckpointManager(layout.best_dir(model_dir), writer=False)
         if manager.latest_step() is None:
-            raise NoCheckpointError(f"no best checkpoint in {layout.best_dir(model_dir)} (set trainer.best_checkpoint, "
-                                    "or export --checkpoint latest)")
+            raise NoCheckpointError(_no_best(model_dir, "export"))
         step = None
     else:
         manager = CheckpointManager(layout.checkpoints_dir(model_dir), writer=False)

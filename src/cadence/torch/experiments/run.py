@@ -88,14 +88,17 @@ class Run:
 
 
 def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = True,
-              restore_step: int | None = None, progress: bool | None = None, restore: bool = True) -> Run:
+              restore_step: int | None = None, progress: bool | None = None, restore: bool = True,
+              restore_from: str | None = None) -> Run:
     """Seed, build the task, runners, actions and callbacks (:func:`build_callbacks`), and a
     controller that restores the latest checkpoint.
 
     ``train=False`` builds an evaluator-only run that reads checkpoints without changing the
     model directory (``restore_step``: that checkpoint; ``None``: the latest); it runs no actions,
     and its callbacks hear of the restore, the evaluation and the close only. ``restore=False``:
-    no checkpoint is read (the model as built: ``cadence evaluate --initial``).
+    no checkpoint is read (the model as built: ``cadence evaluate --initial``). ``restore_from``: the
+    directory of checkpoints an evaluator-only run reads (default: the model dir's ``checkpoints/``;
+    ``best/`` for ``cadence evaluate --checkpoint best``).
 
     A training run's chief first takes the model dir's writer lease (:func:`acquire_writer_lease`;
     :class:`~cadence.errors.WriterLeaseHeldError` when another trainer holds it), which
@@ -109,6 +112,8 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     trained or evaluated anything (:meth:`Run.release`), leaves the model dir as it found it:
     the chief notes it around taking the lease (:class:`~cadence.checkpoint.footprint.ModelDirFootprint`).
     """
+    if train and restore_from is not None:
+        raise ValueError("build_run: restore_from is for an evaluator-only run (train=False)")
     model_dir = layout.check_model_dir(cfg.require_model_dir())
     if train:  # checkpoints/ a file: one line now, before anything is written
         check_training_paths(model_dir)
@@ -128,7 +133,8 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
             ctx.heartbeat = Heartbeat()
             watchdog = Watchdog(ctx.heartbeat, cfg.trainer.hang_timeout, rank=ctx.rank).start()
         run = _assemble_run(cfg, task, ctx, trainer, evaluator, lease, intervals, train=train, evaluate=evaluate,
-                            restore_step=restore_step, progress=progress, restore=restore)
+                            restore_step=restore_step, progress=progress, restore=restore,
+                            restore_from=restore_from)
     except BaseException as e:
         if watchdog is not None:
             watchdog.stop()
@@ -163,8 +169,9 @@ def acquire_writer_lease(cfg: ExperimentConfig, coordinator: Coordinator | None)
 
 
 def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any, evaluator: Any,
-                  lease: WriterLease | None, intervals: StepIntervals, *, train: bool, evaluate: bool, restore_step: int | None,
-                  progress: bool | None, restore: bool = True) -> Run:
+                  lease: WriterLease | None, intervals: StepIntervals, *, train: bool, evaluate: bool,
+                  restore_step: int | None, progress: bool | None, restore: bool = True,
+                  restore_from: str | None = None) -> Run:
     model_dir = cfg.require_model_dir()
     t = cfg.trainer
     model = (trainer or evaluator).model
@@ -185,7 +192,7 @@ def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any,
 
         callbacks.append(build_step_profiler(cfg.profiler, model_dir, ctx, train_steps=t.train_steps))
     manager = CheckpointManager(  # one writer: the chief; the other ranks only read
-        layout.checkpoints_dir(model_dir), max_to_keep=t.max_to_keep,
+        restore_from or layout.checkpoints_dir(model_dir), max_to_keep=t.max_to_keep,
         keep_every_n_steps=t.keep_every_n_steps, writer=train and ctx.is_chief,
         async_save=cfg.checkpoint.async_save if train else False, fence=lease, checksum=cfg.checkpoint.checksum,
         state_size=StateSizeEstimate(model, trainer.optimizer, ema) if train else None,
