@@ -16,7 +16,7 @@ Fixtures: ``cadence`` (the CLI runner, :func:`cli_run.run_cadence`), ``torchrun`
 ``closed_port`` (a port that refuses connections and stays so), ``digits_run`` (the digits example
 trained once for the whole run, for the tests that only read it).
 Every test also runs with the process-global state that ``cadence.cli.main`` and ``load_task_class``
-change (logging, ``sys.path``, signal handlers) restored afterwards, so that tests do not depend on
+change (logging, ``sys.path``, signal handlers, torch's threads) restored afterwards, so that tests do not depend on
 their order or on the xdist worker they land on.
 """
 
@@ -108,13 +108,18 @@ _SIGNALS = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGUSR1"
 def _restore_process_state() -> Iterator[None]:
     """Puts back what in-process ``cadence.cli.main`` / ``run_training`` / ``load_task_class`` calls
     change for the whole process: the root logger's handlers and level, the levels of named loggers,
-    ``sys.path`` and the signal handlers (the main thread's)."""
+    ``sys.path``, the signal handlers (the main thread's) and torch's intra-op threads."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     named = {name: lg.level for name, lg in logging.Logger.manager.loggerDict.items() if isinstance(lg, logging.Logger)}
     path = list(sys.path)
     handlers_by_signal = {s: signal.getsignal(s) for s in _SIGNALS}
+    torch = sys.modules.get("torch")  # not imported here: a unit test of the core never imports it
+    threads = torch.get_num_threads() if torch is not None else None
     yield
+    torch = sys.modules.get("torch")
+    if torch is not None and threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     for handler in root.handlers:
         if handler not in handlers:
             handler.close()

@@ -32,6 +32,7 @@ from tasks import TinyTask  # noqa: E402
 from cadence.checkpoint import CheckpointManager  # noqa: E402
 from cadence.torch import Context, Task, build_runners  # noqa: E402
 from cadence.torch.checkpoint_io.state import unwrap_model  # noqa: E402
+from cadence.torch.parallel.replicas import sync_buffers  # noqa: E402
 from cadence.torch.runtime.distributed import shutdown_distributed  # noqa: E402
 
 
@@ -113,7 +114,7 @@ class Warnings(logging.Handler):
 
 
 def basics(ctx: Context) -> dict:
-    """Collectives, dataset shards, the loaders, and DDP training."""
+    """Collectives, dataset shards, the loaders, DDP training, and buffers synced from rank 0."""
     c, r, w = ctx.coordinator, ctx.rank, ctx.world_size
     res: dict = {"rank": r, "world_size": w, "local_rank": ctx.local_rank, "is_chief": ctx.is_chief,
                  "coordinator": type(c).__name__, "device": str(ctx.device)}
@@ -160,6 +161,22 @@ def basics(ctx: Context) -> dict:
         ref_opt.step()
     res["params_after_train"] = flat(model)
     res["params_reference"] = flat(reference)
+
+    # rank 0's buffers everywhere, of any dtype and shape, in one broadcast; the parameters left alone
+    bn = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
+    bn.register_buffer("mask", torch.tensor([r % 2 == 0, r % 2 == 1, True]))
+    bn.register_buffer("bf16", torch.tensor(r + 0.5, dtype=torch.bfloat16))  # 0-dim
+    bn.register_buffer("empty", torch.zeros(0))
+    bn.register_buffer("cache", torch.full((2,), float(r)), persistent=False)  # not saved: not synced
+    bn[1].running_mean.fill_(r + 1.0)
+    bn[1].num_batches_tracked.fill_(10 * r)
+    with torch.no_grad():
+        bn[0].weight.fill_(r)
+    extra = torch.full((2, 2), r, dtype=torch.complex64)
+    sync_buffers(bn, [extra])
+    res["synced"] = {k: v.float().tolist() if v.dtype == torch.bfloat16 else v.tolist()
+                     for k, v in {**bn.state_dict(), "cache": bn.cache}.items()}
+    res["synced_extra"] = [str(v) for v in extra.flatten().tolist()]
     return res
 
 

@@ -34,6 +34,12 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+NODE_ENV = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
+"""The nodes' environment: :data:`cli_run.ENV` without ``OMP_NUM_THREADS``, as a user's shell has it, so that
+each layout runs with the intra-op threads cadence gives it (which must not change the weights). Its
+processes start as fresh interpreters: the zygote's children keep the zygote's threads."""
+
+
 FAST_RDZV = ("--rdzv-conf", "keep_alive_interval=2,keep_alive_max_attempt=3")
 """Rendezvous settings for a test that loses a node (``extra=FAST_RDZV``): the lost node's agent is dropped
 from the rendezvous after about 6 s instead of torch's 15 (5 s x 3), so that the node coming back is admitted
@@ -53,11 +59,11 @@ def start_node(config: str | os.PathLike[str], model_dir: str | os.PathLike[str]
                env: dict[str, str] | None = None, stdout: IO[Any] | int | None = None,
                stderr: IO[Any] | int | None = subprocess.STDOUT) -> subprocess.Popen:
     """Node ``node_rank`` as a running process (``cadence train`` and, in its process group, torch's agent;
-    the workers each in a session of their own); ``env`` adds to :data:`cli_run.ENV`; stdout and stderr
+    the workers each in a session of their own); ``env`` adds to :data:`NODE_ENV`; stdout and stderr
     go where given (default: stderr into stdout)."""
     return popen(node_command(config, model_dir, node_rank, nnodes, port, nproc=nproc, max_restarts=max_restarts,
                               extra=extra),
-                 env={**ENV, **(env or {})}, stdout=stdout, stderr=stderr, start_new_session=True)
+                 env={**NODE_ENV, **(env or {})}, stdout=stdout, stderr=stderr, start_new_session=True)
 
 
 def wait_until(what: str, ready: Any, timeout: float = 60.0, procs: Sequence[subprocess.Popen] = (),

@@ -53,14 +53,17 @@ class TinyTask(Task):
     ``pid_dir`` gets a file ``rank<N>`` with each process's pid.
     ``poison_index`` puts a NaN into that training sample (and turns shuffling off, so the step
     that meets it is known): its batch gives a NaN loss.
-    ``hidden`` is the width of the hidden layer (a bigger checkpoint).
+    ``hidden`` is the width of the hidden layer (a bigger checkpoint), ``outputs`` that of the head (the
+    labels are 0 and 1): 64 and 10 make the head's weight gradient a product whose float result depends
+    on the number of CPU threads.
     """
 
     def __init__(self, step_sleep: float = 0.0, batch_size: int = 8, n: int = 200,
                  poison_index: int | None = None, eval_sleep: float = 0.0, pid_dir: str | None = None,
-                 hidden: int = 16, hold_file: str | None = None) -> None:
+                 hidden: int = 16, hold_file: str | None = None, outputs: int = 2) -> None:
         super().__init__()
         self.hidden = hidden
+        self.outputs = outputs
         if pid_dir is not None:  # lets a test signal one rank of a multi-process job
             Path(pid_dir, f"rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
         self.step_sleep = step_sleep
@@ -74,7 +77,7 @@ class TinyTask(Task):
             self.train_set.tensors[0][poison_index] = float("nan")
 
     def build_model(self) -> nn.Module:
-        return nn.Sequential(nn.Linear(8, self.hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(self.hidden, 2))
+        return nn.Sequential(nn.Linear(8, self.hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(self.hidden, self.outputs))
 
     def build_optimizer(self, model):
         return torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -196,6 +199,22 @@ class BadStepTask(TinyTask):
         losses = F.cross_entropy(model(x), y, reduction="none")
         return {"text": "loss", "none": None, "no_loss": {"accuracy": losses.detach().mean()},
                 "vector": losses}[self.returns]
+
+
+class BatchNormTask(TinyTask):
+    """TinyTask with BatchNorm: on several ranks each rank's running statistics follow its own share of
+    the batch, so the ranks' copies differ after a step. Validation batches hold one sample each, so that
+    the metrics over unpadded shards on any number of ranks add up the very per-sample numbers one process
+    does (float64 sums of float32 losses: exact), and only the weights can make them differ."""
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, self.hidden), nn.BatchNorm1d(self.hidden), nn.ReLU(),
+                             nn.Linear(self.hidden, self.outputs))
+
+    def build_inputs(self, split, ctx):
+        if split == "train":
+            return super().build_inputs(split, ctx)
+        return DataLoader(ctx.wrap_dataset(self.val_set), batch_size=1)
 
 
 class NoSchedulerTask(TinyTask):

@@ -3,7 +3,12 @@ process each) train one job: bit-identical to one node with 2 processes; a node 
 process group and its worker killed with SIGKILL, as a machine dies) is restarted with ``--max-restarts`` and
 the job still ends bit-identical; without restarts the other node fails in one line naming the lost node and
 rank, and no process is left behind; a finished node does not wait 300 s for a dead peer agent; the sidecar
-runs as a third process on the same model dir, local and on the S3 test server."""
+runs as a third process on the same model dir, local and on the S3 test server.
+
+The jobs run without ``OMP_NUM_THREADS`` (:data:`multinode.NODE_ENV`), with layers wide enough that a CPU
+matrix product's result depends on its threads (``hidden: 64, outputs: 10``): torch's launcher alone would
+give a node of 2 processes 1 thread each and a node of 1 process all the cores, and the layouts' weights
+would differ."""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from pathlib import Path
 import pytest
 from cli_run import ENV, alive, checkpoint_weights, popen, run_python, same_weights
 from configs import write_config
-from multinode import FAST_RDZV, free_port, kill_node, listening, start_node, stop_nodes, wait_until
+from multinode import FAST_RDZV, NODE_ENV, free_port, kill_node, listening, start_node, stop_nodes, wait_until
 
 STEPS = 24
 STEP_SLEEP = 0.05  # 24 steps: over a second of training, so that a test can act mid-run
@@ -28,8 +33,8 @@ EVALUATED = [(step, "evaluated") for step in (8, 16, 24)]
 def config(tmp_path: Path, *, step_sleep: float = STEP_SLEEP, steps: int = STEPS, hold_after: int | None = None) -> Path:
     (tmp_path / "attempts").mkdir(parents=True, exist_ok=True)
     return write_config(tmp_path, "multinode_tasks.py:NodeTask",
-                        params={"n": 256, "attempt_dir": str(tmp_path / "attempts"), "step_sleep": step_sleep,
-                                "hold_after": hold_after},
+                        params={"n": 256, "hidden": 64, "outputs": 10, "attempt_dir": str(tmp_path / "attempts"),
+                                "step_sleep": step_sleep, "hold_after": hold_after},
                         trainer={"train_steps": steps, "steps_per_loop": 4, "checkpoint_interval": 8,
                                  "in_process_validation": False, "max_to_keep": None, "seed": 1},
                         sidecar={"mode": "every", "poll_interval": 0.05, "timeout": 120})
@@ -37,10 +42,10 @@ def config(tmp_path: Path, *, step_sleep: float = STEP_SLEEP, steps: int = STEPS
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    """The final weights of the same job on one node with 2 processes."""
+    """The final weights of the same job on one node with 2 processes (without OMP_NUM_THREADS too)."""
     tmp = tmp_path_factory.mktemp("reference")
     proc = run_python(["-m", "cadence", "train", str(config(tmp, step_sleep=0.0)), "--model-dir", str(tmp / "run"),
-                       "--nproc", "2", "--no-progress"], timeout=240)
+                       "--nproc", "2", "--no-progress"], env=NODE_ENV, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((tmp / "run" / "checkpoints" / "FINAL").read_text())["step"] == STEPS
     return checkpoint_weights(tmp / "run" / "checkpoints" / f"ckpt-{STEPS}")

@@ -347,6 +347,19 @@ def test_ddp_keeps_replicas_identical_and_matches_one_process(basics):
     torch.testing.assert_close(torch.tensor(first["params_after_train"]), torch.tensor(first["params_reference"]))
 
 
+def test_sync_buffers_gives_every_rank_rank_0s_saved_buffers_only(basics):
+    first = basics[0]["synced"]
+    assert first["1.running_mean"] == [1.0] * 3 and first["mask"] == [True, False, True] and first["bf16"] == 0.5
+    for r, rep in enumerate(basics):
+        synced = rep["synced"]
+        own = ("0.weight", "0.bias", "cache")
+        assert {k: synced[k] for k in synced if k not in own} == \
+            {k: first[k] for k in first if k not in own}  # every buffer of any dtype, as rank 0's
+        assert synced["0.weight"] == [[float(r)] * 2] * 3  # parameters are not buffers
+        assert synced["cache"] == [float(r)] * 2  # a non-persistent buffer is not saved: left alone
+        assert rep["synced_extra"] == basics[0]["synced_extra"] == [str(complex(0))] * 4
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> dict[str, list[dict]]:
     """A 2-rank job trains 3 steps and checkpoints, then the checkpoint resumes on 2, 1 and 3 ranks."""

@@ -15,7 +15,9 @@ decay applies per update, not per step: with ``every_n_steps = N`` the average's
 
 **Buffers.** Floating-point buffers (BatchNorm's ``running_mean`` / ``running_var``) are averaged
 as parameters are (``swa_utils``' ``use_buffers=True``); other buffers (``num_batches_tracked``)
-are not averaged: the EMA model uses the model's own.
+are not averaged: the EMA model uses the model's own. On several ranks the averages of buffers
+are made rank 0's on every rank before each evaluation and save, as the model's buffers are
+(:meth:`ModelEMA.buffer_averages`, :mod:`cadence.torch.parallel.replicas`).
 
 **Tied weights.** One tensor under several names (a GPT's head tied to its embedding) has one
 average, updated once per step, under each name; ``ema.safetensors`` holds it under each name too,
@@ -98,8 +100,11 @@ class ModelEMA(Callback):
         owned: set[str] = set()  # the names of the averages (the others are the model's own tensors)
         first: dict[int, str] = {}  # a tied tensor: the first name it has
         live, averaged = [], []
+        module = unwrap_model(model)
+        params = {id(p) for p in module.parameters()}
+        buffer_averages: list[torch.Tensor] = []  # of float buffers: replicated on every rank, never sharded
         with torch.no_grad():
-            for name, t in unwrap_model(model).state_dict(keep_vars=True).items():
+            for name, t in module.state_dict(keep_vars=True).items():
                 if id(t) in first:  # tied: the same EMA tensor under both names
                     state[name] = state[first[id(t)]]
                     if first[id(t)] in owned:
@@ -112,12 +117,15 @@ class ModelEMA(Callback):
                     owned.add(name)
                     live.append(_local(tensor))
                     averaged.append(_local(state[name]))
+                    if id(t) not in params and state[name] is _local(state[name]):
+                        buffer_averages.append(state[name])
                 else:
                     state[name] = tensor  # the model's own (not averaged)
         self._state = state
         self._owned = owned
         self._live: list[torch.Tensor] = live  # the model's float tensors (local shards), in place
         self._averaged: list[torch.Tensor] = averaged  # the EMA's, in the same order
+        self._buffer_averages = buffer_averages
         self.attached = False
         """Whether a controller has it among its callbacks (so that it is updated at each step)."""
         self.fence: StateFence | None = None
@@ -143,6 +151,13 @@ class ModelEMA(Callback):
         self._wait_for_copies()
         if self._averaged:
             torch._foreach_copy_(self._averaged, self._live)
+
+    def buffer_averages(self) -> list[torch.Tensor]:
+        """The EMA's averages of the model's floating-point buffers (plain tensors, one on every rank),
+        for :func:`cadence.torch.parallel.replicas.sync_buffers` to make rank 0's everyone's; waits
+        for a pipelined snapshot's copy of them first, since the sync writes into them."""
+        self._wait_for_copies()
+        return list(self._buffer_averages)
 
     def averaged_state(self, *, copy_model_tensors: bool = False) -> dict[str, torch.Tensor]:
         """The EMA as a state dict with the model's keys (live tensors, not copies; tied names share

@@ -21,6 +21,7 @@ from cadence.torch.experiments.task_loader import build_task
 from cadence.torch.hf.pretrained import load_pretrained
 from cadence.torch.runtime.context import Context
 from cadence.torch.runtime.rng import seed_everything
+from cadence.torch.runtime.threads import fix_intra_op_threads
 from cadence.torch.task.lr_schedule import LRSchedule, TrainingPlan
 from cadence.torch.task.task import Task
 
@@ -164,8 +165,13 @@ def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: b
 
     ``device`` / ``precision`` override ``trainer.device`` / ``trainer.precision``;
     ``compile_model=False`` ignores ``trainer.compile`` (an export only loads and traces).
+
+    First, as it seeds, it sets this process's torch intra-op threads: 1 unless ``OMP_NUM_THREADS`` is
+    set (:func:`~cadence.torch.runtime.threads.fix_intra_op_threads`), so that every layout of the same
+    job (one node or several, any launcher, one process) computes the same numbers.
     """
     t = cfg.trainer
+    fix_intra_op_threads()
     seed_everything(t.seed)
     task = build_task(cfg)
     ctx = Context.create(device=device or t.device, seed=t.seed)

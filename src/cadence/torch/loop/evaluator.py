@@ -22,6 +22,7 @@ from cadence.torch.components.ema import ModelEMA, raw_metrics
 from cadence.torch.components.metrics import TorchMetricsReducer, as_reducer
 from cadence.torch.components.precision import resolve_precision
 from cadence.torch.checkpoint_io.kinds import is_sharded_checkpoint
+from cadence.torch.parallel.replicas import sync_buffers
 from cadence.torch.parallel.sharding import unsharded
 from cadence.torch.checkpoint_io.state import MODEL_FILE, load_model_safetensors
 from cadence.torch.runtime.rng import RNGSnapshot
@@ -137,7 +138,13 @@ class TorchEvaluator:
         evaluation, the raw weights back after it), and with ``ema.evaluate_raw`` those of the raw
         weights too, named ``raw/<name>`` (a second evaluation; with named splits
         ``raw/<split>``: ``{"raw/val": {"loss": ...}}``). Without: see :meth:`evaluate_model`.
+
+        On several ranks, rank 0's buffers (BatchNorm's running statistics, and the EMA's averages
+        of them), which a checkpoint holds, are first made every rank's (a collective,
+        :func:`~cadence.torch.parallel.replicas.sync_buffers`): the model evaluated is the one saved.
         """
+        if self.ctx.world_size > 1:
+            sync_buffers(self.model, self.ema.buffer_averages() if self.ema is not None else ())
         if self.ema is None:
             return self.evaluate_model(num_steps)
         with self.ema.applied():

@@ -390,9 +390,10 @@ class TorchTrainer:
     # -- checkpoints (see :mod:`cadence.torch.loop.trainer_checkpoint`) -----------------------------
 
     def prepare_checkpoint(self) -> None:
-        """Collective, on every rank before the chief's :meth:`save_checkpoint`: gather each
-        rank's RNG state and train-data position (through ``ctx.coordinator``) for the chief to
-        save."""
+        """Collective, on every rank before the chief's :meth:`save_checkpoint`: make rank 0's
+        buffers (BatchNorm's running statistics; the EMA's averages of them) every rank's, so that
+        what is saved is what every rank holds and evaluates, then gather each rank's RNG state and
+        train-data position (through ``ctx.coordinator``) for the chief to save."""
         self._checkpoint.prepare(self._data.state())
 
     # -- sharded checkpoints (WritesShards) ------------------------------------------------------

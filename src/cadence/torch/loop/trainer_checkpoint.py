@@ -39,6 +39,7 @@ from cadence.torch.checkpoint_io.state import (
 from cadence.torch.components.ema import SHARDED_KEY as EMA_KEY, ModelEMA
 from cadence.torch.loop.trainer_snapshot import TrainerSnapshot
 from cadence.torch.parallel import sharding
+from cadence.torch.parallel.replicas import sync_buffers
 from cadence.torch.runtime.context import Context
 from cadence.torch.runtime.rng import get_rng_state, rank_seed, seed_everything, set_rng_state
 
@@ -95,9 +96,14 @@ class TrainerCheckpoint:
     # -- saving ----------------------------------------------------------------------------------
 
     def prepare(self, data_state: dict[str, Any] | None) -> None:
-        """Collective, on every rank before the chief's save: gather each rank's RNG state and
-        train-data position (``data_state``, this rank's) through ``ctx.coordinator``."""
-        ctx = self._parts.ctx
+        """Collective, on every rank before the chief's save: make rank 0's buffers every rank's
+        (:func:`~cadence.torch.parallel.replicas.sync_buffers`, the EMA's averages of them too),
+        then gather each rank's RNG state and train-data position (``data_state``, this rank's)
+        through ``ctx.coordinator``."""
+        parts = self._parts
+        ctx = parts.ctx
+        if ctx.world_size > 1:
+            sync_buffers(parts.model, parts.ema.buffer_averages() if parts.ema is not None else ())
         own = (get_rng_state(), data_state)
         coord = ctx.coordinator
         gathered = coord.all_gather(own) if coord is not None and ctx.world_size > 1 else [own]
