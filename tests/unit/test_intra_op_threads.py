@@ -12,7 +12,7 @@ from cadence.torch.runtime.threads import INTRA_OP_THREADS, fix_intra_op_threads
 
 def test_without_omp_num_threads_a_process_gets_one_thread_and_says_so(caplog):
     torch.set_num_threads(2)  # as torch would give a process of a 2-core node alone (restored by conftest)
-    with caplog.at_level(logging.INFO, logger="cadence.torch.runtime.threads"):
+    with caplog.at_level(logging.DEBUG, logger="cadence.torch.runtime.threads"):
         assert fix_intra_op_threads({"PATH": "/bin", "OMP_NUM_THREADS": " "}) == INTRA_OP_THREADS == 1
     assert torch.get_num_threads() == 1
     assert [r.getMessage() for r in caplog.records] == [

@@ -29,7 +29,7 @@ several processes on a node, so that no layout oversubscribes the cores."""
 def fix_intra_op_threads(environ: Mapping[str, str] | None = None) -> int:
     """Give this process :data:`INTRA_OP_THREADS` intra-op threads (``torch.set_num_threads``) unless
     ``OMP_NUM_THREADS`` is set in ``environ`` (default: ``os.environ``), which torch then follows
-    already; return the number torch now uses. Logged once at INFO."""
+    already; return the number torch now uses. Logged at DEBUG."""
     env = os.environ if environ is None else environ
     if env.get("OMP_NUM_THREADS", "").strip():
         threads = torch.get_num_threads()
@@ -37,6 +37,7 @@ def fix_intra_op_threads(environ: Mapping[str, str] | None = None) -> int:
         return threads
     if torch.get_num_threads() != INTRA_OP_THREADS:
         torch.set_num_threads(INTRA_OP_THREADS)
-    log.info("torch intra-op threads: %d, as on any layout of processes (OMP_NUM_THREADS is unset; set it "
+    # DEBUG: a line on every command would precede a refusal's one line (the distributed guide says it)
+    log.debug("torch intra-op threads: %d, as on any layout of processes (OMP_NUM_THREADS is unset; set it "
              "for more)", INTRA_OP_THREADS)
     return INTRA_OP_THREADS
