@@ -4,8 +4,8 @@ when the dataset draws random augmentations in its workers.
 
 Each batch is collated in a worker by :class:`RngCollate`, which returns it as a
 :class:`WorkerBatch`: the user's batch, the worker's id and the worker's torch CPU, ``numpy.random``
-and ``random`` states right after the batch was loaded and collated (11 KB pickled, about 0.15 ms a batch). In the
-main process :class:`RngTracker` yields the user's batch and keeps, per worker, the states after
+and ``random`` states right after the batch was loaded and collated (11 KB pickled, about 0.15 ms
+a batch). In the main process :class:`RngTracker` yields the user's batch and keeps, per worker, the states after
 its last batch consumed (:meth:`RngTracker.states`), which the checkpoint saves (JSON:
 :func:`to_json`). On resume the workers start as in the uninterrupted run (the same base seed, the
 user's ``worker_init_fn``), then :class:`RestoreRng` sets each worker that had delivered a
