@@ -1,14 +1,18 @@
 """A plain ``DataLoader`` over a map-style dataset resumes mid-epoch without loading the samples
 it skips (issue 40, item 8): for torch's samplers, with and without worker processes, in the first
 epoch and a later one, the batches after the resume are bit for bit those of an uninterrupted
-iteration, and the dataset counts no load of a skipped sample. Anything else is replayed, with
+iteration, random augmentations drawn in the workers included, and the dataset counts no load of
+a skipped sample. Anything else is replayed, with
 the warning."""
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import (
@@ -23,8 +27,10 @@ from torch.utils.data import (
 )
 
 from cadence.torch import Context
+from cadence.torch.data import worker_rng
 from cadence.torch.data.sampler_skip import SkippingSampler, skippable
 from cadence.torch.loop.train_data import TrainData
+from cadence.torch.runtime.rng import get_rng_state, set_rng_state
 from tasks import TinyTask
 
 N, B, EPOCHS, SEED = 20, 3, 3, 11
@@ -32,10 +38,11 @@ LOGGER = "cadence.torch.loop.train_data"
 
 
 class Counting(Dataset):
-    """Sample ``i`` is ``(i, the seed of the process loading it, a torch.rand draw)``, and each load
-    is counted (in shared memory: worker processes count too). In the main process the draw is from
-    the global RNG (a random augmentation); in a worker from a generator seeded by the worker's seed
-    and ``i``, which proves that each worker starts from the uninterrupted run's seed."""
+    """Sample ``i`` is ``(i, the seed of the process loading it, a random augmentation)``, and each
+    load is counted (in shared memory: worker processes count too). The augmentation draws from the
+    loading process's global torch, numpy and ``random`` RNGs, as torchvision's transforms and
+    numpy-based augmentations do: in a worker, after the worker's earlier samples; the seed proves
+    that each worker starts from the uninterrupted run's base seed."""
 
     def __init__(self) -> None:
         self.loads = torch.zeros(N, dtype=torch.int64).share_memory_()
@@ -46,9 +53,16 @@ class Counting(Dataset):
     def __getitem__(self, i: int) -> tuple[int, int, torch.Tensor]:
         self.loads[i] += 1
         info = torch.utils.data.get_worker_info()
-        if info is None:
-            return i, torch.initial_seed(), torch.rand(())
-        return i, info.seed, torch.rand((), generator=torch.Generator().manual_seed((info.seed + i) % 2**62))
+        return i, torch.initial_seed() if info is None else info.seed, augmentation()
+
+
+def augmentation() -> torch.Tensor:
+    """A draw from each global RNG of the calling process."""
+    return torch.stack([torch.rand(()).double(), torch.tensor(np.random.rand()), torch.tensor(random.random())])
+
+
+class Samples(list):
+    """A collate function of the user's, which keeps the samples as they are (a type of its own)."""
 
 
 class Batched(Dataset):
@@ -106,6 +120,8 @@ LOADERS: dict[str, Callable[[Dataset, int], DataLoader]] = {
         num_workers=w),
     "getitems": lambda ds, w: DataLoader(Batched(ds), batch_size=B, shuffle=True, num_workers=w),
     "unbatched": lambda ds, w: DataLoader(ds, batch_size=None, shuffle=True, num_workers=min(w, 1)),
+    "custom-collate": lambda ds, w: DataLoader(ds, batch_size=B, shuffle=True, num_workers=w, collate_fn=Samples),
+    "pin-memory": lambda ds, w: DataLoader(ds, batch_size=B, shuffle=True, num_workers=w, pin_memory=True),
 }
 REPLAYED: dict[str, Callable[[Dataset, int], DataLoader]] = {
     "custom-sampler": lambda ds, w: DataLoader(ds, batch_size=B, sampler=Custom(N), num_workers=w),
@@ -120,8 +136,8 @@ REPLAYED: dict[str, Callable[[Dataset, int], DataLoader]] = {
 STOPS: dict[str, Callable[[int], int]] = {"first-epoch": lambda n: 3, "third-epoch": lambda n: 2 * n + 2}
 
 
-def train_data(loader: DataLoader) -> TrainData:
-    return TrainData(TinyTask(), Context.create(device="cpu"), loader, max_epochs=EPOCHS)
+def train_data(loader: DataLoader, epochs: int = EPOCHS) -> TrainData:
+    return TrainData(TinyTask(), Context.create(device="cpu"), loader, max_epochs=epochs)
 
 
 def consume(data: TrainData, limit: int | None = None) -> list[Any]:
@@ -145,24 +161,24 @@ def consume(data: TrainData, limit: int | None = None) -> list[Any]:
 
 
 def resumed_stream(make: Callable[[Dataset, int], DataLoader], workers: int, stop: Callable[[int], int],
-                   dataset_type: type[Counting] = Counting):
+                   epochs: int = EPOCHS):
     """The uninterrupted batches past ``stop(batches an epoch)``, those of a resume from a checkpoint
-    there, and the resumed run's dataset."""
+    there (its position through JSON, as state.json holds it), and the resumed run's dataset."""
     torch.manual_seed(SEED)
-    loader = make(dataset_type(), workers)
+    loader = make(Counting(), workers)
     stop_at = stop(len(loader))
-    straight = train_data(loader)
+    straight = train_data(loader, epochs)
     first = consume(straight, stop_at)
-    position, rng = straight.state(), torch.get_rng_state()
+    position, rng = json.loads(json.dumps(straight.state())), get_rng_state()
     rest = consume(straight)
     straight.close()
     assert len(first) == stop_at and rest
 
     torch.manual_seed(SEED)  # a new process seeds as the first one did, then restores
-    dataset = dataset_type()
-    resumed = train_data(make(dataset, workers))
+    dataset = Counting()
+    resumed = train_data(make(dataset, workers), epochs)
     resumed.restore(position)
-    torch.set_rng_state(rng)
+    set_rng_state(rng)
     again = consume(resumed)
     resumed.close()
     return rest, again, dataset
@@ -177,9 +193,11 @@ def same(a: Any, b: Any) -> bool:
 
 
 def samples(batches: list[Any]) -> int:
-    return sum(len(b[0]) if isinstance(b[0], torch.Tensor) and b[0].dim() else 1 for b in batches)
+    return sum(len(b) if isinstance(b, Samples) else len(b[0]) if isinstance(b[0], torch.Tensor) and b[0].dim() else 1
+               for b in batches)
 
 
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator")
 @pytest.mark.parametrize("stop", list(STOPS))
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("kind", list(LOADERS))
@@ -213,7 +231,9 @@ def test_what_can_be_skipped():
     assert all(skippable(make(ds, 0)) for make in LOADERS.values())
     assert not any(skippable(make(ds, 0)) for make in REPLAYED.values())
     assert not skippable(DataLoader(Stream(), batch_size=B))
-    assert not skippable(list(DataLoader(ds, batch_size=B)))
+    assert not skippable(DataLoader(ds, batch_size=B, shuffle=True, num_workers=2, in_order=False))
+    assert skippable(DataLoader(ds, batch_size=B, shuffle=True, in_order=False))  # no workers: in order anyway
+    assert not skippable([[0, 1], [2, 3]])  # a list of batches
 
     class Loader(DataLoader):
         pass
@@ -231,23 +251,45 @@ def test_the_skipping_sampler_drops_the_first_items_once():
         SkippingSampler(range(3), -1)
 
 
-class Augmented(Counting):
-    """Sample ``i`` is ``(i, torch.rand(()))``: an augmentation drawn from the loading process's
-    global RNG (a worker's, with workers)."""
+def test_the_position_holds_each_worker_s_rng_after_its_last_batch_consumed():
+    """Batch k is loaded by worker k % 2: after one batch only worker 0's states are saved (worker
+    1 starts fresh on resume), after two both; each is the worker's state after its batch."""
+    torch.manual_seed(SEED)
+    data = train_data(LOADERS["shuffle"](Counting(), 2))
+    consume(data, 1)
+    one = data.state()
+    consume(data, 1)
+    two = data.state()
+    data.close()
+    assert set(one["workers_rng"]) == {"0"} and set(two["workers_rng"]) == {"0", "1"}
+    assert one["workers_rng"]["0"] == two["workers_rng"]["0"] and json.loads(json.dumps(two)) == two
+    for kind in ("sequential", "unbatched"):  # no workers: nothing beyond the main process's RNG
+        data = train_data(LOADERS[kind](Counting(), 0))
+        consume(data, 2)
+        assert "workers_rng" not in data.state()
 
-    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:  # type: ignore[override]
-        self.loads[i] += 1
-        return i, torch.rand(())
+
+def test_spawned_workers_resume_their_rng_too(caplog):
+    """What the workers are given (the collate and init wrappers, their states) is picklable (one
+    epoch: each spawned worker imports torch)."""
+    spawn = lambda ds, w: DataLoader(ds, batch_size=B, shuffle=True, num_workers=w,  # noqa: E731
+                                     multiprocessing_context="spawn")
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        rest, again, dataset = resumed_stream(spawn, 2, STOPS["first-epoch"], epochs=1)
+    assert same(again, rest) and int(dataset.loads.sum()) == samples(again)
+    assert "without loading the skipped samples" in caplog.text
+
+def test_a_worker_rng_state_through_json_restores_all_three_rngs():
+    torch.manual_seed(1), np.random.seed(2), random.seed(3)
+    np.random.standard_normal()  # numpy's cached gaussian, kept too
+    saved = json.loads(json.dumps(worker_rng.to_json(worker_rng.capture())))
+    first = augmentation(), np.random.standard_normal()
+    worker_rng.restore(worker_rng.from_json(saved))
+    assert same(augmentation(), first[0]) and np.random.standard_normal() == first[1]
 
 
-def test_with_workers_only_the_resumed_epoch_s_worker_augmentation_differs():
-    """What a skip cannot restore (the module doc): a worker's RNG history. The samples, their order
-    and the later epochs are the uninterrupted ones; the augmentations a worker draws in the
-    resumed epoch continue from its seed instead of from where the skipped samples left it."""
-    per_epoch = N // B + 1
-    rest, again, dataset = resumed_stream(LOADERS["shuffle"], 2, STOPS["first-epoch"], Augmented)
-    resumed_epoch = per_epoch - STOPS["first-epoch"](per_epoch)
-    assert int(dataset.loads.sum()) == samples(again)
-    assert same([b[0] for b in again], [b[0] for b in rest])  # the same samples in the same order
-    assert not same([b[1] for b in again[:resumed_epoch]], [b[1] for b in rest[:resumed_epoch]])
-    assert same(again[resumed_epoch:], rest[resumed_epoch:])  # later epochs: bit for bit
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs an accelerator")
+def test_a_worker_batch_pins_the_user_s_batch_only():
+    rng = worker_rng.capture()
+    pinned = worker_rng.WorkerBatch({"x": torch.ones(2)}, 1, rng).pin_memory()
+    assert pinned.batch["x"].is_pinned() and pinned.worker == 1 and pinned.rng is rng

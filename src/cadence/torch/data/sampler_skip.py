@@ -11,7 +11,8 @@ iteration, so the batches are too.
 
 Only torch's own samplers qualify (exact types: a subclass may depend on anything); a custom
 sampler, an ``IterableDataset``, a ``DataLoader`` subclass, persistent workers (whose workers
-outlive an epoch: a new iterator would draw a new base seed) or unbatched samples
+outlive an epoch: a new iterator would draw a new base seed), workers delivering out of order
+(``in_order=False``: which batches were consumed depends on timing) or unbatched samples
 (``batch_size=None``) with more than one worker give ``None``: the caller replays.
 
 Workers take batches in turn (batch ``k`` goes to worker ``k % num_workers``): the new loader is
@@ -19,16 +20,20 @@ first given ``skip % num_workers`` empty batches (collated to a :class:`Pad` and
 nothing loaded; a dataset's ``__getitems__`` is called with ``[]``), so that every batch is loaded
 by the worker that loaded it uninterrupted.
 
-What a skip cannot restore: a worker process's own RNG history. Each worker starts from the
-uninterrupted run's seed, but without the draws its skipped samples made, so an augmentation
-drawn from a worker's global RNG differs for the rest of that epoch (as with torchdata's
-``StatefulDataLoader``). With ``num_workers=0`` such draws come from the main process's RNG,
-which the checkpoint restores, and stay exact.
+With workers, a skip is bit-identical also for the randomness drawn in them (a random
+augmentation from a worker's global torch, ``numpy`` or ``random`` RNG): the new loader collates
+through :class:`~cadence.torch.data.worker_rng.RngCollate`, so that the iterator keeps each
+worker's RNG states after its last batch consumed (a
+:class:`~cadence.torch.data.worker_rng.RngTracker`, the states the checkpoint saves), and given
+the states saved, each worker of a resume sets its RNGs to them after the user's
+``worker_init_fn`` (:class:`~cadence.torch.data.worker_rng.RestoreRng`). The caller iterates
+every epoch of such a loader through :func:`skipping_iterator` (``skip=0``), so that the states
+are known wherever it may save.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, TypeGuard
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeGuard
 
 from torch.utils.data import (
     BatchSampler,
@@ -40,6 +45,8 @@ from torch.utils.data import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
+
+from cadence.torch.data.worker_rng import RestoreRng, RngCollate, RngTracker, WorkerRng
 
 __all__ = ["Pad", "PadCollate", "SkippingSampler", "skippable", "skipping_iterator"]
 
@@ -103,6 +110,8 @@ def skippable(loader: object) -> TypeGuard[DataLoader[Any]]:
         return False
     if loader.persistent_workers and loader.num_workers > 0:
         return False
+    if loader.num_workers > 0 and not loader.in_order:
+        return False  # batches in the order they arrive: which were consumed is known only by replaying
     batch_sampler = loader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         return False
@@ -112,38 +121,50 @@ def skippable(loader: object) -> TypeGuard[DataLoader[Any]]:
     return type(sampler) in _SAMPLERS
 
 
-def skipping_iterator(loader: Iterable[Any], skip: int) -> tuple[Iterator[Any], int] | None:
+def skipping_iterator(loader: Iterable[Any], skip: int,
+                      workers_rng: Mapping[int, WorkerRng] | None = None) -> tuple[Iterator[Any], int] | None:
     """An iterator of ``loader``'s current epoch from batch ``skip`` on, the samples of the
     batches before it never loaded, and the number of batches skipped (fewer than ``skip`` when
     the epoch is shorter); ``None`` when ``loader`` is not :func:`skippable`. Call it where
     ``iter(loader)`` would be (the same RNG state): it makes the same RNG draws as ``iter(loader)``
-    followed by ``skip`` ``next()`` calls."""
+    followed by ``skip`` ``next()`` calls. With workers, the iterator is a
+    :class:`~cadence.torch.data.worker_rng.RngTracker` (its workers' RNG states), and
+    ``workers_rng`` are the states the workers had at batch ``skip`` (by worker id; a worker absent
+    had not loaded a batch consumed in the epoch)."""
     if not skippable(loader):
         return None
     batch_sampler = loader.batch_sampler
     batched = batch_sampler is not None
+    workers = loader.num_workers
     # Workers take batches in turn: pad so that batch `skip` goes to the worker it went to.
-    pad = skip % loader.num_workers if batched and loader.num_workers > 1 and loader.in_order else 0
+    pad = skip % workers if batched and workers > 1 and loader.in_order else 0
     sampler = SkippingSampler(batch_sampler if batch_sampler is not None else loader.sampler, skip, pad)
+    collate_fn, worker_init_fn = loader.collate_fn, loader.worker_init_fn
+    if workers:
+        collate_fn = RngCollate(collate_fn)
+        if workers_rng:
+            worker_init_fn = RestoreRng(worker_init_fn, workers_rng)
     rest = DataLoader(
         loader.dataset,
         batch_size=1 if batched else None,
         sampler=None if batched else sampler,
         batch_sampler=sampler if batched else None,
-        num_workers=loader.num_workers,
-        collate_fn=PadCollate(loader.collate_fn) if pad else loader.collate_fn,
+        num_workers=workers,
+        collate_fn=PadCollate(collate_fn) if pad else collate_fn,
         pin_memory=loader.pin_memory,
         timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
+        worker_init_fn=worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context,
         generator=loader.generator,
         prefetch_factor=loader.prefetch_factor,
         pin_memory_device=loader.pin_memory_device,
         in_order=loader.in_order,
     )
-    iterator = iter(rest)  # the workers' base seed, as iter(loader) draws it
+    iterator: Iterator[Any] = iter(rest)  # the workers' base seed, as iter(loader) draws it
     sampler.begin()  # then the sampler's draws, as the first next() would make them
     for _ in range(pad):  # in order: the pads come first
         if not isinstance(next(iterator), Pad):  # pragma: no cover - in_order
             raise RuntimeError("a DataLoader with in_order=True yielded a batch before the pads it was given first")
+    if workers:
+        iterator = RngTracker(iterator, sampler.skipped, workers_rng)
     return iterator, sampler.skipped

@@ -4,7 +4,10 @@ The position is checkpointed through the data's ``state_dict`` / ``load_state_di
 them (``{"kind": "stateful", "state": ...}``); otherwise as the number of batches consumed
 (``{"kind": "replay", "batches": n}``): a resume of a plain ``DataLoader`` with torch's own samplers
 skips them without loading their samples (:mod:`cadence.torch.data.sampler_skip`); any other
-input is replayed (its batches drawn and dropped, in O(n), with a warning).
+input is replayed (its batches drawn and dropped, in O(n), with a warning). Such a loader with
+workers is iterated, every epoch, through the skip's loader, which keeps each worker's RNG states
+after its last batch consumed: the position holds them as ``"workers_rng"`` (by worker id, see
+:mod:`cadence.torch.data.worker_rng`), and a resume's workers continue from them.
 
 Epochs: a re-iterable input (``iter(data) is not data``: a DataLoader, a list) that runs out is
 iterated again, as Lightning, HF Trainer and torchtnt do, after ``set_epoch(epoch)`` on the data
@@ -27,6 +30,7 @@ from cadence.errors import CheckpointError, ConfigError
 from cadence.runtime.watchdog import unwatched
 from cadence.torch.data import sampler_skip
 from cadence.torch.data import state as data_state
+from cadence.torch.data import worker_rng
 from cadence.torch.data.loaders import ResumableLoader
 from cadence.torch.runtime.context import Context
 from cadence.torch.task.task import Task
@@ -151,7 +155,7 @@ class TrainData:
         replayed (:meth:`_resume`), under the RNG state saved at the epoch's start when there is one."""
         data = self.data
         pending, self._pending_state = self._pending_state, None
-        skip = 0
+        skip, workers_rng = 0, None
         self.epoch, self.ended, rng = 0, False, None
         if pending is not None:
             self.epoch = int(pending.get("epoch", 0))
@@ -166,6 +170,7 @@ class TrainData:
             else:
                 skip = int(pending.get("batches", 0))
                 rng = pending.get("rng")
+                workers_rng = {int(w): worker_rng.from_json(s) for w, s in pending.get("workers_rng", {}).items()}
         else:
             set_epoch(data, 0)
         self._epoch_rng = rng
@@ -175,9 +180,9 @@ class TrainData:
                 for name, generator in _generators(data).items():
                     if name in rng:
                         generator.set_state(data_state.from_json(rng[name]))
-                self._resume(data, skip)
+                self._resume(data, skip, workers_rng)
         else:
-            self._resume(data, skip)
+            self._resume(data, skip, workers_rng)
             if self.ends_with_data and self.max_epochs is None and self.reiterable:
                 raise ConfigError(
                     f"trainer.train_steps and trainer.max_epochs are both null, and the train data ({type(data).__name__}) "
@@ -203,7 +208,7 @@ class TrainData:
         self.batches_consumed = 0
         set_epoch(data, self.epoch)
         self._epoch_rng = None if isinstance(data, Stateful) else _rng_state(data)
-        self._iterator = iter(data)
+        self._iterator = self._iterate(data)
         try:
             first = next(self._iterator)
         except StopIteration:
@@ -211,13 +216,24 @@ class TrainData:
             return None
         return self._iterator, first
 
-    def _resume(self, data: Iterable[Any], skip: int) -> None:
+    @staticmethod
+    def _tracks_workers(data: Iterable[Any]) -> bool:
+        """Whether ``data`` is iterated through the skip's loader, which keeps its workers' RNG
+        states: a skippable ``DataLoader`` with worker processes."""
+        return sampler_skip.skippable(data) and data.num_workers > 0
+
+    def _iterate(self, data: Iterable[Any]) -> Iterator[Any]:
+        """A new iteration of ``data`` from its start (its workers' RNG states kept, when it has workers)."""
+        skipping = sampler_skip.skipping_iterator(data, 0) if self._tracks_workers(data) else None
+        return iter(data) if skipping is None else skipping[0]
+
+    def _resume(self, data: Iterable[Any], skip: int, workers_rng: dict[int, worker_rng.WorkerRng] | None) -> None:
         """Start iterating ``data`` past its first ``skip`` batches: skipped without loading them
-        (a plain ``DataLoader`` with torch's samplers: :mod:`cadence.torch.data.sampler_skip`),
-        else replayed."""
-        skipping = sampler_skip.skipping_iterator(data, skip) if skip else None
+        (a plain ``DataLoader`` with torch's samplers: :mod:`cadence.torch.data.sampler_skip`, its
+        workers set to ``workers_rng``), else replayed."""
+        skipping = sampler_skip.skipping_iterator(data, skip, workers_rng) if skip else None
         if skipping is None:
-            self._iterator = iter(data)
+            self._iterator = self._iterate(data)
             self._replay(skip)
             return
         self._iterator, skipped = skipping
@@ -264,6 +280,10 @@ class TrainData:
             position = {"kind": "replay", "batches": self.batches_consumed}
             if self._epoch_rng is not None:
                 position["rng"] = self._epoch_rng
+            if isinstance(self._iterator, worker_rng.RngTracker):
+                workers = self._iterator.states(self.batches_consumed)
+                if workers:
+                    position["workers_rng"] = {str(w): worker_rng.to_json(s) for w, s in sorted(workers.items())}
         if self.epoch:
             position["epoch"] = self.epoch
         return position
