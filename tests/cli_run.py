@@ -152,6 +152,25 @@ def kill_job(job: subprocess.Popen, ranks: list[int], timeout: float = 30.0) -> 
         time.sleep(0.02)
 
 
+def killed_after(config: Path, model_dir: Path, step: int, last: int, *extra: str) -> None:
+    """``cadence train CONFIG --model-dir MODEL_DIR EXTRA...`` with each step slowed (the Task's
+    ``step_sleep``, 0.05 s) and its ranks' pids written (the Task's ``pid_dir``: TinyTask's), killed
+    with every rank (:func:`kill_job`) a few steps after ``ckpt-STEP`` is committed: those steps are
+    lost, to be redone. Asserts ``ckpt-STEP`` committed and ``ckpt-LAST`` not reached."""
+    pids = model_dir.parent / "pids"
+    pids.mkdir(exist_ok=True)
+    proc = popen(["-m", "cadence", "train", str(config), "--model-dir", str(model_dir), "--no-progress",
+                  "--set", "task.params.step_sleep=0.05", "--set", f"task.params.pid_dir={pids}", *extra],
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
+    manifest = model_dir / "checkpoints" / f"ckpt-{step}" / "MANIFEST.json"
+    deadline = time.monotonic() + 120
+    while not manifest.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # a few steps past the checkpoint: lost, and redone exactly
+    kill_job(proc, [int(p.read_text()) for p in pids.iterdir()])
+    assert manifest.exists() and not (model_dir / "checkpoints" / f"ckpt-{last}").exists()
+
+
 def checkpoint_weights(checkpoint: Path) -> dict[str, Any]:
     """The full model state of checkpoint directory ``checkpoint``: its ``model.safetensors``,
     or assembled from the ranks' shards of a sharded (FSDP) checkpoint."""

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from cli_run import ENV, checkpoint_weights, kill_job, popen, run_cadence, same_weights
+from cli_run import checkpoint_weights, killed_after, run_cadence, same_weights
 from configs import write_config
 
 STEPS, STOP = 25, 13  # 10 batches an epoch: step 13 is batch 3 of epoch 1
@@ -33,21 +32,6 @@ def train(cfg: Path, run: Path, *extra: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def killed_after_stop(cfg: Path, run: Path, *extra: str) -> None:
-    pids = run.parent / "pids"
-    pids.mkdir(exist_ok=True)
-    proc = popen(["-m", "cadence", "train", str(cfg), "--model-dir", str(run), "--no-progress",
-                  "--set", "task.params.step_sleep=0.05", "--set", f"task.params.pid_dir={pids}", *extra],
-                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
-    manifest = run / "checkpoints" / f"ckpt-{STOP}" / "MANIFEST.json"
-    deadline = time.monotonic() + 120
-    while not manifest.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # a few steps past the checkpoint: lost, and redone exactly
-    kill_job(proc, [int(p.read_text()) for p in pids.iterdir()])
-    assert manifest.exists() and not (run / "checkpoints" / f"ckpt-{STEPS}").exists()
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("how", ["stopped", "killed"])
 def test_a_shuffled_dataloader_resumes_without_replaying_bit_identical(tmp_path, how, workers):
@@ -57,7 +41,7 @@ def test_a_shuffled_dataloader_resumes_without_replaying_bit_identical(tmp_path,
     if how == "stopped":
         train(cfg, run, "--set", f"trainer.train_steps={STOP}")
     else:
-        killed_after_stop(cfg, run)
+        killed_after(cfg, run, STOP, STEPS)
     position = json.loads((run / "checkpoints" / f"ckpt-{STOP}" / "state.json").read_text())["state"]["trainer"]
     assert position["data"]["kind"] == "replay" and position["data"]["batches"] == 3
     assert position["data"]["epoch"] == 1
@@ -78,7 +62,7 @@ def test_on_two_ranks_each_resumes_its_own_workers_rng_bit_identical(tmp_path):
     cfg, ranks = config(tmp_path, 2, sampler=True), ("--nproc", "2")
     train(cfg, tmp_path / "straight", *ranks)
     run = tmp_path / "run"
-    killed_after_stop(cfg, run, *ranks)
+    killed_after(cfg, run, STOP, STEPS, *ranks)
     position = json.loads((run / "checkpoints" / f"ckpt-{STOP}" / "state.json").read_text())["state"]["trainer"]
     saved = position["rank_data"]  # the ranks' workers draw from different seeds
     assert len(saved) == 2 and saved[0]["workers_rng"] != saved[1]["workers_rng"]

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from cli_run import ENV, checkpoint_weights, kill_job, popen, run_cadence, same_weights
+from cli_run import checkpoint_weights, killed_after, run_cadence, same_weights
 from configs import write_config
 
 STEPS, LR = 25, 1e-2  # 10 batches per epoch (80 samples, batches of 8): epochs end at steps 10 and 20
@@ -26,22 +25,6 @@ def train(cfg: Path, run: Path, *extra: str, check: bool = True) -> subprocess.C
     proc = run_cadence("train", str(cfg), "--model-dir", str(run), *extra)
     assert not check or proc.returncode == 0, proc.stdout + proc.stderr
     return proc
-
-
-def killed_after(cfg: Path, run: Path, step: int) -> None:
-    """Start a run; SIGKILL it a few steps after ckpt-``step`` is committed."""
-    pids = run.parent / "pids"
-    pids.mkdir(exist_ok=True)
-    proc = popen(["-m", "cadence", "train", str(cfg), "--model-dir", str(run), "--no-progress",
-                  "--set", "task.params.step_sleep=0.05", "--set", f"task.params.pid_dir={pids}"],
-                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
-    manifest = run / "checkpoints" / f"ckpt-{step}" / "MANIFEST.json"
-    deadline = time.monotonic() + 120
-    while not manifest.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # a few steps past the checkpoint: lost, and redone exactly
-    kill_job(proc, [int(p.read_text()) for p in pids.iterdir()])
-    assert manifest.exists() and not (run / "checkpoints" / f"ckpt-{STEPS}").exists()
 
 
 def logged(run: Path, split: str = "train") -> list[dict]:
@@ -69,7 +52,7 @@ def test_an_epoch_scheduler_halves_the_rate_per_epoch_and_resumes_bit_identical(
     assert [(r["step"], r["learning_rate"]) for r in rows] == [(r["step"], LR * 0.5 ** ((r["step"] - 1) // 10)) for r in rows]
     assert {r["learning_rate"] for r in rows} == {LR, LR / 2, LR / 4} and rows[-1]["step"] == STEPS
     run = tmp_path / "run"
-    killed_after(cfg, run, killed_at)
+    killed_after(cfg, run, killed_at, STEPS)
     resumed = train(cfg, run, "--no-progress")
     assert "restored checkpoint" in resumed.stderr
     final = f"ckpt-{STEPS}"

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from cli_run import ENV, checkpoint_weights, kill_job, popen, run_cadence, same_weights
+from cli_run import checkpoint_weights, killed_after, run_cadence, same_weights
 from configs import write_config
 
 STEPS = 25  # 10 batches per epoch on one rank, 5 on each of 2: epoch boundaries at 10, 20 (and 5, 15, 25)
@@ -31,29 +30,13 @@ def train(cfg: Path, run: Path, *extra: str, check: bool = True) -> subprocess.C
     return proc
 
 
-def killed_after(cfg: Path, run: Path, step: int, *extra: str) -> None:
-    """Start a run; SIGKILL the whole job (every rank) a few steps after ckpt-``step`` is committed."""
-    pids = run.parent / "pids"
-    pids.mkdir(exist_ok=True)
-    proc = popen(["-m", "cadence", "train", str(cfg), "--model-dir", str(run), "--no-progress",
-                  "--set", "task.params.step_sleep=0.05", "--set", f"task.params.pid_dir={pids}", *extra],
-                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
-    manifest = run / "checkpoints" / f"ckpt-{step}" / "MANIFEST.json"
-    deadline = time.monotonic() + 120
-    while not manifest.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # a few steps past the checkpoint: lost, and redone exactly
-    kill_job(proc, [int(p.read_text()) for p in pids.iterdir()])
-    assert manifest.exists() and not (run / "checkpoints" / f"ckpt-{STEPS}").exists()
-
-
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_killed_in_a_later_epoch_resumes_bit_identical(tmp_path, kind):
     task, params, extra = KINDS[kind]
     cfg = write_config(tmp_path, task, params=params, trainer=TRAINER)
     train(cfg, tmp_path / "straight", *extra)
     run = tmp_path / "run"
-    killed_after(cfg, run, 16, *extra)  # one rank: epoch 1, 6 batches in (2 ranks: epoch 3, 1 in)
+    killed_after(cfg, run, 16, STEPS, *extra)  # one rank: epoch 1, 6 batches in (2 ranks: epoch 3, 1 in)
     position = json.loads((run / "checkpoints" / "ckpt-16" / "state.json").read_text())["state"]["trainer"]
     saved = position["rank_data"] if "rank_data" in position else [position["data"]]
     assert all(p["epoch"] == (3 if extra else 1) for p in saved)

@@ -143,7 +143,8 @@ def test_closing_the_train_data_ends_its_loaders_workers_at_once(stateful):
     data = TrainData(TinyTask(), Context.create(device="cpu"), loader)
     iterator = data.iterator()
     next(iterator), next(iterator)
-    workers = list(iterator._workers)
+    inner = getattr(iterator, "_iterator", iterator)  # a plain DataLoader's, tracking its workers' RNG states
+    workers = list(inner._workers)
     assert len(workers) == 2 and all(w.is_alive() for w in workers)
     data.close()
     assert not any(w.is_alive() for w in workers)

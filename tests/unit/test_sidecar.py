@@ -206,7 +206,8 @@ def test_checkpoints_deleted_before_the_sidecar_saw_them_are_recorded_skipped(tm
     controller = Controller(trainer=FakeTrainer(), checkpoint_manager=manager, steps_per_loop=2,
                             checkpoint_interval=2, progress=False)
     ev = FakeEvaluator()
-    sidecar = SidecarEvaluator(ev, str(tmp_path), max_pending=2, poll_interval=1.0, timeout=30)
+    # poll_interval: the six commits below fit within one poll on a loaded machine too (1 s did not, once)
+    sidecar = SidecarEvaluator(ev, str(tmp_path), max_pending=2, poll_interval=3.0, timeout=30)
     thread = threading.Thread(target=lambda: setattr(sidecar, "result", sidecar.start()))
     thread.start()
     deadline = time.monotonic() + 30
