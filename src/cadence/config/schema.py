@@ -23,6 +23,7 @@ from cadence.checkpoint.leases import DEFAULT_LEASE_TTL
 from cadence.checkpoint.writer_lease import DEFAULT_WRITER_LEASE_TTL
 from cadence.config.base import MAX_SECONDS, ConfigModel
 from cadence.config.class_paths import CLASS_SPEC_FORM, check_class_spec, resolve_class_path
+from cadence.config.components.activation_checkpoint import ActivationCheckpointConfig
 from cadence.config.components.compile import CompileConfig
 from cadence.config.components.ema import EMAConfig
 from cadence.config.components.lr_schedule import LRScheduleConfig
@@ -39,6 +40,7 @@ from cadence.config.trainer import (
 __all__ = [
     "EXPORT_FORMATS",
     "MOVED_KEYS",
+    "ActivationCheckpointConfig",
     "BestCheckpointConfig",
     "CallbackConfig",
     "CheckpointConfig",

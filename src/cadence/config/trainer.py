@@ -1,6 +1,7 @@
 """``trainer:``: how long to train, and when to checkpoint, validate and write summaries; with the
 sections it holds that are not a component of their own (``best_checkpoint``, ``early_stopping``,
-``recovery``). The components' settings (EMA, compile, LR schedule, Slurm) are in
+``recovery``). The components' settings (EMA, compile, activation checkpointing, LR
+schedule, Slurm) are in
 :mod:`cadence.config.components`."""
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ from pydantic import Field, StrictBool, field_validator, model_validator
 
 from cadence.checkpoint.retention import DEFAULT_MAX_TO_KEEP
 from cadence.config.base import MAX_SECONDS, ConfigModel
+from cadence.config.components.activation_checkpoint import (
+    ACTIVATION_CHECKPOINTING_FORM,
+    ActivationCheckpointConfig,
+    activation_checkpointing_shorthand,
+)
 from cadence.config.components.compile import COMPILE_FORM, CompileConfig, compile_shorthand
 from cadence.config.components.ema import EMAConfig
 from cadence.config.components.lr_schedule import LRScheduleConfig
@@ -169,6 +175,12 @@ class TrainerConfig(ConfigModel):
                      "inductor, mode: max-autotune, fullgraph: true}`; checkpoints are the same as an eager run's. "
                      "`false` / `null` (the default): eager."),
     )
+    activation_checkpointing: ActivationCheckpointConfig | None = Field(
+        default=None, json_schema_extra={"expected": ACTIVATION_CHECKPOINTING_FORM},
+        description=("Recompute activations in backward instead of keeping them: `full` (every unit "
+                     "`Task.fsdp_units` names), `{every: N}` (every N-th unit) or `none` / `null` (the default). "
+                     "The same weights and checkpoint keys as without it."),
+    )
     device: str = Field(
         default="auto", json_schema_extra={"expected": DEVICE_FORM},
         description="`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`.",
@@ -238,6 +250,11 @@ class TrainerConfig(ConfigModel):
     @classmethod
     def _compile_shorthand(cls, value: Any) -> Any:
         return compile_shorthand(value)
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _activation_checkpointing_shorthand(cls, value: Any) -> Any:
+        return activation_checkpointing_shorthand(value)
 
     @model_validator(mode="after")
     def _check_strategy_precision(self) -> TrainerConfig:

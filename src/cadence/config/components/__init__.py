@@ -1,2 +1,3 @@
-"""The settings of each training component (EMA, profiler, compile, LR schedule): one pydantic
+"""The settings of each training component (EMA, profiler, compile, activation
+checkpointing, LR schedule): one pydantic
 model each, with its defaults, read by the experiment schema and by the component itself."""

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from cadence.errors import ConfigError, one_line
+from cadence.torch.parallel.activation_checkpoint import checkpointed_forward, is_checkpointed
 
 if TYPE_CHECKING:
     from cadence.config.components.compile import CompileConfig
@@ -56,17 +57,24 @@ def _forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(module).forward(module, *args, **kwargs)
 
 
-_FORWARDS: dict[type, Callable[..., Any]] = {}
+def _checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """:func:`_forward` of a unit under activation checkpointing (compiled with it inside)."""
+    return checkpointed_forward(module, *args, **kwargs)
 
 
-def _forward_of(cls: type) -> Callable[..., Any]:
-    """:func:`_forward` with a code object of its own for the modules of ``cls``: dynamo keeps its
-    compiled graphs, and its limit on recompiling (``recompile_limit``, 8), per code object, so
-    each class gets its own (training, evaluation, a dynamic shape) instead of sharing one."""
-    if cls not in _FORWARDS:
-        code = _forward.__code__.replace(co_name=f"forward_of_{cls.__name__}")
-        _FORWARDS[cls] = types.FunctionType(code, _forward.__globals__, code.co_name)
-    return _FORWARDS[cls]
+_FORWARDS: dict[tuple[type, bool], Callable[..., Any]] = {}
+
+
+def _forward_of(cls: type, checkpointed: bool = False) -> Callable[..., Any]:
+    """:func:`_forward` (``checkpointed``: :func:`_checkpointed`) with a code object of its own for
+    the modules of ``cls``: dynamo keeps its compiled graphs, and its limit on recompiling
+    (``recompile_limit``, 8), per code object, so each class gets its own (training, evaluation, a
+    dynamic shape) instead of sharing one."""
+    if (cls, checkpointed) not in _FORWARDS:
+        base = _checkpointed if checkpointed else _forward
+        code = base.__code__.replace(co_name=f"{'checkpointed_' if checkpointed else ''}forward_of_{cls.__name__}")
+        _FORWARDS[cls, checkpointed] = types.FunctionType(code, base.__globals__, code.co_name)
+    return _FORWARDS[cls, checkpointed]
 
 
 class CompiledForward:
@@ -147,10 +155,11 @@ def is_compiled(module: nn.Module) -> bool:
 
 def compile_module(module: nn.Module, config: CompileConfig, *, model_name: str | None = None) -> None:
     """Compile ``module``'s forward in place (:class:`CompiledForward`); its ``state_dict``,
-    parameters and hooks stay as they are. ``model_name``: the class a failure names (default:
-    ``module``'s). ConfigError for an unknown backend."""
+    parameters and hooks stay as they are; a unit under activation checkpointing is compiled with
+    it. ``model_name``: the class a failure names (default: ``module``'s). ConfigError for an
+    unknown backend."""
     check_backend(config.backend)
-    compiled = torch.compile(_forward_of(type(module)), **_torch_options(config))
+    compiled = torch.compile(_forward_of(type(module), is_checkpointed(module)), **_torch_options(config))
     module.forward = CompiledForward(module, compiled, model_name or type(module).__name__)
 
 
@@ -192,9 +201,10 @@ def compile_model(task: Task, model: nn.Module, config: CompileConfig, *, per_un
 
 @contextlib.contextmanager
 def eager_forward(model: nn.Module) -> Iterator[nn.Module]:
-    """``model`` with every compiled forward in it (its own and its submodules') set aside for the
-    duration: exports trace, and copies are made of, the modules' own forwards. Restored after."""
-    compiled = [(m, m.__dict__.pop("forward")) for m in model.modules() if is_compiled(m)]
+    """``model`` with every compiled or checkpointed forward in it (its own and its submodules')
+    set aside for the duration: exports trace, and copies are made of, the modules' own forwards.
+    Restored after."""
+    compiled = [(m, m.__dict__.pop("forward")) for m in model.modules() if is_compiled(m) or is_checkpointed(m)]
     try:
         yield model
     finally:

@@ -17,6 +17,7 @@ from cadence.torch.loop.evaluator import TorchEvaluator
 from cadence.torch.loop.train_data import batches_per_epoch
 from cadence.torch.loop.trainer import TorchTrainer
 from cadence.torch.parallel import sharding
+from cadence.torch.parallel.activation_checkpoint import apply_activation_checkpointing
 from cadence.torch.experiments.task_loader import build_task
 from cadence.torch.hf.pretrained import load_pretrained
 from cadence.torch.runtime.context import Context
@@ -26,6 +27,7 @@ from cadence.torch.task.lr_schedule import LRSchedule, TrainingPlan
 from cadence.torch.task.task import Task
 
 if TYPE_CHECKING:
+    from cadence.config.components.activation_checkpoint import ActivationCheckpointConfig
     from cadence.config.components.compile import CompileConfig
     from cadence.config.components.ema import EMAConfig
 
@@ -59,6 +61,7 @@ def build_runners(
     peak_tflops: float | None = None,
     log_throughput: bool = True,
     compile_config: CompileConfig | None = None,
+    activation_checkpointing: ActivationCheckpointConfig | None = None,
     max_epochs: int | None = None,
     train_steps: int | None = None,
     ends_with_data: bool = False,
@@ -100,6 +103,11 @@ def build_runners(
     ``strategy="fsdp"`` on several ranks, each FSDP unit before it is sharded; the evaluator runs
     the compiled model too. State-dict keys are the eager model's. ``None``: eager.
 
+    ``activation_checkpointing`` (``trainer.activation_checkpointing``; when ``train``): every N-th
+    unit ``task.fsdp_units(model)`` names recomputes its activations in backward
+    (:func:`cadence.torch.parallel.activation_checkpoint.apply_activation_checkpointing`), before
+    compiling and wrapping; state-dict keys unchanged. ``None``: off.
+
     ``max_epochs``: the trainer's train data ends after that many epochs (``trainer.max_epochs``;
     ``None``: a re-iterable input is iterated again for as long as steps remain).
     ``train_steps``: the run's last step (``trainer.train_steps``), for the plan only.
@@ -114,6 +122,9 @@ def build_runners(
         raise ValueError("build_runners: nothing to build (train=False and evaluate=False)")
     sharding.check_strategy(strategy, resolve_precision(precision, ctx.device).name)
     model = built_model(task).to(ctx.device)
+    if train and activation_checkpointing is not None:
+        apply_activation_checkpointing(model, task.fsdp_units(model), activation_checkpointing.every,
+                                       declared_by=f"{type(task).__name__}.fsdp_units")
     if compile_config is not None:
         compile_model(task, model, compile_config, per_unit=train and strategy == "fsdp" and ctx.world_size > 1)
     trainer = None
@@ -180,6 +191,7 @@ def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: b
         grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate, strategy=t.strategy,
         lr_schedule=_lr_schedule(cfg), ema=t.ema,
         peak_tflops=t.peak_tflops, log_throughput=t.log_throughput, compile_config=t.compile if compile_model else None,
+        activation_checkpointing=t.activation_checkpointing,
         max_epochs=t.max_epochs, train_steps=t.train_steps, ends_with_data=t.train_steps is None,
         pipelined_snapshots=cfg.checkpoint.pipelined,
         init_from_pretrained=cfg.task.init_from_pretrained,
