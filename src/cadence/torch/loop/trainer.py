@@ -23,6 +23,7 @@ from cadence.torch.loop.train_data import TrainData
 from cadence.torch.loop.trainer_checkpoint import TrainerCheckpoint
 from cadence.torch.loop.trainer_snapshot import TrainerSnapshot
 from cadence.torch.parallel import sharding
+from cadence.torch.parallel.dp_mean import mean_over_dp_ranks
 from cadence.torch.runtime.context import Context
 from cadence.torch.runtime.distributed import broadcast_unsharded
 from cadence.torch.runtime.rng import rank_seed, seed_everything
@@ -203,7 +204,8 @@ class TorchTrainer:
 
         Returns fewer steps only when the train data has ended (see the class doc; an incomplete
         accumulation group at the end is dropped, not stepped). Logs: the mean over the loop's steps
-        of ``loss`` and of every extra scalar from ``train_step``, ``epoch`` (the epoch of the
+        of ``loss`` (and over the data-parallel ranks: one all-reduce per loop, every rank the same
+        value) and of every extra scalar from ``train_step`` (this rank's), ``epoch`` (the epoch of the
         loop's last batch, from 0; once the data was iterated again, or with ``max_epochs``), and
         ``learning_rate`` (first param group: the rate the loop's last step trained at; with no
         step, the next one's); on CUDA, the loop's peak memory (``memory/peak_allocated_gib``,
@@ -342,7 +344,8 @@ class TorchTrainer:
 
         logs: dict[str, float] = {}
         if steps:
-            keys, means = ["loss"], [torch.stack(losses).float().sum() / (steps * k)]
+            # The mean over the data-parallel ranks: one all-reduce per loop (not rank 0's own loss).
+            keys, means = ["loss"], [mean_over_dp_ranks(torch.stack(losses).float().sum() / (steps * k), self.ctx)]
             for key, acc in extras_acc.items():
                 if acc.tensors:
                     keys.append(key)
