@@ -1,7 +1,7 @@
 """``trainer.activation_checkpointing``: the chosen units (every N-th one ``fsdp_units`` names)
 recompute their activations in backward, dropout included, and nothing else changes: the same
 weights bit for bit on CPU, the same checkpoint keys, and checkpoints that resume either way; on one
-process and on two ranks under FSDP2."""
+process and on two ranks under FSDP2 and DDP."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from cadence.config import load_config
 from cadence.config.schema import TrainerConfig
 from cadence.errors import ConfigError
 from cadence.torch import run_training
-from cadence.torch.checkpoint_io.sharded import read_model_state
 from cadence.torch.components.compile import compile_model, eager_forward
 from cadence.config.components.compile import CompileConfig
 from cadence.config.schema import ActivationCheckpointConfig
@@ -147,8 +146,9 @@ def test_on_one_process_none_full_and_every_2_train_the_same_weights_and_resume_
     assert same_weights(weights(without, 8), reference)
 
 
-def test_on_two_ranks_under_fsdp_every_2_trains_the_same_shards_and_keys(tmp_path):
-    config = write_config(tmp_path / "config.yaml", strategy="fsdp", train_steps=4)
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_on_two_ranks_every_2_trains_the_same_weights_and_keys(tmp_path, strategy):
+    config = write_config(tmp_path / "config.yaml", strategy=strategy, train_steps=4)
     plain, checkpointed = tmp_path / "plain", tmp_path / "ac"
     for run, extra in ((plain, []), (checkpointed, ["--set", "trainer.activation_checkpointing={every: 2}"])):
         proc = run_cadence("train", str(config), "--model-dir", str(run), "--no-progress", "--nproc", "2", *extra,
@@ -157,10 +157,11 @@ def test_on_two_ranks_under_fsdp_every_2_trains_the_same_shards_and_keys(tmp_pat
         applied = "activation checkpointing: 2 unit(s) of BlockModel (DropoutBlock), every 2" in proc.stderr
         assert applied == bool(extra), proc.stderr[-3000:]
     a, b = plain / "checkpoints" / "ckpt-4", checkpointed / "checkpoints" / "ckpt-4"
-    assert sorted(read_model_state(str(a))) == sorted(read_model_state(str(b)))
-    assert same_weights(read_model_state(str(a)), read_model_state(str(b)))
-    for shard in ("__0_0.distcp", "__1_0.distcp"):
-        assert (a / shard).read_bytes() == (b / shard).read_bytes()
+    assert sorted(checkpoint_weights(a)) == sorted(checkpoint_weights(b)) == sorted(BlockModel().state_dict())
+    assert same_weights(checkpoint_weights(a), checkpoint_weights(b))
+    if strategy == "fsdp":  # every rank's shards (model and optimizer), bit for bit
+        for shard in ("__0_0.distcp", "__1_0.distcp"):
+            assert (a / shard).read_bytes() == (b / shard).read_bytes()
 
 
 def test_a_task_that_names_no_units_stops_with_one_line_and_exit_2(tmp_path):

@@ -732,7 +732,8 @@ def test_the_schema_imports_no_yaml_and_no_overrides() -> None:
             "print(sorted(m for m in sys.modules if m.startswith(('cadence.config', 'yaml'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(["cadence.config", "cadence.config.base", "cadence.config.class_paths",
-                               "cadence.config.components", "cadence.config.components.compile",
+                               "cadence.config.components", "cadence.config.components.activation_checkpoint",
+                               "cadence.config.components.compile",
                                "cadence.config.components.ema", "cadence.config.components.lr_schedule",
                                "cadence.config.components.profiler", "cadence.config.components.slurm",
                                "cadence.config.intervals", "cadence.config.schema", "cadence.config.trainer"])
