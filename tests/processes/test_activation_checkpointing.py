@@ -172,3 +172,26 @@ def test_a_task_that_names_no_units_stops_with_one_line_and_exit_2(tmp_path):
     assert errors == ["cadence: error: trainer.activation_checkpointing: NoUnitsTask.fsdp_units names no unit of "
                       "BlockModel to checkpoint: name its blocks there, or set trainer.activation_checkpointing: none"]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_transformers_models_blocks_are_checkpointed_with_the_same_gradients():
+    """GPT-2's ``GPT2Block`` (its ``_no_split_modules``: the default units), dropout on, called with
+    keyword arguments and returning tuples."""
+    transformers = pytest.importorskip("transformers")
+    from cadence.torch.parallel.sharding import default_fsdp_units
+
+    def grads(checkpointed: bool) -> dict:
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
+                                         bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(config).train()
+        if checkpointed:
+            chosen = apply_activation_checkpointing(model, default_fsdp_units(model, ()), 1)
+            assert [type(u).__name__ for u in chosen] == ["GPT2Block", "GPT2Block"]
+        ids = torch.randint(0, 50, (2, 8))
+        torch.manual_seed(3)
+        model(ids, labels=ids).loss.backward()
+        return {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys() and all(torch.equal(plain[k], checkpointed[k]) for k in plain)
