@@ -112,6 +112,22 @@ class Task(abc.ABC):
 
         return default_fsdp_units(model, self.fsdp_unit_classes)
 
+    # -- tensor parallelism (trainer.parallel.tp) -------------------------------------------------
+
+    tp_divisor: int | None = None
+    """What :meth:`parallelize` splits over the tensor-parallel ranks (attention heads, a hidden
+    size): ``trainer.parallel.tp`` must divide it (checked before the model is built). None: no rule."""
+
+    def parallelize(self, model: nn.Module, tp_mesh: Any) -> nn.Module:
+        """Apply this Task's tensor-parallel plan to ``model`` (on its device) over ``tp_mesh``, the
+        1-D ``DeviceMesh`` of this rank's TP group (``mesh["tp"]``), e.g. with
+        ``torch.distributed.tensor.parallel.parallelize_module``, and return it. Called once, with
+        ``trainer.parallel.tp > 1``, before activation checkpointing, ``trainer.compile`` and
+        FSDP (torchtitan's order). The ranks of a TP group read the same batches.
+
+        Not overridden (the default): the Task has no plan, and ``tp > 1`` is refused (exit 2)."""
+        raise NotImplementedError(f"{type(self).__name__} has no tensor-parallel plan (override Task.parallelize)")
+
     # -- steps ---------------------------------------------------------------------------------
 
     @abc.abstractmethod
