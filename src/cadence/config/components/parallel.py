@@ -4,7 +4,7 @@ against the world size and builds the mesh."""
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from cadence.config.base import ConfigModel
 
@@ -26,13 +26,17 @@ class ParallelConfig(ConfigModel):
                           description=f"Data-parallel shards (FSDP2) within a replica: {DEGREE_FORM}.")
     tp: int = Field(default=1, strict=True, description=f"Tensor-parallel degree: {DEGREE_FORM}.")
 
+    @field_validator("dp_replicate", "dp_shard", "tp")
+    @classmethod
+    def _check_degree(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError(f"expected {DEGREE_FORM}")
+        return value
+
     @model_validator(mode="after")
-    def _check_degrees(self) -> ParallelConfig:
+    def _check_fill(self) -> ParallelConfig:
         degrees = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
-        for name, value in degrees.items():
-            if value == 0 or value < -1:
-                raise ValueError(f"trainer.parallel.{name}: expected {DEGREE_FORM}, got {value}")
         fill = [name for name, value in degrees.items() if value == -1]
         if len(fill) > 1:
-            raise ValueError(f"trainer.parallel: only one degree may be -1, got {', '.join(fill)}")
+            raise ValueError(f"only one degree may be -1, got {' and '.join(fill)}")
         return self

@@ -201,8 +201,8 @@ def no_gradient_sync(model: nn.Module) -> Iterator[None]:
     if not isinstance(model, _fsdp().FSDPModule):
         yield
         return
-    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    model.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        model.set_requires_gradient_sync(True)
