@@ -72,7 +72,8 @@ class Task(abc.ABC):
     def build_inputs(self, split: str, ctx: Context) -> Iterable[Any]:
         """The batches of ``split`` (``"train"`` or ``"validation"``) for this process.
 
-        Shard with ``ctx.rank`` / ``ctx.world_size`` and seed with ``ctx.seed``. For exact resume
+        Shard with ``ctx.dp_rank`` / ``ctx.dp_size`` (the data-parallel ranks: ``rank`` / ``world_size``
+        without tensor parallelism) and seed with ``ctx.seed``. For exact resume
         return something with ``state_dict`` / ``load_state_dict`` (e.g.
         :class:`cadence.torch.ResumableLoader`); a plain ``DataLoader`` with torch's samplers
         skips the batches already consumed without loading them, any other iterable replays
