@@ -96,7 +96,7 @@ class CharLMTask(Task):
         if split == "train":
             # Endless, shuffled, resumable mid-epoch (its position is checkpointed), sharded over ranks.
             return ResumableLoader(self.train_set, self.batch_size, shuffle=True, seed=ctx.seed,
-                                   rank=ctx.rank, world_size=ctx.world_size, drop_last=ctx.world_size > 1)
+                                   rank=ctx.dp_rank, world_size=ctx.dp_size, drop_last=ctx.world_size > 1)
         return DataLoader(ctx.wrap_dataset(self.val_set), batch_size=128)
 
     def example_inputs(self) -> tuple[torch.Tensor]:

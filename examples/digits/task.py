@@ -52,7 +52,7 @@ class DigitsTask(Task):
             # number of ranks: the same epochs, without a smaller last batch).
             batch = ctx.per_rank_batch(self.global_batch_size, name="task.params.global_batch_size")
             return ResumableLoader(self.train_set, batch, shuffle=True, seed=ctx.seed,
-                                   rank=ctx.rank, world_size=ctx.world_size, drop_last=True)
+                                   rank=ctx.dp_rank, world_size=ctx.dp_size, drop_last=True)
         # Each rank evaluates its own unpadded shard; the metrics are reduced exactly across ranks.
         return DataLoader(ctx.wrap_dataset(self.val_set), batch_size=256)
 

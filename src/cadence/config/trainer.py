@@ -21,6 +21,7 @@ from cadence.config.components.activation_checkpoint import (
 from cadence.config.components.compile import COMPILE_FORM, CompileConfig, compile_shorthand
 from cadence.config.components.ema import EMAConfig
 from cadence.config.components.lr_schedule import LRScheduleConfig
+from cadence.config.components.parallel import ParallelConfig
 from cadence.config.components.slurm import SlurmConfig
 from cadence.config.intervals import INTERVAL_FORM, check_interval_value
 
@@ -141,7 +142,13 @@ class TrainerConfig(ConfigModel):
                      "sharded over the ranks, in the units `Task.fsdp_units` names; `bf16` all-gathers "
                      "parameters in bfloat16 and reduces gradients in float32; not with `fp16`; checkpoints are "
                      "sharded: every rank writes its shards, loadable on any number of ranks). One process: "
-                     "no difference."),
+                     "no difference. `trainer.parallel` replaces it when set."),
+    )
+    parallel: ParallelConfig | None = Field(
+        default=None,
+        description=("The device mesh: `{dp_replicate, dp_shard, tp}` degrees whose product is the world size "
+                     "(one may be -1: the rest); HSDP with both `dp_` degrees > 1, tensor parallelism with `tp > 1` "
+                     "(the Task's `parallelize`). Null: `trainer.strategy`'s 1-D mesh."),
     )
     grad_accum_steps: int = Field(
         default=1, ge=1, strict=True,
@@ -258,9 +265,10 @@ class TrainerConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check_strategy_precision(self) -> TrainerConfig:
-        if self.strategy == "fsdp" and self.precision == "fp16":
-            raise ValueError("trainer.precision 'fp16' is not supported with trainer.strategy 'fsdp' "
-                             "(use 'bf16' or '32')")
+        sharded = self.strategy == "fsdp" if self.parallel is None else (self.parallel.dp_shard != 1 or self.parallel.tp != 1)
+        if sharded and self.precision == "fp16":
+            where = "trainer.strategy 'fsdp'" if self.parallel is None else "trainer.parallel's sharding (dp_shard or tp)"
+            raise ValueError(f"trainer.precision 'fp16' is not supported with {where} (use 'bf16' or '32')")
         if self.slurm.requeue and not self.save_on_preemption:
             raise ValueError("trainer.slurm.requeue needs trainer.save_on_preemption (the requeued job resumes "
                              "from the checkpoint that the signal makes the run commit)")

@@ -42,6 +42,8 @@ class LoopWork:
     counted. ``world_size``: the ranks training in lockstep, each on as many samples (the global
     rates are this rank's times ``world_size``: no collective). ``flops_per_sample``: training FLOPs
     (forward + backward) of one sample; ``peak_flops``: the device's peak FLOP/s; ``None``: unknown.
+    ``shared_by``: the ranks that process each sample together (the tensor-parallel degree): a
+    sample counts once in the rates, and each of them does its share of the sample's FLOPs.
     """
 
     samples: int | None = None
@@ -49,6 +51,7 @@ class LoopWork:
     world_size: int = 1
     flops_per_sample: float | None = None
     peak_flops: float | None = None
+    shared_by: int = 1
 
 
 @runtime_checkable
@@ -67,11 +70,11 @@ def throughput_logs(work: LoopWork, elapsed: float) -> dict[str, float]:
         return {}
     logs: dict[str, float] = {}
     if work.samples is not None:
-        logs[SAMPLES_PER_SECOND] = work.samples * work.world_size / elapsed
+        logs[SAMPLES_PER_SECOND] = work.samples * work.world_size / work.shared_by / elapsed
     if work.tokens is not None:
-        logs[TOKENS_PER_SECOND] = work.tokens * work.world_size / elapsed
+        logs[TOKENS_PER_SECOND] = work.tokens * work.world_size / work.shared_by / elapsed
     if work.samples is not None and work.flops_per_sample is not None:
-        achieved = work.flops_per_sample * work.samples / elapsed  # this device's FLOP/s
+        achieved = work.flops_per_sample * work.samples / work.shared_by / elapsed  # this device's FLOP/s
         logs[MODEL_TFLOPS_PER_SECOND] = achieved / 1e12
         if work.peak_flops is not None and work.peak_flops > 0:
             logs[MFU] = achieved / work.peak_flops

@@ -183,14 +183,14 @@ class ThroughputMeter:
         The first call with a peak known and no ``Task.flops_per_sample()`` counts the FLOPs.
         Not enabled: nothing known."""
         if not self.enabled:
-            return LoopWork(world_size=self.ctx.world_size)
+            return LoopWork(world_size=self.ctx.world_size, shared_by=self.ctx.world_size // self.ctx.dp_size)
         samples = self.samples if self._size_of is not None else None
         tokens = self.tokens if self._tokens_of is not None and self._tokens_known else None
         peak = self.peak_flops()
         flops = self.flops_per_sample(peak) if samples is not None else None
         self._flops_batch = None  # counted, or to be counted with the next loop's
         return LoopWork(samples=samples, tokens=tokens, world_size=self.ctx.world_size, flops_per_sample=flops,
-                        peak_flops=peak)
+                        peak_flops=peak, shared_by=self.ctx.world_size // self.ctx.dp_size)
 
     # -- MFU -----------------------------------------------------------------------------------
 

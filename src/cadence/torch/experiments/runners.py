@@ -18,6 +18,7 @@ from cadence.torch.loop.train_data import batches_per_epoch
 from cadence.torch.loop.trainer import TorchTrainer
 from cadence.torch.parallel import sharding
 from cadence.torch.parallel.activation_checkpoint import apply_activation_checkpointing
+from cadence.torch.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees, strategy_degrees
 from cadence.torch.experiments.task_loader import build_task
 from cadence.torch.hf.pretrained import load_pretrained
 from cadence.torch.runtime.context import Context
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
     from cadence.config.components.activation_checkpoint import ActivationCheckpointConfig
     from cadence.config.components.compile import CompileConfig
     from cadence.config.components.ema import EMAConfig
+    from cadence.config.components.parallel import ParallelConfig
 
-__all__ = ["build_runners", "build_runners_from_config", "built_model"]
+__all__ = ["attach_mesh", "build_runners", "build_runners_from_config", "built_model"]
 
 
 def built_model(task: Task) -> torch.nn.Module:
@@ -67,6 +69,7 @@ def build_runners(
     ends_with_data: bool = False,
     pipelined_snapshots: bool = True,
     init_from_pretrained: str | None = None,
+    degrees: MeshDegrees | None = None,
 ) -> tuple[TorchTrainer | None, TorchEvaluator | None]:
     """``(trainer, evaluator)`` sharing one model built by ``task.build_model()`` on ``ctx.device``.
 
@@ -117,11 +120,25 @@ def build_runners(
     (``checkpoint.pipelined``; see :meth:`~cadence.torch.loop.trainer.TorchTrainer.snapshot_checkpoint`).
     ``init_from_pretrained``: a ``save_pretrained`` directory whose weights a fresh start loads
     before ``Task.initialize`` (``task.init_from_pretrained``; :func:`cadence.torch.hf.load_pretrained`).
+
+    ``degrees``: the device mesh's (``trainer.parallel``, resolved; ``ctx.mesh`` set by
+    :func:`attach_mesh`); it replaces ``strategy``. In torchtitan's order: ``task.parallelize(model,
+    ctx.mesh["tp"])`` when ``tp > 1``, then compile, then, when training, ``fully_shard`` over the
+    data-parallel mesh (``dp_replicate``, ``dp_shard``) when ``dp_shard > 1`` or ``tp > 1`` (HSDP
+    with both data-parallel degrees > 1; with ``dp_shard == 1`` replicated), else DDP.
     """
     if not (train or evaluate):
         raise ValueError("build_runners: nothing to build (train=False and evaluate=False)")
+    if degrees is None:
+        degrees = strategy_degrees(strategy, ctx.world_size)
+    else:
+        if ctx.world_size > 1 and ctx.mesh is None:
+            raise ValueError("build_runners: degrees given, but the context has no mesh (attach_mesh)")
+        strategy = "fsdp" if degrees.dp_shard > 1 or degrees.tp > 1 else "ddp"
     sharding.check_strategy(strategy, resolve_precision(precision, ctx.device).name)
     model = built_model(task).to(ctx.device)
+    if degrees.tp > 1:
+        model = task.parallelize(model, ctx.mesh["tp"])
     if train and activation_checkpointing is not None:
         apply_activation_checkpointing(model, task.fsdp_units(model), activation_checkpointing.every,
                                        declared_by=f"{type(task).__name__}.fsdp_units")
@@ -132,9 +149,11 @@ def build_runners(
         # DDP's parameters are the module's own tensors: the optimizer built on the module updates
         # the wrapped model (and the task's build_optimizer may reach into the module's attributes).
         # fully_shard replaces them by DTensor shards in place: the optimizer is built after it.
-        if strategy == "fsdp":
+        if strategy == "fsdp" and (ctx.mesh is None or degrees.dp_size > 1):
             wrapped = sharding.shard_model(model, task.fsdp_units(model), ctx, resolve_precision(precision, ctx.device).name,
-                                           declared_by=f"{type(task).__name__}.fsdp_units")
+                                           declared_by=f"{type(task).__name__}.fsdp_units", mesh=_dp_mesh(ctx, degrees))
+        elif degrees.tp > 1:  # tensor parallelism alone: its DTensors need no data-parallel wrapper
+            wrapped = model
         else:
             wrapped = ctx.wrap_model(model)
         optimizer = task.build_optimizer(model)
@@ -186,6 +205,8 @@ def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: b
     seed_everything(t.seed)
     task = build_task(cfg)
     ctx = Context.create(device=device or t.device, seed=t.seed)
+    # the mesh is training's: an evaluation or export (train=False) loads the checkpoint into a plain model
+    degrees = attach_mesh(task, ctx, t.parallel) if t.parallel is not None and train else None
     trainer, evaluator = build_runners(
         task, ctx, precision=precision or t.precision, grad_accum_steps=t.grad_accum_steps,
         grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate, strategy=t.strategy,
@@ -194,9 +215,30 @@ def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: b
         activation_checkpointing=t.activation_checkpointing,
         max_epochs=t.max_epochs, train_steps=t.train_steps, ends_with_data=t.train_steps is None,
         pipelined_snapshots=cfg.checkpoint.pipelined,
-        init_from_pretrained=cfg.task.init_from_pretrained,
+        init_from_pretrained=cfg.task.init_from_pretrained, degrees=degrees,
     )
     return task, ctx, trainer, evaluator
+
+
+def attach_mesh(task: Task, ctx: Context, parallel: ParallelConfig) -> MeshDegrees:
+    """``trainer.parallel``'s degrees resolved against ``ctx.world_size`` and checked against the
+    Task (:func:`~cadence.torch.parallel.mesh.resolve_degrees`: a :class:`ConfigError`, one line,
+    before anything is built); on several ranks the mesh is built (a collective) and set on
+    ``ctx`` with this rank's data-parallel coordinates."""
+    degrees = resolve_degrees(parallel.dp_replicate, parallel.dp_shard, parallel.tp, ctx.world_size,
+                              tp_divisor=task.tp_divisor, has_tp_plan=type(task).parallelize is not Task.parallelize,
+                              task_name=type(task).__name__)
+    if ctx.world_size > 1:
+        ctx.use_mesh(build_mesh(degrees, ctx.device.type), degrees.dp_rank(ctx.rank), degrees.dp_size)
+    return degrees
+
+
+def _dp_mesh(ctx: Context, degrees: MeshDegrees) -> Any:
+    """The mesh FSDP shards over: None (every rank) without a device mesh; ``dp_shard`` alone when
+    nothing is replicated; else the 2-D (``dp_replicate``, ``dp_shard``) mesh (HSDP)."""
+    if ctx.mesh is None:
+        return None
+    return ctx.mesh["dp_shard"] if degrees.dp_replicate == 1 else ctx.mesh["dp_replicate", "dp_shard"]
 
 
 def _lr_scheduler(task: Task, optimizer: torch.optim.Optimizer, plan: TrainingPlan,

@@ -1,8 +1,10 @@
 """The mean of a per-rank value over the data-parallel ranks (the logged training ``loss``).
 
-Every rank is a data-parallel rank today: the mean is over the whole world (the default group).
-A device mesh with other dimensions (tensor parallelism) points :func:`dp_group` at its
-data-parallel group; nothing else changes.
+The mean is over the whole world (the default group). On a device mesh with tensor parallelism
+(``trainer.parallel.tp``) that is the data-parallel mean too: the ranks of one TP group read the
+same batch and compute the same loss, so each data-parallel rank's value counts ``tp`` times, as
+every other's. A mesh with dimensions whose ranks differ in the loss (context parallelism) will
+point :func:`dp_group` at its data-parallel group; nothing else changes.
 """
 
 from __future__ import annotations

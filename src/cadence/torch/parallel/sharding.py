@@ -48,12 +48,19 @@ def check_strategy(strategy: str, precision: str) -> None:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """True for a model sharded by ``fully_shard``."""
-    return isinstance(model, _fsdp().FSDPModule)
+    """True for a model sharded by ``fully_shard``, or whose parameters are ``DTensor`` shards of a
+    tensor-parallel plan (``Task.parallelize``): its checkpoints are sharded (DCP)."""
+    if isinstance(model, _fsdp().FSDPModule):
+        return True
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def shard_model(model: nn.Module, units: Sequence[nn.Module], ctx: Context, precision: str, *,
-                declared_by: str = "fsdp_units") -> nn.Module:
+                declared_by: str = "fsdp_units", mesh: Any = None) -> nn.Module:
     """Apply ``fully_shard`` to each of ``units`` (submodules of ``model``, e.g.
     ``task.fsdp_units(model)``; innermost first), then to ``model``, over all ranks; ``model``
     itself, sharded in place, is returned. ``declared_by`` names where the units came from in the
@@ -62,6 +69,8 @@ def shard_model(model: nn.Module, units: Sequence[nn.Module], ctx: Context, prec
     ``precision`` ``"bf16"``: ``MixedPrecisionPolicy(param_dtype=bfloat16,
     reduce_dtype=float32)`` (parameters all-gathered in bfloat16, gradients reduced in float32);
     ``"32"``: none. A single process shards nothing (the model is returned as it is).
+    ``mesh``: the data-parallel ``DeviceMesh`` to shard over (2-D ``(dp_replicate, dp_shard)``: HSDP,
+    sharded within a replica and replicated across them); None: every rank.
     """
     check_strategy("fsdp", precision)
     model = model.to(ctx.device)
@@ -70,6 +79,8 @@ def shard_model(model: nn.Module, units: Sequence[nn.Module], ctx: Context, prec
     ctx.require_process_group("strategy 'fsdp'")
     fsdp = _fsdp()
     kwargs: dict[str, Any] = {}
+    if mesh is not None:
+        kwargs["mesh"] = mesh
     if precision == "bf16":
         kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     order = {id(m): i for i, m in enumerate(model.modules())}
@@ -184,9 +195,14 @@ def unsharded(model: nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def no_gradient_sync(model: nn.Module) -> Iterator[None]:
     """FSDP2's counterpart of DDP's ``no_sync()``: backward passes inside accumulate unsharded
-    gradients without reduce-scattering them; the first backward after exit reduces them all."""
-    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    gradients without reduce-scattering them; the first backward after exit reduces them all.
+    A model not sharded by FSDP (tensor parallelism alone) reduces nothing across data-parallel
+    ranks: nothing is done."""
+    if not isinstance(model, _fsdp().FSDPModule):
+        yield
+        return
+    model.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        model.set_requires_gradient_sync(True)

@@ -66,9 +66,21 @@ class Context:
     heartbeat: Heartbeat | None = dataclasses.field(default=None, repr=False, compare=False)
     """Beaten by the trainer at each step and the evaluator at each batch, for the run's watchdog
     (``trainer.hang_timeout``; see :mod:`cadence.runtime.watchdog`). None: no watchdog."""
+    mesh: Any = dataclasses.field(default=None, repr=False, compare=False)
+    """The run's ``DeviceMesh`` (dimensions ``dp_replicate``, ``dp_shard``, ``tp``, and ``dp`` flattened;
+    :mod:`cadence.torch.parallel.mesh`), set by :meth:`use_mesh`; None for a single process."""
+    dp_rank: int = -1
+    """This rank's place among the data-parallel ranks (default: ``rank``): the ranks of one
+    tensor-parallel group share it and read the same batches."""
+    dp_size: int = -1
+    """The number of data-parallel ranks (default: ``world_size``), over which the data is split."""
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
+        if self.dp_size == -1:
+            self.dp_rank, self.dp_size = self.rank, self.world_size
+        if self.dp_size < 1 or self.world_size % self.dp_size or not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank {self.dp_rank} of dp_size {self.dp_size} does not fit world_size {self.world_size}")
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
@@ -97,6 +109,13 @@ class Context:
     def is_distributed(self) -> bool:
         """More than one process."""
         return self.world_size > 1
+
+    def use_mesh(self, mesh: Any, dp_rank: int, dp_size: int) -> None:
+        """Set the run's device mesh and this rank's data-parallel coordinates (the data helpers
+        then split the data over the ``dp_size`` data-parallel ranks, not over every rank)."""
+        if dp_size < 1 or self.world_size % dp_size or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} of dp_size {dp_size} does not fit world_size {self.world_size}")
+        self.mesh, self.dp_rank, self.dp_size = mesh, dp_rank, dp_size
 
     @classmethod
     def create(
@@ -155,7 +174,8 @@ class Context:
 
     def per_rank_batch(self, global_batch_size: int, *, name: str = "global batch size") -> int:
         """This rank's batch size for a *global* batch of ``global_batch_size`` samples per
-        (micro)batch step: ``global_batch_size // world_size``.
+        (micro)batch step: ``global_batch_size // dp_size`` (the data-parallel ranks; without tensor
+        parallelism every rank).
 
         Use it in :meth:`Task.build_inputs` so that a config states the global batch and the run
         sees the same number of samples per step on any number of processes (as torchtitan's
@@ -164,19 +184,18 @@ class Context:
         ``name`` names the setting in the error, e.g. ``"task.params.global_batch_size"``.
 
         Raises :class:`~cadence.errors.ConfigError` (one line; exit status 2 from the CLI) when
-        ``global_batch_size`` is not an integer >= 1 or does not divide by the world size.
+        ``global_batch_size`` is not an integer >= 1 or does not divide by the data-parallel size.
         """
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise ConfigError(f"{name}: expected an integer >= 1, got {global_batch_size!r}")
-        if global_batch_size % self.world_size:
-            lower = global_batch_size - global_batch_size % self.world_size
-            higher = lower + self.world_size
+        n = self.dp_size
+        if global_batch_size % n:
+            lower = global_batch_size - global_batch_size % n
+            higher = lower + n
             choices = f"{lower} or {higher}" if lower else str(higher)
-            raise ConfigError(
-                f"{name}: {global_batch_size} does not divide by the world size {self.world_size} (processes): "
-                f"use a multiple of {self.world_size}, e.g. {choices}"
-            )
-        return global_batch_size // self.world_size
+            what = f"the world size {n} (processes)" if n == self.world_size else f"the data-parallel size {n}"
+            raise ConfigError(f"{name}: {global_batch_size} does not divide by {what}: use a multiple of {n}, e.g. {choices}")
+        return global_batch_size // n
 
     def wrap_model(self, model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
         """The model for training: ``DistributedDataParallel`` over it when ``world_size`` > 1
@@ -199,21 +218,22 @@ class Context:
         return nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
 
     def wrap_dataset(self, dataset: Any, shard: bool = True) -> Any:
-        """This rank's part of a map-style dataset: the samples ``rank, rank + W, rank + 2W, ...``.
+        """This rank's part of a map-style dataset: the samples ``dp_rank, dp_rank + W, dp_rank + 2W, ...``
+        (``W``: ``dp_size``; the ranks of a tensor-parallel group get the same part).
 
         No padding and no duplicates: with ``len(dataset) % W != 0`` the first ranks get one
         sample more; together the ranks see every sample exactly once (what evaluation needs).
         ``shard=False``, or a single process: ``dataset`` unchanged. Raises ``TypeError`` for an
         iterable-style dataset (shard it yourself with :attr:`rank` / :attr:`world_size`).
         """
-        if not shard or self.world_size == 1:
+        if not shard or self.dp_size == 1:
             return dataset
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise TypeError(
                 f"wrap_dataset needs a map-style dataset (with __len__ and __getitem__), got "
                 f"{type(dataset).__name__}; shard an iterable dataset yourself with ctx.rank / ctx.world_size"
             )
-        return Subset(dataset, range(self.rank, len(dataset), self.world_size))
+        return Subset(dataset, range(self.dp_rank, len(dataset), self.dp_size))
 
     def loader(
         self,
@@ -228,7 +248,7 @@ class Context:
         """A loader for this rank.
 
         ``train=True``: a :class:`~cadence.torch.ResumableLoader` over the whole dataset, rank
-        ``rank`` of ``world_size`` (its position, in global samples, is checkpointed; a resume on
+        ``dp_rank`` of ``dp_size`` (its position, in global samples, is checkpointed; a resume on
         another world size continues the same global order); ``shuffle`` defaults to True and
         ``drop_last`` to ``world_size > 1`` (every rank then yields the same number of batches,
         which DDP needs). ``train=False``: a plain ``DataLoader`` over :meth:`wrap_dataset`
@@ -242,7 +262,7 @@ class Context:
 
             kwargs.setdefault("drop_last", self.world_size > 1)
             return ResumableLoader(dataset, batch_size, shuffle=True if shuffle is None else shuffle, seed=seed,
-                                   rank=self.rank, world_size=self.world_size, **kwargs)
+                                   rank=self.dp_rank, world_size=self.dp_size, **kwargs)
         if shuffle and "generator" not in kwargs:
             kwargs["generator"] = torch.Generator().manual_seed(seed)
         return DataLoader(self.wrap_dataset(dataset), batch_size=batch_size, shuffle=bool(shuffle), **kwargs)

@@ -72,7 +72,8 @@ class Task(abc.ABC):
     def build_inputs(self, split: str, ctx: Context) -> Iterable[Any]:
         """The batches of ``split`` (``"train"`` or ``"validation"``) for this process.
 
-        Shard with ``ctx.rank`` / ``ctx.world_size`` and seed with ``ctx.seed``. For exact resume
+        Shard with ``ctx.dp_rank`` / ``ctx.dp_size`` (the data-parallel ranks: ``rank`` / ``world_size``
+        without tensor parallelism) and seed with ``ctx.seed``. For exact resume
         return something with ``state_dict`` / ``load_state_dict`` (e.g.
         :class:`cadence.torch.ResumableLoader`); a plain ``DataLoader`` with torch's samplers
         skips the batches already consumed without loading them, any other iterable replays
@@ -111,6 +112,22 @@ class Task(abc.ABC):
         from cadence.torch.parallel.sharding import default_fsdp_units
 
         return default_fsdp_units(model, self.fsdp_unit_classes)
+
+    # -- tensor parallelism (trainer.parallel.tp) -------------------------------------------------
+
+    tp_divisor: int | None = None
+    """What :meth:`parallelize` splits over the tensor-parallel ranks (attention heads, a hidden
+    size): ``trainer.parallel.tp`` must divide it (checked before the model is built). None: no rule."""
+
+    def parallelize(self, model: nn.Module, tp_mesh: Any) -> nn.Module:
+        """Apply this Task's tensor-parallel plan to ``model`` (on its device) over ``tp_mesh``, the
+        1-D ``DeviceMesh`` of this rank's TP group (``mesh["tp"]``), e.g. with
+        ``torch.distributed.tensor.parallel.parallelize_module``, and return it. Called once, with
+        ``trainer.parallel.tp > 1``, before activation checkpointing, ``trainer.compile`` and
+        FSDP (torchtitan's order). The ranks of a TP group read the same batches.
+
+        Not overridden (the default): the Task has no plan, and ``tp > 1`` is refused (exit 2)."""
+        raise NotImplementedError(f"{type(self).__name__} has no tensor-parallel plan (override Task.parallelize)")
 
     # -- steps ---------------------------------------------------------------------------------
 
