@@ -735,7 +735,8 @@ def test_the_schema_imports_no_yaml_and_no_overrides() -> None:
                                "cadence.config.components", "cadence.config.components.activation_checkpoint",
                                "cadence.config.components.compile",
                                "cadence.config.components.ema", "cadence.config.components.lr_schedule",
-                               "cadence.config.components.profiler", "cadence.config.components.slurm",
+                               "cadence.config.components.parallel", "cadence.config.components.profiler",
+                               "cadence.config.components.slurm",
                                "cadence.config.intervals", "cadence.config.schema", "cadence.config.trainer"])
 
 

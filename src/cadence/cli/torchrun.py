@@ -260,8 +260,8 @@ def train_with_torchrun(args: argparse.Namespace, cfg: ExperimentConfig, console
 
 
 def log_restart() -> None:
-    """In a worker of a torchrun job that restarted (``TORCHELASTIC_RESTART_COUNT`` > 0): say so,
-    once per job (rank 0 calls it)."""
+    """In a worker of a torchrun job that restarted (``TORCHELASTIC_RESTART_COUNT`` > 0, this node's
+    agent's count): say so, once per node (each node's local rank 0 calls it)."""
     try:
         count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         limit = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)

@@ -49,14 +49,14 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         return train_with_torchrun(args, _claim_model_dir(args, _load(args), check=True), console)
     slurm.export_torchrun_env()  # a task of `srun --ntasks N`: a rank, as under torchrun
     rank = env_rank()
+    if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:  # each node's agent counts its own restarts: a
+        log_restart()  # restarted node says so even when the new rendezvous makes another node's rank 0
     if rank != 0:  # one process reports: the other ranks log warnings and errors only
         root = logging.getLogger()
         root.setLevel(max(root.getEffectiveLevel(), logging.WARNING))
-    else:
-        log_restart()  # a torchrun job restarted after a failure (--max-restarts)
-        if slurm.restart_count():
-            logger.warning("Slurm requeued the job (restart %d): resuming from the latest committed checkpoint",
-                           slurm.restart_count())
+    elif slurm.restart_count():
+        logger.warning("Slurm requeued the job (restart %d): resuming from the latest committed checkpoint",
+                       slurm.restart_count())
     cfg = _claim_model_dir(args, _load(args), check=False) if rank == 0 else _load(args)
     from cadence.cluster.roles import resolve_role
     from cadence.sidecar.evaluator import SidecarResult
