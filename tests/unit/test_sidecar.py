@@ -342,3 +342,27 @@ def test_watcher_every_latest_and_should_stop(tmp_path):
     assert list(CheckpointWatcher(manager, mode="every", after=4, poll_interval=0.01)) == [6]
     w = CheckpointWatcher(manager, mode="every", after=6, poll_interval=0.01, should_stop=lambda: True)
     assert list(w) == [] and w.stop_reason == "stopped"
+
+
+def test_a_checkpoint_retention_deletes_while_it_is_evaluated_is_skipped_and_best_keeps_a_live_one(tmp_path):
+    """CI repro: the sidecar loaded step 6 (the best), then retention deleted it before best/ could
+    copy it. The sidecar goes on; step 6 is recorded skipped with the reason, and best/ holds the best
+    of the checkpoints it could copy."""
+    manager = train(tmp_path)
+    ev = FakeEvaluator()
+    original = ev.evaluate
+
+    def evaluate_while_retention_deletes_it(n):
+        if ev.step == 6:
+            manager.delete(6)
+        return original(n)
+
+    ev.evaluate = evaluate_while_retention_deletes_it
+    exporter = BestCheckpointExporter(str(tmp_path / "best"), "accuracy")
+    result = SidecarEvaluator(ev, str(tmp_path), eval_actions=[exporter], poll_interval=0.01).start()
+    rows = {r["step"]: r for r in log_of(tmp_path)}
+    assert result.stop_reason == "final" and result.skipped == [6]
+    assert rows[6]["status"] == "skipped" and "while it was evaluated" in rows[6]["error"]
+    assert [s for s, r in sorted(rows.items()) if r["status"] == "evaluated"] == [2, 4, 8, 10, 12]
+    best = json.loads((tmp_path / "best" / "best.json").read_text())
+    assert (best["step"], best["value"]) == (10, 0.9)

@@ -303,7 +303,18 @@ class ContinuousEvaluation:
                          step, self.max_retries + 1, error)
             return self._new_record(step, "failed", error=str(error))
         start = time.perf_counter()
-        metrics = self.controller.evaluate(self.steps)
+        try:
+            metrics = self.controller.evaluate(self.steps)
+        except CheckpointError as e:
+            # Retention may delete a checkpoint after it was loaded (a step that left a bounded lease
+            # range before ``reading`` protected it): an action that reads it again (best/'s copy)
+            # fails. Its evaluation is recorded as skipped, never half-acted on.
+            if step in self.manager.steps():
+                raise
+            logger.warning("%s: checkpoint %d was deleted while it was evaluated: skipping it (%s)", self.name,
+                           step, e)
+            return self._new_record(step, "skipped", error="deleted by the trainer's retention while it was "
+                                    f"evaluated{self._bound_note()} ({e})")
         record = self._new_record(step, "evaluated", metrics={k: json_value(v) for k, v in metrics.items()})
         record["duration_s"] = round(time.perf_counter() - start, 6)
         return record
