@@ -71,10 +71,7 @@ class LlamaTask(Task):
                              num_key_value_heads=self.kv_heads, max_position_embeddings=self.seq_len,
                              tie_word_embeddings=True, bos_token_id=None, eos_token_id=CHAR_ID[";"],
                              pad_token_id=None)
-        config._attn_implementation = "sdpa"
-        model = LlamaForCausalLM(config)
-        model.loss_type = "ForCausalLM"  # the loss transformers would fall back to, named (it warns otherwise)
-        return model
+        return LlamaForCausalLM(config)  # its loss: next-token cross-entropy (labels=input_ids, shifted inside)
 
     def parallelize(self, model: nn.Module, tp_mesh: Any) -> nn.Module:
         """torchtitan's plan for each decoder layer: q/k/v and gate/up by columns, o and down by rows.
