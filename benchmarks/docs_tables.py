@@ -29,6 +29,7 @@ from benchmarks.checkpoint.throughput import TARGETS as CHECKPOINT_TARGETS  # no
 from benchmarks.loop import compile_speed  # noqa: E402
 from benchmarks.loop import ema_overhead  # noqa: E402
 from benchmarks.loop import gpu_loop  # noqa: E402
+from benchmarks.loop import mesh_step_time  # noqa: E402
 from benchmarks.faults import goodput  # noqa: E402
 from benchmarks.faults import goodput_nodes  # noqa: E402
 from benchmarks.loop import overhead as loop_overhead  # noqa: E402
@@ -56,6 +57,7 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "profiler": profiler_overhead.markdown_lines,
     "throughput": throughput_overhead.markdown_lines,
     "ema": ema_overhead.markdown_lines,
+    "mesh": mesh_step_time.markdown_lines,
     "gpu_loop": gpu_loop.markdown_lines,
 }
 """Each benchmark's tables, in the order of ``make bench``'s page."""
@@ -63,7 +65,8 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
 OWN_FILES = {"stall": "checkpoint_stall", "stall_cuda": "checkpoint_stall_cuda", "crossover": "save_mode_crossover",
              "sharded": "sharded_checkpoint",
              "goodput_nodes": "goodput_nodes", "compile": "compile_speed", "profiler": "profiler_overhead",
-             "throughput": "throughput_overhead", "ema": "ema_overhead", "gpu_loop": "gpu_loop"}
+             "throughput": "throughput_overhead", "ema": "ema_overhead", "mesh": "mesh_step_time",
+             "gpu_loop": "gpu_loop"}
 """The results file (in ``results/``, without ``.json``) a benchmark writes when run on its own."""
 
 UNMEASURED = {"stall_cuda": "Not measured yet: needs a CUDA device (`make bench-gpu`).",

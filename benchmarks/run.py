@@ -1,13 +1,13 @@
 """``make bench``: run every benchmark, write ``results/latest.json`` and ``results/latest.md``.
 
     python -m benchmarks.run [--quick]   (from the checkout; or python benchmarks/run.py)
-        [--only loop,checkpoint,stall,crossover,sharded,sidecar,resume,goodput,goodput_nodes,profiler,throughput,ema,compile]
+        [--only loop,checkpoint,stall,crossover,sharded,sidecar,resume,goodput,goodput_nodes,profiler,throughput,ema,compile,mesh]
 
 ``--only`` updates those entries of ``latest.json`` and keeps the others. ``--quick`` runs the
 benchmarks that have a quick mode (the checkpoint one: two tiny sizes, one repeat, every load
 checked; the stall one: a 6 MiB state and a tiny charlm, two saves each; the sharded one: a 6 MiB
 state on 1, 2 and 3 ranks; goodput: 100 steps with and without kills; goodput_nodes: 40 steps on
-two nodes, with and without a node lost) as a smoke test in a few minutes, and writes
+two nodes, with and without a node lost; mesh: 2 steps of each layout) as a smoke test in a few minutes, and writes
 ``results/quick.json`` and ``results/quick.md`` instead, so ``latest`` keeps the real
 measurements. A full run of ``sharded`` also writes its own ``results/sharded_checkpoint.*``.
 """
@@ -31,6 +31,7 @@ from benchmarks.checkpoint import stall as checkpoint_stall  # noqa: E402
 from benchmarks.checkpoint import throughput as checkpoint_throughput  # noqa: E402
 from benchmarks.loop import compile_speed  # noqa: E402
 from benchmarks.loop import ema_overhead  # noqa: E402
+from benchmarks.loop import mesh_step_time  # noqa: E402
 from benchmarks.faults import goodput  # noqa: E402
 from benchmarks.faults import goodput_nodes  # noqa: E402
 from benchmarks.loop import overhead as loop_overhead  # noqa: E402
@@ -57,6 +58,7 @@ BENCHMARKS = {
     "profiler": profiler_overhead.run,  # the loop with the profiler outside its window vs. none
     "throughput": throughput_overhead.run,  # the loop logging samples/s, tokens/s, MFU vs. not
     "ema": ema_overhead.run,  # the loop keeping an EMA of the weights (every step) vs. not
+    "mesh": mesh_step_time.run,  # llama_tp's step on 1 process, tp 2, dp 2 (FSDP2, DDP): the collectives' cost
 }
 
 
