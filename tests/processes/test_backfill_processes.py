@@ -104,8 +104,9 @@ def test_a_backfill_killed_and_run_again_evaluates_each_checkpoint_once(finished
     while not log.exists() and time.monotonic() < deadline and slow.poll() is None:
         time.sleep(0.02)
     assert slow.poll() is None and log.exists(), "no record before the backfill ended"
-    # while it runs, nothing else evaluates under its name: one line, exit 2
-    for other in (argv, [*argv[:-1], "--continuous"]):
+    # while it runs, nothing else evaluates under its name: one line, exit 2, nothing started
+    launch = ["launch", str(config), "--sidecar", "--model-dir", str(model_dir), "--set", "sidecar.name=late"]
+    for other in (argv, [*argv[:-1], "--continuous"], launch):
         assert main(other) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("cadence: error: another evaluator runs as 'sidecar-late'") and "\n" not in err, err

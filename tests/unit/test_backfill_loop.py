@@ -15,7 +15,7 @@ from cadence.actions import BestCheckpointExporter
 from cadence.checkpoint import CheckpointManager
 from cadence.checkpoint.leases import Leases
 from cadence.errors import NoCheckpointError, ReaderLeaseHeldError
-from cadence.sidecar.backfill import backfill_plan
+from cadence.sidecar.backfill import Backfill, backfill_plan
 from cadence.sidecar.evaluator import SidecarEvaluator
 from fakes import FakeTrainer
 from test_sidecar import FakeEvaluator, log_of, train
@@ -123,6 +123,9 @@ def test_the_plan_refuses_a_step_neither_committed_nor_recorded(tmp_path):
         backfill_plan(CheckpointManager(str(tmp_path / "none"), writer=False), [], None)
     with pytest.raises(NoCheckpointError):
         sidecar(tmp_path).backfill([3])
+    controller = Controller(evaluator=FakeEvaluator(), checkpoint_manager=manager, restore=False, progress=False)
+    with pytest.raises(ValueError, match="a backfill watches nothing: max_pending, timeout do not apply"):
+        Backfill(controller, timeout=3, max_pending=2)
     assert not (tmp_path / "eval").exists() and not (tmp_path / "checkpoints" / ".leases").exists()  # nothing written
 
 

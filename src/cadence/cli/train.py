@@ -231,8 +231,9 @@ def cmd_launch(args: argparse.Namespace, console: Console) -> int:
     model_dir = layout.check_model_dir(cfg.require_model_dir(), writable=True)  # before anything starts
     from cadence.checkpoint.leases import Leases
     from cadence.cluster.launch import launch, launch_exit_code, sidecar_commands
-    from cadence.sidecar.evaluator import lease_holder
+    from cadence.sidecar.evaluator import check_name_free, lease_holder
 
+    check_name_free(model_dir, cfg.sidecar.name)  # another sidecar or backfill of that name runs: nothing starts
     leases = Leases(layout.checkpoints_dir(model_dir))
     holder = lease_holder(cfg.sidecar.name)
 

@@ -17,12 +17,12 @@ deleted before it could be read is recorded ``skipped`` with the reason; none is
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from cadence.checkpoint import CheckpointManager
 from cadence.checkpoint.lease_keeper import LeaseKeeper
 from cadence.errors import NoCheckpointError
-from cadence.sidecar.continuous import BestTracker, ContinuousEvaluation, EvaluationLog, EvaluationRun, SidecarResult
+from cadence.sidecar.continuous import ContinuousEvaluation, EvaluationRun, SidecarResult
 
 logger = logging.getLogger("cadence.sidecar.evaluator")
 
@@ -65,6 +65,10 @@ def _steps(steps: list[int]) -> str:
     return ", ".join(map(str, shown))
 
 
+_WATCH_OPTIONS = {"mode", "poll_interval", "timeout", "timeout_fn", "max_evaluations", "train_steps", "max_pending"}
+""":class:`ContinuousEvaluation`'s keywords of a watch for new checkpoints: none applies to a backfill."""
+
+
 class Backfill(ContinuousEvaluation):
     """Evaluates a fixed list of ``controller``'s committed checkpoints that ``log`` holds no record
     of, oldest first; :meth:`run` returns a :class:`SidecarResult`.
@@ -74,8 +78,10 @@ class Backfill(ContinuousEvaluation):
       checkpoints: the steps to evaluate; None: every step committed when :meth:`run` starts.
       keeper: a started lease keeper without a range (``after=None``): each checkpoint is protected
         while it is read, then released (``None``: no lease).
-      steps, max_retries, retry_backoff, log, best, should_stop, name: as
-        :class:`ContinuousEvaluation`'s.
+      options: :class:`ContinuousEvaluation`'s keywords that apply to each checkpoint's evaluation
+        and its record (``steps``, ``max_retries``, ``retry_backoff``, ``log``, ``best``,
+        ``should_stop``, ``name``, ...); not those of a watch (``mode``, ``timeout``,
+        ``max_evaluations``, ``max_pending``, ...), which do not apply.
 
     Stop reasons: ``"backfilled"`` (the list is done) or ``"stopped"`` (``should_stop``, checked
     between checkpoints). :meth:`run` raises :class:`~cadence.errors.NoCheckpointError` as
@@ -87,17 +93,13 @@ class Backfill(ContinuousEvaluation):
         controller: EvaluationRun,
         checkpoints: Sequence[int] | None = None,
         *,
-        steps: int = -1,
-        max_retries: int | None = None,
-        retry_backoff: float | None = None,
-        log: EvaluationLog | None = None,
         keeper: LeaseKeeper | None = None,
-        best: BestTracker | None = None,
-        should_stop: Callable[[], bool] | None = None,
-        name: str = "backfill",
+        **options: Any,
     ) -> None:
-        super().__init__(controller, steps=steps, max_retries=max_retries, retry_backoff=retry_backoff, log=log,
-                         keeper=keeper, best=best, should_stop=should_stop, name=name)
+        watching = sorted(set(options) & _WATCH_OPTIONS)
+        if watching:
+            raise ValueError(f"a backfill watches nothing: {', '.join(watching)} do not apply")
+        super().__init__(controller, keeper=keeper, **{"name": "backfill", **options})
         self.checkpoints = None if checkpoints is None else list(checkpoints)
 
     def run(self) -> SidecarResult:
