@@ -10,7 +10,8 @@ class CadenceError(Exception):
     2 when the input is wrong or names something that does not exist and nothing was started
     (:class:`ConfigError`, :class:`ModelDirError`, :class:`NoCheckpointError`, :class:`TaskOutputError`,
     :class:`TrainStepOutputError`, :class:`CheckpointMismatchError`, :class:`WriterLeaseHeldError`,
-    :class:`SanityCheckError`, :class:`ModelDirNotSharedError`); 1 when something that started failed, or stored data is bad.
+    :class:`ReaderLeaseHeldError`, :class:`SanityCheckError`, :class:`ModelDirNotSharedError`); 1 when something
+    that started failed, or stored data is bad.
     """
 
     exit_code: int = 1
@@ -131,6 +132,15 @@ class WriterLeaseHeldError(CadenceError):
     """Another live process holds the model dir's writer lease (see
     :mod:`cadence.checkpoint.writer_lease`); nothing was written. The message names the holder
     (host, pid, since) and how to take over."""
+
+    exit_code = 2
+
+
+class ReaderLeaseHeldError(CadenceError):
+    """Another live process (a sidecar, or a backfill) evaluates under the same name in the model
+    dir: it holds that name's reader lease (:meth:`cadence.checkpoint.leases.Leases.held_elsewhere`).
+    Two would write one ``evaluations.jsonl``; nothing was written. The message names the holder
+    (host, pid) and when its lease lapses."""
 
     exit_code = 2
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import socket
 from dataclasses import asdict, dataclass
@@ -39,6 +40,33 @@ def clock_skew(host: str) -> float:
     """The tolerance to add to an expiry time written on ``host``: 0 for this host (one clock),
     :data:`CLOCK_SKEW_TOLERANCE` for any other, or an unknown (``""``) one."""
     return 0.0 if host and host == socket.gethostname() else CLOCK_SKEW_TOLERANCE
+
+
+def zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited but is not reaped yet (Linux: state ``Z`` in ``/proc/<pid>/stat``):
+    a killed holder whose parent died too stays one until init reaps it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # "pid (comm) state ...": the command may hold spaces and parentheses; the state follows the last ")".
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"Z"
+
+
+def process_ended(host: str, pid: int) -> bool:
+    """True when process ``pid`` of ``host`` is known to have ended: ``host`` is this machine and no
+    process ``pid`` runs (or only its zombie). A process of another host, or an unknown one (``host``
+    empty, ``pid <= 0``), is never known to have ended."""
+    if not host or host != socket.gethostname() or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: it runs, as another user
+        return False
+    return zombie(pid)
 
 
 def check_holder(holder: object) -> str:
@@ -106,7 +134,9 @@ class Lease:
       max_pending: with ``after``, protect only the newest ``max_pending`` steps ``> after``;
         None: all of them (the last field, with a default: files and callers without it still work).
       expires: unix time (the writer's clock decides) after which the lease protects nothing.
-      pid, host: the process that wrote it (for people and tools; never used to decide anything).
+      pid, host: the process that wrote it (for people and tools; a reader starting under the same
+        holder name uses them only to tell a holder that died on this machine from a live one:
+        :meth:`cadence.checkpoint.leases.Leases.held_elsewhere`).
       time: unix time of the write.
     """
 

@@ -72,6 +72,7 @@ from cadence.checkpoint.lease_file import (
     clock_skew,
     file_name,
     holder_of,
+    process_ended,
 )
 from cadence.storage import Storage
 
@@ -141,6 +142,21 @@ class Leases:
             self.storage.remove(self.path(holder))
         except FileNotFoundError:
             pass
+
+    def held_elsewhere(self, holder: str, now: float | None = None) -> Lease | None:
+        """``holder``'s lease when another process may hold it at ``now``: unexpired (as
+        :meth:`active` judges), written by another process (not this pid on this host), and that
+        process not known to have ended (:func:`~cadence.checkpoint.lease_file.process_ended`: on
+        this host, its pid no longer runs). None otherwise: the name is free to take. For a reader
+        that must be alone under its name (one sidecar or backfill per name and model dir). A
+        check, not a lock: two readers starting at the same instant both see it free."""
+        for lease in self.active(now):
+            if lease.holder != holder:
+                continue
+            ours = lease.pid == os.getpid() and lease.host == socket.gethostname()
+            if not ours and not process_ended(lease.host, lease.pid):
+                return lease
+        return None
 
     def deleted(self) -> list[int]:
         """The steps the writer's retention deleted (:meth:`record_deleted`), ascending; ``[]`` when

@@ -70,7 +70,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from cadence import layout
-from cadence.checkpoint.lease_file import clock_skew
+from cadence.checkpoint.lease_file import clock_skew, zombie
 from cadence.checkpoint.space import space_cause
 from cadence.errors import WriterLeaseHeldError, WriterLeaseLostError
 from cadence.storage import Storage
@@ -185,23 +185,11 @@ class WriterLeaseRecord:
             return True
         except OSError:  # EPERM: it runs, as another user
             return False
-        return _zombie(self.pid)
+        return zombie(self.pid)
 
     def describe(self, now: float) -> str:
         return (f"pid {self.pid} on host {self.host or '?'} since {_utc(self.since)} "
                 f"(writer lease {self.token}, expires in {max(0.0, self.expires + clock_skew(self.host) - now):.0f}s)")
-
-
-def _zombie(pid: int) -> bool:
-    """Whether ``pid`` has exited but is not reaped yet (Linux: state ``Z`` in ``/proc/<pid>/stat``):
-    a killed holder whose parent died too stays one until init reaps it."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    # "pid (comm) state ...": the command may hold spaces and parentheses; the state follows the last ")".
-    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"Z"
 
 
 class _Dir:

@@ -1,8 +1,9 @@
 """The bounds of the ``cadence`` command's numeric flags, in one place: :func:`check_flags` refuses a
 value out of its range before the command starts (ConfigError, exit 2, naming the flag), and reads
 ``--checkpoint`` (:func:`checkpoint_selector`: ``best``, ``latest`` or a step, for every command that
-takes one); :func:`log_level` is ``--log-level``'s type. A flag that sets a config value (``evaluate --continuous
---timeout``) is checked by the config's schema instead, named by its flag (``load_config(flags=...)``)."""
+takes one) and ``evaluate --steps`` (:func:`step_list`); :func:`log_level` is ``--log-level``'s type. A
+flag that sets a config value (``evaluate --continuous --timeout``) is checked by the config's schema
+instead, named by its flag (``load_config(flags=...)``)."""
 
 from __future__ import annotations
 
@@ -67,15 +68,27 @@ def checkpoint_selector(text: str) -> CheckpointSelector:
     raise ConfigError(f"--checkpoint: expected best, latest or a step number >= 0, got {text!r}")
 
 
+def step_list(text: str) -> list[int]:
+    """``evaluate --steps``' value read: step numbers (ints ``>= 0``) separated by commas, returned
+    ascending without repeats; ConfigError (exit 2) naming the flag otherwise."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isascii() and part.isdigit() for part in parts):
+        raise ConfigError(f"--steps: expected step numbers >= 0 separated by commas (e.g. 100,200,300), got {text!r}")
+    return sorted({int(part) for part in parts})
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """ConfigError (exit 2) naming the first numeric flag of ``args.command`` given out of its range;
-    a given ``--checkpoint`` is replaced by what it selects (:func:`checkpoint_selector`)."""
+    a given ``--checkpoint`` is replaced by what it selects (:func:`checkpoint_selector`), and
+    ``evaluate --steps`` by its steps (:func:`step_list`)."""
     for name, bound in BOUNDS.get(args.command, {}).items():
         value = getattr(args, name)
         if value is not None:
             bound.check(value)
     if args.command in CHECKPOINT_COMMANDS and isinstance(args.checkpoint, str):
         args.checkpoint = checkpoint_selector(args.checkpoint)
+    if args.command == "evaluate" and isinstance(args.steps, str):
+        args.steps = step_list(args.steps)
 
 
 def log_level(text: str) -> str:

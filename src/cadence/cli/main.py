@@ -3,6 +3,7 @@
     cadence train CONFIG [--model-dir DIR] [--set key=value ...] [--nproc N [--max-restarts K] [--nnodes M ...]]
     cadence evaluate CONFIG --model-dir DIR [--checkpoint STEP] [--set key=value ...]
     cadence evaluate CONFIG --model-dir DIR --continuous [--mode every|latest] [--timeout S] ...
+    cadence evaluate CONFIG --model-dir DIR --all | --steps STEP,... [--name NAME]   (a backfill)
     cadence export MODEL_DIR [--checkpoint best|latest|STEP] --format FORMAT [--out DIR]
     cadence launch CONFIG --sidecar [--model-dir DIR] [--set key=value ...]
     cadence smoke CONFIG [--set key=value ...] [--steps N] [--keep DIR]

@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "stop the others and restart the whole job from its latest checkpoint, up to K times "
                             "(torchrun's elastic agent; default 0: a failed rank ends the job)")
 
-    evaluate = sub.add_parser("evaluate", help="evaluate a checkpoint; print its metrics as JSON")
+    evaluate = sub.add_parser("evaluate", help="evaluate a checkpoint; print its metrics as JSON (--continuous: the "
+                              "sidecar; --all, --steps: a backfill of past checkpoints)")
     add_config_args(evaluate, model_dir_required=True)
     evaluate.add_argument("--checkpoint", default=None, metavar="best|latest|STEP",
                           help="which checkpoint: best (best/'s, the best checkpoint's step), latest (the newest "
@@ -74,16 +75,24 @@ def build_parser() -> argparse.ArgumentParser:
                                "read) at step 0: the untrained baseline")
     evaluate.add_argument("--continuous", action="store_true",
                           help="run as the sidecar evaluator: evaluate checkpoints as the trainer commits them")
+    evaluate.add_argument("--all", action="store_true",
+                          help="backfill: evaluate every committed checkpoint that has no record under --name yet "
+                               "(eval_<name>/evaluations.jsonl, the sidecar's), oldest first, then stop; run again "
+                               "after a kill, it does only what is left")
+    evaluate.add_argument("--steps", default=None, metavar="STEP,...",
+                          help="backfill these committed steps (e.g. 100,200,300) as --all does: those without a "
+                               "record, oldest first")
     evaluate.add_argument("--mode", choices=["every", "latest"], default=None,
                           help="with --continuous: every checkpoint in order, or only the newest (sidecar.mode)")
     evaluate.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                           help="with --continuous: stop after this long without a new checkpoint (sidecar.timeout)")
     evaluate.add_argument("--max-evaluations", type=int, default=None, metavar="N",
                           help="with --continuous: stop after N evaluations (sidecar.max_evaluations)")
-    evaluate.add_argument("--name", default=None, help="with --continuous: write to eval_<name>/ (sidecar.name)")
+    evaluate.add_argument("--name", default=None,
+                          help="with --continuous, --all or --steps: write to eval_<name>/ (sidecar.name)")
     evaluate.add_argument("--nproc", type=int, default=None, metavar="N",
                           help="evaluate the checkpoint on N processes of this machine (the data sharded, the "
-                               "metrics reduced exactly); not with --continuous")
+                               "metrics reduced exactly); not with --continuous, --all or --steps")
 
     launch = sub.add_parser("launch", help="train with a sidecar evaluator, as two processes on this machine")
     add_config_args(launch, model_dir_required=False)

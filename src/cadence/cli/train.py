@@ -1,5 +1,6 @@
 """The subcommands that run training or evaluation: ``cadence train``, ``evaluate`` (one
-checkpoint, or ``--continuous``: the sidecar), ``launch --sidecar`` and ``sweep``.
+checkpoint, ``--continuous``: the sidecar, or ``--all`` / ``--steps``: a backfill), ``launch --sidecar``
+and ``sweep``.
 
 Each takes the parsed arguments and the stderr console, and returns the exit status; a
 :class:`~cadence.errors.CadenceError` is left to :func:`cadence.cli.main.main`.
@@ -117,6 +118,8 @@ def cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
                      "--max-evaluations": ("sidecar.max_evaluations", args.max_evaluations),
                      "--name": ("sidecar.name", args.name)}
     given = {flag: setting for flag, setting in sidecar_flags.items() if setting[1] is not None}
+    if args.all or args.steps is not None:
+        return _cmd_backfill(args, console, given)
     if args.continuous and args.nproc is not None:
         raise ConfigError("--nproc and --continuous exclude each other (the sidecar is one process)")
     if args.initial and (args.continuous or args.checkpoint is not None):
@@ -124,7 +127,8 @@ def cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     if args.continuous:
         return _cmd_sidecar(args, console, given)
     if given:
-        raise ConfigError(f"--mode, --timeout, --max-evaluations and --name need --continuous (got {', '.join(given)})")
+        raise ConfigError(f"--mode, --timeout, --max-evaluations and --name need --continuous (--name: or --all, "
+                          f"--steps) (got {', '.join(given)})")
     cfg = _load(args)
     if args.nproc is not None:
         return _evaluate_with_torchrun(args, cfg, console)
@@ -190,8 +194,27 @@ def _cmd_sidecar(args: argparse.Namespace, console: Console, flags: dict[str, tu
     return _sidecar_done(run_sidecar(cfg), console)
 
 
+def _cmd_backfill(args: argparse.Namespace, console: Console, flags: dict[str, tuple[str, Any]]) -> int:
+    """``cadence evaluate --all`` / ``--steps``: a backfill of the evaluation ``--name``; ``flags``:
+    the sidecar settings its flags give (only ``--name`` applies)."""
+    selection = "--all" if args.all else "--steps"
+    if args.all and args.steps is not None:
+        raise ConfigError("--all and --steps exclude each other (--all: every committed checkpoint)")
+    others = [flag for flag, on in (("--continuous", args.continuous), ("--checkpoint", args.checkpoint is not None),
+                                    ("--initial", args.initial), ("--nproc", args.nproc is not None)) if on]
+    others += [flag for flag in flags if flag != "--name"]
+    if others:
+        raise ConfigError(f"{selection} evaluates the committed checkpoints without a record, on one process, then "
+                          f"stops: leave out {', '.join(others)}")
+    cfg = _load(args, {flag: setting for flag, setting in flags.items() if flag == "--name"})
+    from cadence.torch.experiments.experiment import run_backfill
+
+    return _sidecar_done(run_backfill(cfg, args.steps), console)
+
+
 def _sidecar_done(result: Any, console: Console) -> int:
-    """Print a sidecar's :class:`~cadence.sidecar.evaluator.SidecarResult` as JSON; 1 when it timed out."""
+    """Print a sidecar's (or a backfill's) :class:`~cadence.sidecar.evaluator.SidecarResult` as JSON; 1 when
+    it timed out."""
     print(json.dumps(dataclasses.asdict(result), default=str))
     if result.stop_reason == "timeout":
         console.print(f"[red]cadence: sidecar stopped:[/red] {result.message}", highlight=False, soft_wrap=True)
@@ -208,8 +231,9 @@ def cmd_launch(args: argparse.Namespace, console: Console) -> int:
     model_dir = layout.check_model_dir(cfg.require_model_dir(), writable=True)  # before anything starts
     from cadence.checkpoint.leases import Leases
     from cadence.cluster.launch import launch, launch_exit_code, sidecar_commands
-    from cadence.sidecar.evaluator import lease_holder
+    from cadence.sidecar.evaluator import check_name_free, lease_holder
 
+    check_name_free(model_dir, cfg.sidecar.name)  # another sidecar or backfill of that name runs: nothing starts
     leases = Leases(layout.checkpoints_dir(model_dir))
     holder = lease_holder(cfg.sidecar.name)
 

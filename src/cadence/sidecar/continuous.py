@@ -32,7 +32,7 @@ from cadence.summaries.scalars import json_value
 logger = logging.getLogger("cadence.sidecar.evaluator")
 
 __all__ = ["BestTracker", "ContinuousEvaluation", "EVALUATIONS_FILE", "EvaluationLog", "EvaluationRun",
-           "SidecarResult"]
+           "SidecarResult", "resume_after"]
 
 EVALUATIONS_FILE = "evaluations.jsonl"
 Status = Literal["evaluated", "failed", "skipped"]
@@ -80,11 +80,23 @@ class EvaluationLog:
         self.storage.write_atomic(self.storage.root, existing + (json.dumps(record) + "\n").encode())
 
 
+def resume_after(done: set[int], committed: list[int], mode: str) -> int | None:
+    """The step after which a sidecar with records of the steps ``done`` resumes: the newest of
+    them (None: none). In ``every`` mode, when an older committed step has no record (a backfill of
+    chosen steps leaves such gaps), the newest recorded step before it instead: every committed
+    checkpoint gets its record, the recorded ones are passed over."""
+    after = max(done) if done else None
+    missing = [s for s in committed if s not in done]
+    if mode == "every" and after is not None and missing and missing[0] < after:
+        after = max((s for s in done if s < missing[0]), default=None)
+    return after
+
+
 @dataclass
 class SidecarResult:
     """What a continuous evaluation did and why it stopped."""
 
-    stop_reason: str  # "final" | "timeout" | "max_evaluations" | "stopped"
+    stop_reason: str  # "final" | "timeout" | "max_evaluations" | "stopped"; a backfill's: "backfilled" | "stopped"
     message: str
     evaluated: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
@@ -197,9 +209,9 @@ class ContinuousEvaluation:
         done = {r["step"] for r in records}
         result = SidecarResult(stop_reason="", message="", best=self._best_of(records))
         evaluated_total = sum(r["status"] == "evaluated" for r in records)
-        after = max(done) if done else None
+        after = resume_after(done, self.manager.steps(), self.mode)
         if done and self.log is not None:
-            logger.info("%s: resuming after step %d (%d checkpoints already in %s)", self.name, after,
+            logger.info("%s: resuming after step %s (%d checkpoints already in %s)", self.name, after,
                         len(done), self.log.path)
         if self.max_evaluations is not None and evaluated_total >= self.max_evaluations:
             return self._finish(result, "max_evaluations", f"already evaluated {evaluated_total} checkpoints "
@@ -211,7 +223,7 @@ class ContinuousEvaluation:
         for step in watcher:
             if step in done:
                 continue
-            waiting = [step, *watcher.pending()]
+            waiting = [step, *(s for s in watcher.pending() if s not in done)]
             seen.update(waiting)
             releasing = self.mode == "every" and self.keeper is not None
             if releasing and step in self._release_excess(waiting, watcher, seen, done, result):
@@ -221,11 +233,8 @@ class ContinuousEvaluation:
             self._record(record)
             done.add(step)
             self._keep(after=step if self.mode == "every" else None, reading=None)
-            result.of_status(record["status"]).append(step)
-            if record["status"] == "evaluated":
-                evaluated_total += 1
-                result.last_metrics = record["metrics"]
-                result.best = self.best.update(result.best, record)
+            self._tally(result, record)
+            evaluated_total += record["status"] == "evaluated"
             if self.max_evaluations is not None and evaluated_total >= self.max_evaluations:
                 return self._finish(result, "max_evaluations",
                                     f"evaluated {evaluated_total} checkpoints (max_evaluations={self.max_evaluations})")
@@ -246,6 +255,14 @@ class ContinuousEvaluation:
     def _record(self, record: dict[str, Any]) -> None:
         if self.log is not None:
             self.log.append(record)
+
+    def _tally(self, result: SidecarResult, record: dict[str, Any]) -> None:
+        """Count ``record`` (just written) in ``result``: its status list, and for an evaluation the
+        last metrics and the best."""
+        result.of_status(record["status"]).append(record["step"])
+        if record["status"] == "evaluated":
+            result.last_metrics = record["metrics"]
+            result.best = self.best.update(result.best, record)
 
     def _release_excess(self, waiting: list[int], watcher: CheckpointWatcher, seen: set[int], done: set[int],
                         result: SidecarResult) -> list[int]:

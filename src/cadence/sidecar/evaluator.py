@@ -5,6 +5,8 @@ It runs :class:`~cadence.sidecar.continuous.ContinuousEvaluation` (the loop unde
 ``Controller.evaluate_continuously`` too) in a separate process and adds what a separate process
 needs: leases, so the trainer's retention never deletes a checkpoint from under it;
 ``evaluations.jsonl``, so a restarted sidecar never evaluates a step twice; and SIGTERM handling.
+:meth:`SidecarEvaluator.backfill` runs the same loop over a fixed list of checkpoints
+(:mod:`cadence.sidecar.backfill`).
 
 Framework-agnostic: the evaluator is any :class:`~cadence.extensions.Evaluator` that restores
 checkpoints (``cadence.torch.experiments.experiment.build_sidecar`` builds one for a Task).
@@ -12,26 +14,61 @@ checkpoints (``cadence.torch.experiments.experiment.build_sidecar`` builds one f
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
-from typing import Any, Iterable, Literal
+import time
+from typing import Any, Iterable, Iterator, Literal, Sequence
 
 from cadence import layout
 from cadence.checkpoint import CheckpointManager
+from cadence.checkpoint.lease_file import clock_skew
 from cadence.checkpoint.lease_keeper import LeaseKeeper
 from cadence.checkpoint.leases import Leases
+from cadence.errors import ReaderLeaseHeldError
 from cadence.extensions import Evaluator
 from cadence.loop.controller import Controller
 from cadence.runtime.signals import install_handlers
+from cadence.sidecar.backfill import Backfill, backfill_plan
 from cadence.sidecar.continuous import (DEFAULTS, EVALUATIONS_FILE, BestTracker, ContinuousEvaluation, EvaluationLog,
-                                        SidecarResult)
+                                        SidecarResult, resume_after)
 
-__all__ = ["EVALUATIONS_FILE", "EvaluationLog", "SidecarEvaluator", "SidecarResult", "lease_holder"]
+__all__ = ["EVALUATIONS_FILE", "EvaluationLog", "SidecarEvaluator", "SidecarResult", "check_backfill", "check_name_free",
+           "lease_holder"]
 
 
 def lease_holder(name: str | None = None) -> str:
     """The lease holder name of the sidecar called ``name`` (``sidecar-eval`` for the default)."""
     return f"sidecar-{name or 'eval'}"
+
+
+def check_name_free(model_dir: str, name: str | None = None, *, storage_options: dict[str, Any] | None = None) -> None:
+    """:class:`~cadence.errors.ReaderLeaseHeldError` when another live process (a sidecar or a
+    backfill) evaluates ``model_dir`` under ``name``: it holds the lease :func:`lease_holder`
+    (:meth:`~cadence.checkpoint.leases.Leases.held_elsewhere`: a lease left by a process that died
+    on this host does not count; one of another host counts until it lapses, ``lease_ttl`` after
+    its last renewal). A check, not a lock: two started at the same instant both pass."""
+    leases = Leases(layout.checkpoints_dir(model_dir), storage_options=storage_options)
+    holder = lease_holder(name)
+    lease = leases.held_elsewhere(holder)
+    if lease is not None:
+        lapses = max(0.0, lease.expires + clock_skew(lease.host) - time.time())
+        raise ReaderLeaseHeldError(
+            f"another evaluator runs as {holder!r} on {model_dir}: pid {lease.pid} on host {lease.host or '?'} "
+            f"holds its lease {leases.path(holder)} (it lapses {lapses:.0f}s after its last renewal); wait for it "
+            "to end, or evaluate under another name")
+
+
+def check_backfill(model_dir: str, name: str | None = None, checkpoints: Sequence[int] | None = None, *,
+                   storage_options: dict[str, Any] | None = None) -> None:
+    """The bad input of a backfill of ``model_dir``'s evaluation ``name``, found before anything is
+    built or written: :class:`~cadence.errors.NoCheckpointError` for a step of ``checkpoints``
+    neither committed nor recorded, or (None) nothing committed
+    (:func:`~cadence.sidecar.backfill.backfill_plan`); :class:`~cadence.errors.ReaderLeaseHeldError`
+    when another live process evaluates under ``name`` (:func:`check_name_free`)."""
+    manager = CheckpointManager(layout.checkpoints_dir(model_dir), writer=False, storage_options=storage_options)
+    backfill_plan(manager, EvaluationLog(layout.eval_dir(model_dir, name), storage_options).records(), checkpoints)
+    check_name_free(model_dir, name, storage_options=storage_options)
 
 
 class SidecarEvaluator:
@@ -48,7 +85,8 @@ class SidecarEvaluator:
         :class:`~cadence.config.SidecarConfig` (``mode="every"`` evaluates each committed
         checkpoint in step order, ``"latest"`` jumps to the newest; ``max_evaluations`` counts
         restarts too, as recorded in ``evaluations.jsonl``; ``name`` writes to ``eval_<name>/``
-        and holds the lease ``sidecar-<name>``, one sidecar per name and model dir).
+        and holds the lease ``sidecar-<name>``: one sidecar or backfill per name and model dir,
+        another one is refused, :meth:`check_name`).
       eval_actions: actions run on each evaluation's metrics (e.g. ``BestCheckpointExporter``).
       train_steps: a checkpoint at or past this step is final even before ``FINAL`` appears.
       best_metric / higher_is_better: the metric whose best is reported (and rebuilt from
@@ -117,6 +155,7 @@ class SidecarEvaluator:
                                          storage_options=storage_options)
         self.leases = Leases(layout.checkpoints_dir(model_dir), storage_options=storage_options)
         self.log = EvaluationLog(self.eval_dir, storage_options)
+        self.storage_options = storage_options
         self._stop = threading.Event()
 
     def stop(self) -> None:
@@ -124,25 +163,58 @@ class SidecarEvaluator:
         self._stop.set()
 
     def start(self) -> SidecarResult:
-        """Evaluate checkpoints until a stop condition; return what was done and why it stopped."""
-        done = [r["step"] for r in self.log.records()]
-        after = max(done) if done else None
-        controller = Controller(evaluator=self.evaluator, checkpoint_manager=self.manager,
-                                eval_summary_dir=self.eval_dir, eval_actions=self.eval_actions,
-                                callbacks=self.callbacks, restore=False, progress=False)
+        """Evaluate checkpoints until a stop condition; return what was done and why it stopped.
+        Raises :class:`~cadence.errors.ReaderLeaseHeldError` first when another live process
+        evaluates under this name (:meth:`check_name`)."""
+        self.check_name()
+        after = resume_after({r["step"] for r in self.log.records()}, self.manager.steps(), self.mode)
         every = self.mode == "every"
         # every: protect all checkpoints after the last one dealt with (-1: all of them)
-        keeper = LeaseKeeper(self.leases, self.holder, ttl=self.lease_ttl,
-                             after=(-1 if after is None else after) if every else None,
-                             max_pending=self.max_pending if every else None).start()
-        handlers = install_handlers((signal.SIGTERM, signal.SIGINT), lambda *_: self.stop(), owner=self.holder)
-        try:
+        with self._session(after=(-1 if after is None else after) if every else None,
+                           max_pending=self.max_pending if every else None) as (controller, keeper):
             return ContinuousEvaluation(
                 controller, steps=self.steps, mode=self.mode, poll_interval=self.poll_interval,
                 timeout=self.timeout, max_evaluations=self.max_evaluations, train_steps=self.train_steps,
                 max_retries=self.max_retries, retry_backoff=self.retry_backoff, log=self.log, keeper=keeper,
                 max_pending=self.max_pending, best=self.best, should_stop=self._stop.is_set, name=self.holder,
             ).run()
+
+    def backfill(self, checkpoints: Sequence[int] | None = None) -> SidecarResult:
+        """Evaluate the committed checkpoints (``checkpoints``: these steps; None: every one
+        committed now) that have no record in this name's ``evaluations.jsonl``, oldest first,
+        then stop (:class:`~cadence.sidecar.backfill.Backfill`: stop reason ``"backfilled"``, or
+        ``"stopped"`` on SIGTERM/SIGINT after the current evaluation). Same records, best and eval
+        actions as :meth:`start`; ``mode``, ``timeout``, ``max_evaluations`` and ``max_pending``
+        do not apply. Under this name's lease, protecting only the checkpoint it reads.
+
+        Raises, before anything is written: :class:`~cadence.errors.NoCheckpointError` for a step
+        neither committed nor recorded, or nothing committed
+        (:func:`check_backfill`); :class:`~cadence.errors.ReaderLeaseHeldError` as :meth:`start`.
+        """
+        check_backfill(self.model_dir, self.name, checkpoints, storage_options=self.storage_options)
+        with self._session(after=None, max_pending=None) as (controller, keeper):
+            return Backfill(controller, checkpoints, steps=self.steps, max_retries=self.max_retries,
+                            retry_backoff=self.retry_backoff, log=self.log, keeper=keeper, best=self.best,
+                            should_stop=self._stop.is_set, name=f"{self.holder} (backfill)").run()
+
+    def check_name(self) -> None:
+        """:class:`~cadence.errors.ReaderLeaseHeldError` when another live process (a sidecar or a
+        backfill) holds this name's lease (:func:`check_name_free`)."""
+        check_name_free(self.model_dir, self.name, storage_options=self.storage_options)
+
+    @contextlib.contextmanager
+    def _session(self, *, after: int | None, max_pending: int | None) -> Iterator[tuple[Controller, LeaseKeeper]]:
+        """The controller restoring and evaluating checkpoints, this name's lease kept fresh
+        (``after``, ``max_pending``: its range) and SIGTERM/SIGINT asking :meth:`stop`; all closed
+        on exit, the lease released."""
+        controller = Controller(evaluator=self.evaluator, checkpoint_manager=self.manager,
+                                eval_summary_dir=self.eval_dir, eval_actions=self.eval_actions,
+                                callbacks=self.callbacks, restore=False, progress=False)
+        keeper = LeaseKeeper(self.leases, self.holder, ttl=self.lease_ttl, after=after,
+                             max_pending=max_pending).start()
+        handlers = install_handlers((signal.SIGTERM, signal.SIGINT), lambda *_: self.stop(), owner=self.holder)
+        try:
+            yield controller, keeper
         finally:
             keeper.close()
             controller.close()

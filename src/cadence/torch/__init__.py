@@ -23,7 +23,7 @@ from cadence.torch.task.lr_schedule import LRSchedule, TrainingPlan
 from cadence.torch.loop.trainer import TorchTrainer
 from cadence.torch.experiments.runners import build_runners
 
-_EXPERIMENT = ("build_sidecar", "run_evaluation", "run_sidecar", "run_training")
+_EXPERIMENT = ("build_sidecar", "run_backfill", "run_evaluation", "run_sidecar", "run_training")
 _RUN = ("Run", "build_run")
 _TASK_LOADER = ("build_task", "load_task_class")
 _SMOKE = ("SmokeReport", "StageResult", "run_smoke")

@@ -1,5 +1,6 @@
 """The entry points that run an :class:`~cadence.config.ExperimentConfig`: train
-(:func:`run_training`), evaluate (:func:`run_evaluation`), the sidecar (:func:`run_sidecar`) and export
+(:func:`run_training`), evaluate (:func:`run_evaluation`), the sidecar (:func:`run_sidecar`), a backfill of
+past checkpoints (:func:`run_backfill`) and export
 (:func:`run_export`), laid out in the model directory (DESIGN.md's contract). The run they build is
 assembled in the modules beside this one (:mod:`~cadence.torch.experiments.run`).
 
@@ -15,14 +16,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from cadence import layout
 from cadence.checkpoint import CheckpointManager
 from cadence.config import ExperimentConfig, save_config
 from cadence.config.workdir import absolute_local, in_workdir
 from cadence.errors import NoCheckpointError
-from cadence.sidecar.evaluator import SidecarEvaluator, SidecarResult
+from cadence.sidecar.evaluator import SidecarEvaluator, SidecarResult, check_backfill, check_name_free
 from cadence.torch.checkpoint_io.state import unwrap_model
 from cadence.torch.runtime.distributed import broadcast_unsharded
 from cadence.torch.components.ema import applied
@@ -34,7 +35,7 @@ from cadence.torch.experiments.runners import build_runners_from_config, pretrai
 
 logger = logging.getLogger("cadence")
 
-__all__ = ["build_sidecar", "run_evaluation", "run_export", "run_sidecar", "run_training"]
+__all__ = ["build_sidecar", "run_backfill", "run_evaluation", "run_export", "run_sidecar", "run_training"]
 
 
 def run_training(cfg: ExperimentConfig, *, progress: bool | None = None,
@@ -130,9 +131,29 @@ def build_sidecar(cfg: ExperimentConfig) -> SidecarEvaluator:
 
 def run_sidecar(cfg: ExperimentConfig) -> SidecarResult:
     """Run the experiment's sidecar evaluator until it stops (``cadence evaluate --continuous``,
-    the evaluator role), in ``cfg.workdir`` when set; return what it did and why it stopped."""
+    the evaluator role), in ``cfg.workdir`` when set; return what it did and why it stopped.
+    ReaderLeaseHeldError, before anything is built, when another live sidecar or backfill of that
+    name runs (:func:`~cadence.sidecar.evaluator.check_name_free`)."""
     with in_workdir(cfg) as cfg:
+        check_name_free(layout.check_model_dir(cfg.require_model_dir()), cfg.sidecar.name)
         return build_sidecar(cfg).start()
+
+
+def run_backfill(cfg: ExperimentConfig, checkpoints: Sequence[int] | None = None) -> SidecarResult:
+    """Backfill the experiment's evaluation ``sidecar.name`` (``cadence evaluate --all`` /
+    ``--steps``): evaluate the committed checkpoints (``checkpoints``: these steps; None: every one
+    committed now) that have no record in its ``evaluations.jsonl`` yet, oldest first, with the
+    sidecar's evaluator, eval actions and callbacks (:meth:`SidecarEvaluator.backfill
+    <cadence.sidecar.evaluator.SidecarEvaluator.backfill>`), in ``cfg.workdir`` when set.
+
+    Raises, before anything is built or written: ModelDirError (no such model dir),
+    NoCheckpointError (a step neither committed nor recorded; nothing committed),
+    ReaderLeaseHeldError (another live sidecar or backfill of that name).
+    """
+    with in_workdir(cfg) as cfg:
+        model_dir = layout.check_model_dir(cfg.require_model_dir(), must_exist=True, writable=True)
+        check_backfill(model_dir, cfg.sidecar.name, checkpoints)
+        return build_sidecar(cfg).backfill(checkpoints)
 
 
 def run_evaluation(cfg: ExperimentConfig, step: int | str | None = None, *,
