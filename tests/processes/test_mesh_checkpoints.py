@@ -27,12 +27,15 @@ from configs import write_config
 cadence = partial(run_cadence, env={"COLUMNS": "200"})
 TASK = "tp_tasks.py:TPTask"
 TP_FSDP = {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
-CHAIN = [  # (mesh, processes, the link's last step): each link resumes the one before; checkpoints every 2 steps
+CHAIN = [  # (mesh, processes, the link's last step): each link resumes the one before; checkpoints every 2 steps.
+    # The links on a mesh with a kill test train 10 steps: killed 0.2 s after their first checkpoint, 8 steps
+    # of 0.05 s each are left (cli_run.killed_after)
     ({"dp_replicate": 1, "dp_shard": 4, "tp": 1}, 4, 14),
     ({"dp_replicate": 1, "dp_shard": 1, "tp": 1}, 1, 16),
-    ({"dp_replicate": 2, "dp_shard": 2, "tp": 1}, 4, 24),
-    ({"dp_replicate": 2, "dp_shard": 1, "tp": 2}, 4, 32),
+    ({"dp_replicate": 2, "dp_shard": 2, "tp": 1}, 4, 26),
+    ({"dp_replicate": 2, "dp_shard": 1, "tp": 2}, 4, 36),
 ]
+HSDP, DP_REPLICATE_TP = CHAIN[2][0], CHAIN[3][0]  # the chain's links with a kill test
 
 
 def mesh_sets(mesh: dict[str, int]) -> list[str]:
@@ -92,12 +95,13 @@ def tp_run(tmp_path_factory) -> tuple[Path, Path, Path]:
 @pytest.fixture(scope="module")
 def chain(tp_run) -> dict[str, object]:
     """The chain of resumes: each link's restored state (``restored``), output (``text``) and, before the
-    links on a mesh with a kill test, a copy of the model dir (``before``: mesh -> (copy, its last step))."""
+    links on a mesh with a kill test, a copy of the model dir (``before``: mesh -> (copy, the step the link
+    starts from, its last step))."""
     config, _, model_dir = tp_run
     links, before = [], {}
     source = 12
     for mesh, nproc, last in CHAIN:
-        if nproc == 4 and mesh["dp_replicate"] > 1:
+        if mesh in (HSDP, DP_REPLICATE_TP):
             copy = model_dir.parent / f"before-{len(links)}"
             shutil.copytree(model_dir, copy)
             before[json.dumps(mesh)] = (copy, source, last)
@@ -140,7 +144,7 @@ def test_a_tp_fsdp_checkpoint_reshards_along_a_chain_of_meshes_bit_identically(c
         previous = link["mesh"]
 
 
-@pytest.mark.parametrize("mesh", [TP_FSDP, CHAIN[2][0], CHAIN[3][0]], ids=["dp_shard2-tp2", "hsdp", "dp_replicate2-tp2"])
+@pytest.mark.parametrize("mesh", [TP_FSDP, HSDP, DP_REPLICATE_TP], ids=["dp_shard2-tp2", "hsdp", "dp_replicate2-tp2"])
 def test_a_run_killed_on_a_mesh_resumes_on_it_bit_identical(tmp_path, tp_run, chain, mesh):
     config, straight, _ = tp_run
     sets = mesh_sets(mesh)
