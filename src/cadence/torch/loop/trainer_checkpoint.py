@@ -297,8 +297,9 @@ class TrainerCheckpoint:
         position and the RNG states are carried over as for a change of world size, and the run is
         not promised bit-identical to one that kept its mesh. Nothing for a checkpoint without a
         ``mesh`` (``trainer.strategy``'s) or on the same mesh."""
-        saved, ctx = state.get("mesh"), self._parts.ctx
-        if ctx.rank != 0 or not isinstance(saved, Mapping) or len(state.get("rng") or ()) != ctx.world_size:
+        saved, ctx, rng = state.get("mesh"), self._parts.ctx, state.get("rng")
+        ranks = 1 if isinstance(rng, Mapping) else len(rng or ())  # a dict: before per-rank states
+        if ctx.rank != 0 or not isinstance(saved, Mapping) or ranks != ctx.world_size:
             return
         try:
             before = MeshDegrees(**{k: int(v) for k, v in saved.items()})
