@@ -182,8 +182,9 @@ class CheckpointManager:
         return restore.parse_state(self.storage, data, step)
 
     def info(self, step: int) -> dict[str, Any]:
-        """``{"step", "time", "size", "files", "path"}`` of checkpoint ``step`` from its manifest alone
-        (``size``: total bytes; ``files``: how many). Raises as :meth:`manifest`."""
+        """``{"step", "time", "size", "files", "ranks", "path"}`` of checkpoint ``step`` from its manifest
+        alone (``size``: total bytes; ``files``: how many; ``ranks``: how many ranks wrote them, more than
+        one for a sharded checkpoint). Raises as :meth:`manifest`."""
         manifest = self.manifest(step)
         files = manifest["files"]
         return {
@@ -191,6 +192,7 @@ class CheckpointManager:
             "time": manifest["time"],
             "size": sum(entry["size"] for entry in files.values()),
             "files": len(files),
+            "ranks": len({entry["rank"] for entry in files.values() if "rank" in entry}) or 1,
             "path": self.path(step),
         }
 

@@ -39,8 +39,9 @@ def list_checkpoints(model_dir: str, *, verify: bool = False) -> dict[str, Any]:
         {"model_dir", "checkpoints_dir", "latest_step", "final_step", "corrupt": <count>,
          "best": {"step", "metric", "value", "higher_is_better", "path"} | null,
          "checkpoints": [{"step", "time" (POSIX seconds), "committed" (ISO 8601, UTC), "size"
-                          (bytes), "files", "path", "best", "final", "latest", "metrics" (the
-                          eval metrics recorded at that step, in eval/), "verified", "corrupt"}],
+                          (bytes), "files", "ranks" (how many ranks wrote its files: more than one
+                          for a sharded checkpoint), "path", "best", "final", "latest", "metrics"
+                          (the eval metrics recorded at that step, in eval/), "verified", "corrupt"}],
          "moved_aside": [paths of checkpoints that did not verify and were moved aside]}
 
     ``verify``: read every checkpoint's files against its manifest (``verified`` true or false;
@@ -67,7 +68,7 @@ def list_checkpoints(model_dir: str, *, verify: bool = False) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for step in steps:
         row: dict[str, Any] = {
-            "step": step, "time": None, "committed": None, "size": None, "files": None,
+            "step": step, "time": None, "committed": None, "size": None, "files": None, "ranks": None,
             "path": manager.path(step), "best": best is not None and best["step"] == step,
             "final": step == final, "latest": step == steps[-1], "metrics": evals.get(step, {}),
             "verified": None, "corrupt": None,
@@ -80,7 +81,7 @@ def list_checkpoints(model_dir: str, *, verify: bool = False) -> dict[str, Any]:
             continue
         when = datetime.datetime.fromtimestamp(info["time"], datetime.timezone.utc)
         row.update(time=info["time"], committed=when.isoformat(timespec="seconds"), size=info["size"],
-                   files=info["files"])
+                   files=info["files"], ranks=info["ranks"])
         if verify:
             try:
                 manager.read(step)
@@ -109,6 +110,8 @@ def _metric_order(listing: Mapping[str, Any]) -> list[str]:
 
 def _notes(row: Mapping[str, Any]) -> str:
     marks = [name for name in ("best", "final", "latest") if row[name]]
+    if (row.get("ranks") or 1) > 1:
+        marks.append(f"sharded ({row['ranks']} ranks)")
     if row["verified"]:
         marks.append("verified")
     if row["corrupt"] is not None:
@@ -128,8 +131,8 @@ def _render(header: list[str], cells: list[list[str]], right: list[bool]) -> lis
 def format_table(listing: Mapping[str, Any], width: int = 80) -> str:
     """The listing as text at most ``width`` columns wide: step, commit time, size, the eval
     metrics that fit (the best checkpoint's metric and ``loss`` first; a line names those left
-    out), and the marks (best, final, latest, verified, CORRUPT); below it the reasons of corrupt
-    checkpoints, the best checkpoint and what was moved aside."""
+    out), and the marks (best, final, latest, sharded (N ranks), verified, CORRUPT); below it the
+    reasons of corrupt checkpoints, the best checkpoint and what was moved aside."""
     rows = listing["checkpoints"]
     if not rows:
         return f"no committed checkpoints in {listing['checkpoints_dir']}"

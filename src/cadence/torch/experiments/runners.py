@@ -129,6 +129,7 @@ def build_runners(
     """
     if not (train or evaluate):
         raise ValueError("build_runners: nothing to build (train=False and evaluate=False)")
+    configured = degrees  # trainer.parallel's, saved in the checkpoints (None: trainer.strategy's)
     if degrees is None:
         degrees = strategy_degrees(strategy, ctx.world_size)
     else:
@@ -176,6 +177,7 @@ def build_runners(
             ends_with_data=ends_with_data,
             pipelined_snapshots=pipelined_snapshots,
             initial_weights=pretrained_loader(init_from_pretrained),
+            mesh=configured,
         )
     evaluator = None
     if evaluate:

@@ -24,6 +24,7 @@ from cadence.torch.loop.trainer_checkpoint import TrainerCheckpoint
 from cadence.torch.loop.trainer_snapshot import TrainerSnapshot
 from cadence.torch.parallel import sharding
 from cadence.torch.parallel.dp_mean import mean_over_dp_ranks
+from cadence.torch.parallel.mesh import MeshDegrees
 from cadence.torch.runtime.context import Context
 from cadence.torch.runtime.distributed import broadcast_unsharded
 from cadence.torch.runtime.rng import rank_seed, seed_everything
@@ -65,7 +66,8 @@ class TorchTrainer:
     nothing (no samples/s, tokens/s, MFU nor peak memory in the logs). ``pipelined_snapshots``:
     an asynchronous save's copy runs beside the next step (see :meth:`snapshot_checkpoint`).
     ``initial_weights``: loads a fresh start's weights into the unwrapped model before
-    ``Task.initialize`` (``task.init_from_pretrained``; see :meth:`initialize`).
+    ``Task.initialize`` (``task.init_from_pretrained``; see :meth:`initialize`). ``mesh``: ``trainer.parallel``'s
+    degrees, saved in each checkpoint (a resume on another mesh says so).
 
     A re-iterable ``train_data`` (a ``DataLoader``) that runs out mid-loop starts its next epoch
     (``set_epoch`` on it or its sampler first); ``max_epochs`` (``None``: no bound) ends the data
@@ -101,6 +103,7 @@ class TorchTrainer:
         ends_with_data: bool = False,
         pipelined_snapshots: bool = True,
         initial_weights: Callable[[nn.Module], None] | None = None,
+        mesh: MeshDegrees | None = None,
     ) -> None:
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
@@ -132,7 +135,7 @@ class TorchTrainer:
         self.initial_weights = initial_weights
         self._step_end: StepEnd | None = None
         self._global_step = 0
-        self._checkpoint = TrainerCheckpoint(self, sharded=self._sharded)  # what checkpoints hold
+        self._checkpoint = TrainerCheckpoint(self, sharded=self._sharded, mesh=mesh)  # what checkpoints hold
         if ema is not None:
             ema.fence = self._checkpoint.fence  # its swap waits for a pipelined snapshot's copy
         self._meter = ThroughputMeter(task, ctx, self.precision.name, peak_tflops,  # samples, tokens, FLOPs
@@ -476,6 +479,7 @@ class TorchTrainer:
         state = dict(state or {})
         source = reader.path
         self._checkpoint.load(reader, source)
+        self._checkpoint.note_mesh(state, source)
         self._global_step = int(state.get("global_step", reader.step))
         if restore_data:
             # Data position: applied when iteration (re)starts, so a running iterator is dropped. The data

@@ -11,6 +11,7 @@ ranks' positions differ, ``rank_data``.
 from __future__ import annotations
 
 import copy as copy_module
+import dataclasses
 import functools
 import logging
 from typing import Any, Callable, Mapping, Protocol
@@ -39,6 +40,7 @@ from cadence.torch.checkpoint_io.state import (
 from cadence.torch.components.ema import SHARDED_KEY as EMA_KEY, ModelEMA
 from cadence.torch.loop.trainer_snapshot import TrainerSnapshot
 from cadence.torch.parallel import sharding
+from cadence.torch.parallel.mesh import MeshDegrees
 from cadence.torch.parallel.replicas import sync_buffers
 from cadence.torch.runtime.context import Context
 from cadence.torch.runtime.rng import get_rng_state, rank_seed, seed_everything, set_rng_state
@@ -80,9 +82,10 @@ class TrainerCheckpoint:
     by :meth:`prepare` (used once), this rank's shard write, and the last asynchronous snapshot
     (whose tensors the next one reuses)."""
 
-    def __init__(self, parts: TrainerParts, *, sharded: bool) -> None:
+    def __init__(self, parts: TrainerParts, *, sharded: bool, mesh: MeshDegrees | None = None) -> None:
         self._parts = parts
         self._sharded = sharded
+        self._mesh = mesh  # trainer.parallel's degrees: saved as the checkpoint's ``mesh``
         ctx = parts.ctx
         self._gathered_rng: list[dict[str, Any]] | None = None  # from prepare()
         self._gathered_data: list[dict[str, Any] | None] | None = None  # ditto: every rank's data position
@@ -166,6 +169,8 @@ class TrainerCheckpoint:
         state = {"global_step": global_step, "rng": self._rng_states(), "data": copy_module.deepcopy(own)}
         if ranks_data is not None and any(d != state["data"] for d in ranks_data):
             state["rank_data"] = ranks_data  # per-rank loader states (a StatefulDataLoader's own shard)
+        if self._mesh is not None:  # the layout it was saved on: a resume on another mesh says so
+            state["mesh"] = dataclasses.asdict(self._mesh)
         if self._sharded:
             return TrainerSnapshot(None, {}, state, shards=self._shard_writes.take())
         torch_state = {
@@ -267,7 +272,7 @@ class TrainerCheckpoint:
             raise CheckpointError(f"{opt_source}: expected a dict with 'optimizer'")
         try:
             if self._sharded:
-                sharding.load_full_optimizer(model, optimizer, opt_state["optimizer"])
+                sharding.load_full_optimizer(optimizer, opt_state["optimizer"])
             else:
                 optimizer.load_state_dict(opt_state["optimizer"])
         except (ValueError, KeyError, RuntimeError, TypeError) as e:
@@ -284,6 +289,32 @@ class TrainerCheckpoint:
             grad_scaler.load_state_dict(scaler_state)
         elif grad_scaler is not None:
             log.warning("%s: no grad-scaler state in the checkpoint: the fp16 loss scale starts afresh", source)
+
+    def note_mesh(self, state: Mapping[str, Any], source: str) -> None:
+        """On rank 0, a warning when the JSON ``state`` was saved on another device mesh (its
+        ``mesh``: ``trainer.parallel``'s degrees) of the same world size (another world size has its
+        own line, see :meth:`restore_rng`): the model and optimizer state were resharded, the data
+        position and the RNG states are carried over as for a change of world size, and the run is
+        not promised bit-identical to one that kept its mesh. Nothing for a checkpoint without a
+        ``mesh`` (``trainer.strategy``'s) or on the same mesh."""
+        saved, ctx, rng = state.get("mesh"), self._parts.ctx, state.get("rng")
+        ranks = 1 if isinstance(rng, Mapping) else len(rng or ())  # a dict: before per-rank states
+        if ctx.rank != 0 or not isinstance(saved, Mapping) or ranks != ctx.world_size:
+            return
+        try:
+            before = MeshDegrees(**{k: int(v) for k, v in saved.items()})
+        except (TypeError, ValueError):
+            return
+        now = self._mesh
+        if now is None:  # trainer.strategy's 1-D mesh
+            now = MeshDegrees(dp_shard=ctx.world_size) if self._sharded else MeshDegrees(dp_replicate=ctx.world_size)
+        if before != now:
+            log.warning(
+                "%s: saved on the mesh %s, resumed on %s: the model and optimizer state are resharded, the data "
+                "position kept (in global samples with a resumable loader) and the RNG states carried over as for a "
+                "change of world size, but the run is not promised to be bit-identical to one that kept its mesh",
+                source or "checkpoint", before.describe(), now.describe(),
+            )
 
     def rank_data_state(self, state: Mapping[str, Any], source: str) -> Any:
         """This rank's data position in the JSON ``state``: its own when the ranks' differ

@@ -12,7 +12,8 @@ parameters are ``DTensor`` shards; what needs the whole model goes through the h
   shards through torch.distributed.checkpoint), on a gloo group of their own
   (:func:`checkpoint_group`);
 * :func:`load_full_model` / :func:`load_full_optimizer`: every rank loads the full state of a
-  checkpoint that is not sharded (``model.safetensors``, e.g. of a DDP run) and keeps its shards;
+  checkpoint that is not sharded (``model.safetensors``, e.g. of a DDP run or of one process) and
+  keeps its shards, cut locally (:func:`local_shards`);
 * :func:`unsharded` (a collective): every unit's parameters gathered for the duration of an
   evaluation, so that forward runs no collectives (ranks may evaluate different numbers of
   batches: the shards of the validation data are unpadded).
@@ -148,26 +149,51 @@ def full_copy(build_model: Callable[[], nn.Module], model: nn.Module) -> nn.Modu
     return plain
 
 
+def local_shards(full: Any, like: Any) -> Any:
+    """``full`` (a full state: tensors in nested dicts and lists) with each tensor whose counterpart
+    in ``like`` (the live sharded state, of the same structure) is a ``DTensor`` replaced by this
+    rank's shard of it, on that ``DTensor``'s mesh and placements (FSDP2's, TP's, HSDP's); every
+    other value as it is. The shards are taken locally, with no collective: every rank holds the
+    same full tensors (read from the same file), so no rank needs another's (a broadcast into a
+    read-only view of a checkpoint file, as a ``Replicate`` placement's would be, cannot fail)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(full, Mapping):
+        return {k: local_shards(v, like.get(k) if isinstance(like, Mapping) else None) for k, v in full.items()}
+    if isinstance(full, (list, tuple)) and isinstance(like, (list, tuple)) and len(full) == len(like):
+        return type(full)(local_shards(v, w) for v, w in zip(full, like))
+    if isinstance(full, torch.Tensor) and isinstance(like, DTensor) and tuple(full.shape) == tuple(like.shape):
+        shard = distribute_tensor(full.detach().to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+        # its own memory: not a view of ``full`` (which may be a read-only view of a file)
+        return DTensor.from_local(shard.to_local().clone(), like.device_mesh, like.placements, run_check=False,
+                                  shape=shard.shape, stride=shard.stride())
+    return full
+
+
 def load_full_model(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Load a full state dict (the same on every rank) into the sharded ``model``: each rank keeps
-    its shards. Strict (the caller checks the keys first, for a better message)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    """Load a full state dict (the same on every rank) into the sharded ``model`` (FSDP2, TP, HSDP):
+    each rank keeps its shards (:func:`local_shards`: no collective). Strict (the caller checks the
+    keys first, for a better message)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True, strict=True))
+    shards = local_shards(dict(state), get_model_state_dict(model))
+    set_model_state_dict(model, shards, options=StateDictOptions(strict=True))
 
 
-def load_full_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-    """Load a full, FQN-keyed optimizer state (the same on every rank) into ``optimizer`` over the
-    sharded ``model``."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    set_optimizer_state_dict(model, optimizer, dict(state), options=StateDictOptions(full_state_dict=True))
-    # It turns the param groups' tuples (Adam's betas) into lists: give them back their type, so
-    # that a resumed run's state (and its next checkpoint) is the uninterrupted run's.
-    for group, saved in zip(optimizer.param_groups, state.get("param_groups", ())):
-        for key, value in saved.items():
-            if key != "params" and isinstance(value, tuple) and isinstance(group.get(key), list):
-                group[key] = tuple(group[key])
+def load_full_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Load a full optimizer state in ``optimizer.state_dict()``'s form (keyed by parameter index, as
+    a run on one process or under DDP saves it; the same on every rank) into ``optimizer`` over a
+    sharded model: each state tensor of its ``DTensor`` parameter's shape (Adam's moments) is cut as
+    the parameter is (:func:`local_shards`). ``ValueError`` when the groups' sizes differ."""
+    groups, saved_groups = optimizer.param_groups, list(state.get("param_groups", ()))
+    if [len(g["params"]) for g in groups] != [len(g.get("params", ())) for g in saved_groups]:
+        raise ValueError(f"the saved parameter groups ({[len(g.get('params', ())) for g in saved_groups]} parameters) "
+                         f"are not the optimizer's ({[len(g['params']) for g in groups]})")
+    params = {index: param for group, saved in zip(groups, saved_groups)
+              for index, param in zip(saved["params"], group["params"])}
+    shards = {index: local_shards(dict(values), {name: params.get(index) for name in values})
+              for index, values in state.get("state", {}).items()}
+    optimizer.load_state_dict({**state, "state": shards})
 
 
 @contextlib.contextmanager
