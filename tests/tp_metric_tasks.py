@@ -6,7 +6,8 @@ columns and ``3`` by rows over ``mesh["tp"]``; the LayerNorm and the head stay o
 under FSDP their parameters live on the data-parallel mesh and the others on ``(dp_shard, tp)`` (a
 gradient norm over two meshes). SGD, so that clipping changes the update. Its metrics: a weighted
 mean (``loss``, ``accuracy``), a :class:`~cadence.metrics.Sum` of correct predictions and a
-:class:`~cadence.metrics.Concat` of the labels that counts the samples evaluated.
+:class:`~cadence.metrics.Concat` of the labels that counts the samples evaluated, and an
+``aggregate_logs`` state that counts them too (``aggregated_samples``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ class MeshMetricTask(TPTask):
 
     def build_metrics(self):
         return {"correct": Sum(), "samples": Concat(fn=lambda labels: len(labels))}
+
+    def aggregate_logs(self, state, step_outputs):
+        return (state or 0) + len(step_outputs["samples"])
+
+    def merge_aggregated_logs(self, states):
+        return sum(states)
+
+    def reduce_aggregated_logs(self, aggregated_logs, global_step):
+        return {"aggregated_samples": aggregated_logs}
 
     def validation_step(self, model, batch):
         x, y = batch

@@ -3,14 +3,15 @@
 
 One 4-rank job (dp_shard 2 x tp 2) of a Task with dropout on replicated activations, gradient
 clipping that clips on every step (the gradients live on two meshes: ``(dp_shard, tp)`` for the TP
-layers, ``dp_shard`` for the others), two micro-batches per step, and a ``Sum`` and a ``Concat``
-metric, against the same config on 2 ranks (dp_shard 2, no TP). The reference keeps the data-parallel
-layout, not one process: each data-parallel rank draws its own dropout masks for its half of the
-batch, which one process drawing one mask for the whole batch cannot reproduce. Measured (torch 2.13,
-CPU): the losses agree within 1e-7 relative and the weights within 2e-7 of their largest entry (the
-all-reduces and the norm add in another order); the tolerance is 1e-5. The in-process validation equals
-``cadence evaluate`` of the same checkpoint on one process: exactly for the counts, 1e-6 for means.
-Then TP alone (2 ranks) in bf16 with dropout, stopped and resumed: bit-identical.
+layers, ``dp_shard`` for the others), two micro-batches per step, a ``Sum`` and a ``Concat`` metric
+and an ``aggregate_logs`` state, against the same config on 2 ranks (dp_shard 2, no TP). The
+reference keeps the data-parallel layout, not one process: each data-parallel rank draws its own
+dropout masks for its half of the batch, which one process drawing one mask for the whole batch
+cannot reproduce. Measured (torch 2.13, CPU): the losses agree within 1e-7 relative and the weights
+within 2e-7 of their largest entry (the all-reduces and the norm add in another order); the
+tolerance is 1e-5. The in-process validation equals ``cadence evaluate`` of the same checkpoint on
+one process: exactly for the counts, 1e-6 for means. Then TP alone (2 ranks) in bf16 with dropout,
+stopped and resumed: bit-identical.
 """
 
 from __future__ import annotations
@@ -84,13 +85,14 @@ def test_the_validation_counts_each_sample_once_and_equals_cadence_evaluate_on_o
     mesh, ref = runs
     [in_process] = [r for r in read_metrics(mesh / "run" / "eval") if r["step"] == 8]
     [reference] = [r for r in read_metrics(ref / "run" / "eval") if r["step"] == 8]
-    assert in_process["samples"] == VAL_SAMPLES  # the Concat: each TP group's batches once
+    assert in_process["samples"] == in_process["aggregated_samples"] == VAL_SAMPLES  # each TP group's batches once
     assert in_process["correct"] == int(in_process["correct"]) == reference["correct"]  # the Sum, not doubled
     proc = cadence("evaluate", str(mesh / "config.yaml"), "--model-dir", str(mesh / "run"), "--checkpoint", "8")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     alone = json.loads(proc.stdout)
     assert alone["step"] == 8
-    assert (alone["samples"], alone["correct"]) == (in_process["samples"], in_process["correct"])
+    for key in ("samples", "aggregated_samples", "correct"):
+        assert alone[key] == in_process[key], key
     for key in ("loss", "accuracy"):
         assert in_process[key] == pytest.approx(alone[key], rel=1e-6), key
 
