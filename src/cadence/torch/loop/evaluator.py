@@ -172,9 +172,12 @@ class TorchEvaluator:
         evaluates its own shard (``num_steps`` batches of it); the weighted sums, the reducers'
         states and the ``aggregate_logs`` states of all ranks (of every split) are gathered in one
         ``all_gather``, so every rank returns the same metrics, those of one process over the union
-        of the shards (exact with unpadded shards, e.g. ``ctx.wrap_dataset``). The ``aggregate_logs``
-        states are merged by ``task.merge_aggregated_logs(states)`` (one per rank that ran a batch,
-        in rank order), which the task must define. An error on one rank is raised on every rank.
+        of the shards (exact with unpadded shards, e.g. ``ctx.wrap_dataset``). On a device mesh
+        with tensor parallelism the shards are the data-parallel ranks' (``ctx.dp_rank``), the ranks
+        of a TP group evaluate the same batches, and only the first rank of each TP group is
+        merged: every batch counts once. The ``aggregate_logs`` states are merged by
+        ``task.merge_aggregated_logs(states)`` (one per data-parallel rank that ran a batch, in rank
+        order), which the task must define. An error on one rank is raised on every rank.
 
         The model's train/eval modes and the global RNG states are restored afterwards, so
         evaluating never changes what training does next.
@@ -202,7 +205,8 @@ class TorchEvaluator:
         rng = RNGSnapshot()
         # A sharded model (trainer.strategy: fsdp) is gathered for the evaluation (a collective, on
         # every rank before anything that may fail on one): forward then runs no collective, and
-        # ranks may evaluate different numbers of batches.
+        # ranks may evaluate different numbers of batches -- but for a TP model's collectives within
+        # a TP group, whose ranks read the same shard (ctx.wrap_dataset) and so the same batches.
         full_params = contextlib.ExitStack()
         full_params.enter_context(unsharded(self.model))
         try:
@@ -242,6 +246,10 @@ class TorchEvaluator:
                 f"the validation splits differ between ranks: {names} here, "
                 + ", ".join(f"{[n for n, _ in gathered[r]['splits']]} on rank {r}" for r in differ)
             )
+        # On a TP mesh the ranks of a TP group evaluate the same batches: one of them (the first)
+        # speaks for the group, so that every batch counts once.
+        tp = self.ctx.world_size // self.ctx.dp_size if world_size > 1 else 1
+        gathered = gathered[::tp]
         merged = [
             self._merge([p["splits"][i][1] for p in gathered], reducers, agg_state, merge_aggregated)
             for i, (_, reducers, agg_state) in enumerate(local)

@@ -24,6 +24,7 @@ from cadence.torch.loop.trainer_checkpoint import TrainerCheckpoint
 from cadence.torch.loop.trainer_snapshot import TrainerSnapshot
 from cadence.torch.parallel import sharding
 from cadence.torch.parallel.dp_mean import mean_over_dp_ranks
+from cadence.torch.parallel.grad_norm import clip_grad_norm_
 from cadence.torch.parallel.mesh import MeshDegrees
 from cadence.torch.runtime.context import Context
 from cadence.torch.runtime.distributed import broadcast_unsharded
@@ -49,7 +50,8 @@ class TorchTrainer:
     ``precision``: ``"32"``, ``"bf16"`` (autocast bfloat16) or ``"fp16"`` (autocast float16 and
     a gradient scaler); raises ``RuntimeError`` at construction if the device cannot run it.
     ``grad_accum_steps``: batches per optimizer step (the loss is divided by it).
-    ``grad_clip_norm``: clip the global gradient norm to this value (``None``: no clipping).
+    ``grad_clip_norm``: clip the global gradient norm (over every mesh dimension:
+    :func:`~cadence.torch.parallel.grad_norm.clip_grad_norm_`) to this value (``None``: no clipping).
     ``lr_scheduler``: a scheduler, stepped after every optimizer step, or an
     :class:`~cadence.torch.task.lr_schedule.LRSchedule` saying when: every ``frequency``-th step, or
     (``interval="epoch"``) when every ``frequency``-th epoch of the train data ends, as the next
@@ -177,8 +179,9 @@ class TorchTrainer:
 
         With several ranks, rank 0's parameters and buffers are then broadcast to the others
         (a collective), so that every replica starts from the same weights whatever
-        ``initialize`` did, and each rank's RNG is seeded from ``(ctx.seed, rank, 0)``: the
-        ranks draw different random numbers (dropout masks, augmentations), reproducibly.
+        ``initialize`` did, and each rank's RNG is seeded from ``(ctx.seed, ctx.dp_rank, 0)``: the
+        data-parallel ranks draw different random numbers (dropout masks, augmentations),
+        reproducibly, and the ranks of a tensor-parallel group the same ones.
         A sharded model's parameters exist once (each rank holds its shards): only the tensors
         that are not sharded (buffers) are broadcast.
         """
@@ -189,7 +192,7 @@ class TorchTrainer:
         self.task.initialize(module)
         if self.ctx.world_size > 1:
             broadcast_unsharded(module)
-            seed_everything(rank_seed(self.ctx.seed, self.ctx.rank, 0))
+            seed_everything(rank_seed(self.ctx.seed, self.ctx.dp_rank, 0))
         if self.ema is not None:
             self.ema.reset()  # from the initial weights (the same on every rank)
 
@@ -318,12 +321,12 @@ class TorchTrainer:
                 if scaler is not None:
                     if clip is not None:
                         scaler.unscale_(optimizer)
-                        torch.nn.utils.clip_grad_norm_(params, clip)
+                        clip_grad_norm_(params, clip)
                     scaler.step(optimizer)
                     scaler.update()
                 else:
                     if clip is not None:
-                        torch.nn.utils.clip_grad_norm_(params, clip)
+                        clip_grad_norm_(params, clip)
                     step_optimizer()
                 if scheduler is not None:
                     trained_lr = lr_group["lr"]
@@ -429,7 +432,8 @@ class TorchTrainer:
         return ``{"global_step", "rng", "data"}``.
 
         ``rng`` is a list: the RNG state of every rank, in rank order, as gathered by
-        :meth:`prepare_checkpoint` (called on all ranks first; with one process, optional).
+        :meth:`prepare_checkpoint` (called on all ranks first; with one process, optional); on a
+        mesh with ``tp > 1``, ``rng_tp`` is its TP degree (the ranks of a TP group hold equal states).
         ``data`` is the train data's position: with a :class:`~cadence.torch.ResumableLoader`,
         in global samples, the same on every rank. Called on the chief only. The files are
         streamed into the writer from the tensors' memory (no serialised copy is built).
@@ -469,9 +473,10 @@ class TorchTrainer:
         (a rollback after a loss spike moves on past the offending batches); an epoch-stepped LR
         scheduler is then stepped for the epochs started since the checkpoint, so it stays with the data.
 
-        Every rank loads the same files; rank ``r`` restores ``rng[r]``. A checkpoint saved by
-        fewer ranks than now (an elastic resume) has no state for the new ranks: they are seeded
-        from ``(ctx.seed, rank, global_step)``, with a warning.
+        Every rank loads the same files; rank ``r`` restores ``rng[r]`` (on a TP mesh, the state its
+        data-parallel rank saved: ``rng[dp_rank * rng_tp]``). A checkpoint saved by fewer ranks than
+        now (an elastic resume) has no state for the new ranks: they are seeded from
+        ``(ctx.seed, ctx.dp_rank, global_step)``, with a warning.
 
         Raises :class:`~cadence.errors.CheckpointError` (or its subclass
         ``UnsafeCheckpointError``) when a file does not match or would need unsafe unpickling.
@@ -492,4 +497,4 @@ class TorchTrainer:
                 if epoch % self.lr_frequency == 0:  # the epochs started since the checkpoint, as _epoch_started
                     self.lr_scheduler.step()
         if restore_rng and state.get("rng") is not None:
-            self._checkpoint.restore_rng(state["rng"], source, self._global_step)
+            self._checkpoint.restore_rng(state["rng"], source, self._global_step, int(state.get("rng_tp", 1)))

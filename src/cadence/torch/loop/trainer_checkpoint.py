@@ -167,6 +167,9 @@ class TrainerCheckpoint:
         ranks_data, self._gathered_data = self._gathered_data, None  # used once, like the RNG states
         own = ranks_data[parts.ctx.rank] if ranks_data is not None else data_state()  # not read twice
         state = {"global_step": global_step, "rng": self._rng_states(), "data": copy_module.deepcopy(own)}
+        tp = parts.ctx.world_size // parts.ctx.dp_size
+        if tp > 1:  # the RNG states come in TP groups of tp equal ones: a resume on another mesh finds its rank's
+            state["rng_tp"] = tp
         if ranks_data is not None and any(d != state["data"] for d in ranks_data):
             state["rank_data"] = ranks_data  # per-rank loader states (a StatefulDataLoader's own shard)
         if self._mesh is not None:  # the layout it was saved on: a resume on another mesh says so
@@ -333,20 +336,25 @@ class TrainerCheckpoint:
             )
         return ranks[rank] if rank < len(ranks) else state.get("data")
 
-    def restore_rng(self, saved: Any, source: str, global_step: int) -> None:
-        """Restore this rank's RNG state from ``saved`` (the checkpoint's ``rng``); a rank with
-        none saved (an elastic resume) is seeded from ``(ctx.seed, rank, global_step)``, with a warning."""
+    def restore_rng(self, saved: Any, source: str, global_step: int, saved_tp: int = 1) -> None:
+        """Restore this rank's RNG state from ``saved`` (the checkpoint's ``rng``, one per rank, saved
+        on a mesh of tensor-parallel degree ``saved_tp``, the checkpoint's ``rng_tp``): that of the
+        saving rank with this rank's data-parallel rank (``dp_rank * saved_tp``; without TP, its own
+        rank), so that the ranks of a TP group draw the same numbers and each data-parallel rank
+        keeps its stream on any mesh. A rank with none saved (an elastic resume) is seeded from
+        ``(ctx.seed, ctx.dp_rank, global_step)``, with a warning."""
         ctx = self._parts.ctx
         states = [saved] if isinstance(saved, Mapping) else list(saved)  # a dict: before per-rank states
         rank, world_size = ctx.rank, ctx.world_size
-        if rank < len(states):
-            set_rng_state(states[rank])
+        source_rank = ctx.dp_rank * max(1, saved_tp)  # the first rank of the saving TP group: rank itself without TP
+        if source_rank < len(states):
+            set_rng_state(states[source_rank])
         else:
-            seed = rank_seed(ctx.seed, rank, global_step)
+            seed = rank_seed(ctx.seed, ctx.dp_rank, global_step)
             log.warning(
                 "%s: the checkpoint holds the RNG states of %d rank(s), none for rank %d of %d (an elastic "
-                "resume): its RNG is seeded from (seed=%d, rank=%d, global_step=%d) instead",
-                source or "checkpoint", len(states), rank, world_size, ctx.seed, rank, global_step,
+                "resume): its RNG is seeded from (seed=%d, dp_rank=%d, global_step=%d) instead",
+                source or "checkpoint", len(states), rank, world_size, ctx.seed, ctx.dp_rank, global_step,
             )
             seed_everything(seed)
         if rank == 0 and len(states) != world_size:
