@@ -12,6 +12,7 @@ kill (the chain's link on that mesh).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from functools import partial
 from pathlib import Path
@@ -46,7 +47,9 @@ def train(config: Path, model_dir: Path, nproc: int, *sets: str) -> str:
     args = [a for s in sets for a in ("--set", s)]
     proc = cadence("train", str(config), "--model-dir", str(model_dir), "--nproc", str(nproc), "--no-progress", *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return " ".join((proc.stdout + proc.stderr).split())
+    # the log lines unwrapped: torchrun's --tee puts "[rankN]:" before each line, a wrapped line's too
+    lines = (re.sub(r"^\[rank\d+\]:", "", line) for line in (proc.stdout + proc.stderr).splitlines())
+    return " ".join(" ".join(lines).split())
 
 
 def ckpt(model_dir: Path, step: int) -> Path:
