@@ -25,6 +25,7 @@ from cadence.loop.controller import Controller
 from cadence.runtime.signals import install_handlers
 from cadence.sidecar.continuous import (DEFAULTS, EVALUATIONS_FILE, BestTracker, ContinuousEvaluation, EvaluationLog,
                                         SidecarResult)
+from cadence.sidecar.external import ReportsExternal
 
 __all__ = ["EVALUATIONS_FILE", "EvaluationLog", "SidecarEvaluator", "SidecarResult", "lease_holder"]
 
@@ -142,6 +143,7 @@ class SidecarEvaluator:
                 timeout=self.timeout, max_evaluations=self.max_evaluations, train_steps=self.train_steps,
                 max_retries=self.max_retries, retry_backoff=self.retry_backoff, log=self.log, keeper=keeper,
                 max_pending=self.max_pending, best=self.best, should_stop=self._stop.is_set, name=self.holder,
+                external=self.evaluator if isinstance(self.evaluator, ReportsExternal) else None,
             ).run()
         finally:
             keeper.close()
