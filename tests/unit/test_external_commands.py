@@ -1,6 +1,6 @@
 """External evaluators without processes: the ``evaluators:`` settings and their one-line errors, the
 templates, finding and flattening a JSON result, and the record a sidecar writes from an evaluator that
-reports its commands (the commands themselves: tests/processes/test_external_evaluators.py)."""
+reports its commands (the commands themselves, in real processes: tests/processes/test_external_evaluators.py)."""
 
 from __future__ import annotations
 
