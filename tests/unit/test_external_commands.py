@@ -185,3 +185,15 @@ def test_the_sidecar_records_what_each_command_did_and_a_failed_one_is_no_best(t
     train(plain, steps=2)
     SidecarEvaluator(FakeEvaluator(), str(plain), poll_interval=0.01).start()
     assert "external" not in read_metrics(plain / "eval" / "evaluations.jsonl")[0]
+
+
+def test_a_failed_export_fails_its_commands_without_running_them(tmp_path):
+    def export(fmt, directory):
+        raise RuntimeError(f"no {fmt} today")
+
+    runner = ExternalEvaluators([spec(command="never-started {export_dir}", format="hf")], "m", work_dir=str(tmp_path))
+    metrics, report = runner.run(4, None, export)
+    assert metrics == {}
+    assert report == {"ev": {"status": "failed", "exit": None, "attempts": 0, "duration_s": 0.0,
+                             "last_line": "exporting the weights as hf failed: RuntimeError: no hf today"}}
+    assert not (tmp_path / "ev").exists() and not list(tmp_path.iterdir())  # nothing ran; the export is gone

@@ -98,7 +98,8 @@ class ExternalEvaluators:
     def run(self, step: int, checkpoint_dir: str | None, export: Export) -> tuple[dict[str, float], dict[str, Any]]:
         """Export the formats the commands need, run each command (retried as its spec says), delete
         the exports; return ``(metrics, report)``: every command's metrics (``<prefix>/...``), and
-        per name what it did (:class:`ReportsExternal`). A command that fails is in the report only."""
+        per name what it did (:class:`ReportsExternal`). A command that fails, or whose export failed
+        (logged with its traceback; the command does not run), is in the report only."""
         if self.work_dir is None:
             with tempfile.TemporaryDirectory(prefix="cadence-external-") as tmp:
                 return self._run(tmp, step, checkpoint_dir, export)
@@ -109,11 +110,20 @@ class ExternalEvaluators:
         exports = {fmt: os.path.join(work, f".export-{fmt}-{step}") for fmt in self.formats()}
         metrics: dict[str, float] = {}
         report: dict[str, Any] = {}
+        failed_exports: dict[str, str] = {}
         try:
             for fmt, directory in exports.items():
                 shutil.rmtree(directory, ignore_errors=True)  # a killed run's
-                export(fmt, directory)
+                try:
+                    export(fmt, directory)
+                except Exception as e:  # noqa: BLE001 - its commands fail, the evaluation goes on
+                    logger.exception("evaluators: exporting step %d as %s failed", step, fmt)
+                    failed_exports[fmt] = f"exporting the weights as {fmt} failed: {type(e).__name__}: {e}"
             for spec in self.specs:
+                if spec.format in failed_exports:
+                    report[spec.name] = {"status": "failed", "exit": None, "last_line": failed_exports[spec.format],
+                                         "attempts": 0, "duration_s": 0.0}
+                    continue
                 values = {"export_dir": exports.get(spec.format, ""), "checkpoint_dir": checkpoint_dir or "",
                           "step": str(step), "model_dir": self.model_dir}
                 got, report[spec.name] = self._run_one(spec, os.path.join(work, spec.name, str(step)), values)
