@@ -34,12 +34,12 @@ def fake(mode: str, state: Path, *extra: str) -> list[str]:
     return [sys.executable, FAKE, mode, "--step", "{step}", "--out", "{output_dir}", "--state", str(state), *extra]
 
 
-def write_config(directory: Path, evaluators: list[dict]) -> Path:
+def write_config(directory: Path, evaluators: list[dict], **sections) -> Path:
     cfg = {"task": {"class": f"{TESTS / 'tasks.py'}:TinyTask"},
            "trainer": {"train_steps": 8, "steps_per_loop": 2, "checkpoint_interval": 2, "max_to_keep": None,
                        "seed": 0, "best_checkpoint": {"metric": "score/t/acc"}},
            "sidecar": {"poll_interval": 0.05, "timeout": 120},
-           "evaluators": evaluators}
+           "evaluators": evaluators, **sections}
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -78,7 +78,7 @@ def test_sidecar_runs_each_command_on_each_checkpoint_and_records_failures(train
         {"name": "flaky", "command": fake("flaky", state), "retries": 1},
         {"name": "broken", "command": fake("broken", state, "--bad-step", "6"), "retries": 2},
         {"name": "slow", "command": fake("slow", state, "--bad-step", "8"), "timeout_s": 1, "retries": 0},
-    ])
+    ], callbacks=[{"class": f"{TESTS / 'callback_tasks.py'}:EvalMetricsLog", "params": {"path": str(tmp_path / "cb")}}])
     proc = run_cadence("evaluate", str(config), "--model-dir", str(model_dir), "--continuous")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = records(model_dir)
@@ -112,6 +112,9 @@ def test_sidecar_runs_each_command_on_each_checkpoint_and_records_failures(train
     best = max(rows, key=lambda r: r["metrics"]["score/t/acc"])
     assert json.loads((model_dir / "best" / "best.json").read_text())["step"] == best["step"]
     assert json.loads(proc.stdout)["best"]["step"] == best["step"]
+    # the callbacks (trackers are callbacks, fed by the same on_eval_end) got them too
+    seen = [json.loads(line) for line in (tmp_path / "cb").read_text().splitlines()]
+    assert [(e["step"], e["metrics"]["score/t/acc"]) for e in seen] == [(r["step"], r["metrics"]["score/t/acc"]) for r in rows]
     listing = run_cadence("ls", str(model_dir), "--json", check=True)
     assert "score/t/acc" in listing.stdout
     # each run kept in eval/external/<name>/<step>/; the exports deleted
