@@ -49,6 +49,17 @@ class EventLog(Callback):
         self._log("close")
 
 
+class EvalMetricsLog(Callback):
+    """Appends ``{"step", "metrics"}`` to ``path`` at each ``on_eval_end`` (the numbers a tracker gets)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_eval_end(self, run: Any, metrics: dict, step: int) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "metrics": {k: float(v) for k, v in metrics.items()}}) + "\n")
+
+
 class TaskWithCallbacks(TinyTask):
     """TinyTask whose ``build_callbacks`` returns an :class:`EventLog` tagged ``task``."""
 

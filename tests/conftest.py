@@ -55,7 +55,7 @@ def pytest_configure(config: pytest.Config) -> None:
 HEAVY_FIRST = ("test_fsdp", "test_sharded_checkpoint", "test_torch_compile", "test_disk_full", "test_s3",
                "test_distributed_training", "test_sweep", "test_elastic", "test_benchmarks_smoke",
                "test_stateful_dataloader", "test_trackers", "test_cli", "test_torch_distributed",
-               "test_charlm_example", "test_sidecar_processes", "test_writer_lease")
+               "test_charlm_example", "test_external_evaluators", "test_sidecar_processes", "test_writer_lease")
 """The process tier's modules that take longest (seconds of CPU, measured), longest first: a
 scheduling hint of small effect, which costs wall time when stale, never a result. pytest-xdist's
 ``--dist loadscope`` hands out modules sorted by their number of tests, most first (its

@@ -590,7 +590,8 @@ def test_every_field_says_what_it_expects_in_one_shape(path, info) -> None:
     words = expected(info)
     assert words and "value of type" not in words  # described, not the fallback
     bad, shown = ("5", "5") if "mapping" in words else ("{bad: 1}", "{'bad': 1}")
-    data = {"model_dir": "m", "task": {"class": "a:B"}, "callbacks": [{"class": "a:B"}]}
+    data = {"model_dir": "m", "task": {"class": "a:B"}, "callbacks": [{"class": "a:B"}],
+            "evaluators": [{"name": "e", "command": "x"}]}
     with pytest.raises(ConfigError) as caught:
         config_from_dict(data, [f"{path}={bad}"])
     line = f"--set {path}={bad}: {path}: expected {words}, got {shown}"
@@ -734,7 +735,8 @@ def test_the_schema_imports_no_yaml_and_no_overrides() -> None:
     assert out.strip() == str(["cadence.config", "cadence.config.base", "cadence.config.class_paths",
                                "cadence.config.components", "cadence.config.components.activation_checkpoint",
                                "cadence.config.components.compile",
-                               "cadence.config.components.ema", "cadence.config.components.lr_schedule",
+                               "cadence.config.components.ema", "cadence.config.components.external_evaluators",
+                               "cadence.config.components.lr_schedule",
                                "cadence.config.components.parallel", "cadence.config.components.profiler",
                                "cadence.config.components.slurm",
                                "cadence.config.intervals", "cadence.config.schema", "cadence.config.trainer"])

@@ -26,6 +26,7 @@ from cadence.config.class_paths import CLASS_SPEC_FORM, check_class_spec, resolv
 from cadence.config.components.activation_checkpoint import ActivationCheckpointConfig
 from cadence.config.components.compile import CompileConfig
 from cadence.config.components.ema import EMAConfig
+from cadence.config.components.external_evaluators import ExternalEvaluatorConfig, ExternalEvaluatorsConfig
 from cadence.config.components.lr_schedule import LRScheduleConfig
 from cadence.config.components.profiler import ProfilerConfig
 from cadence.config.trainer import (
@@ -52,6 +53,7 @@ __all__ = [
     "ExperimentConfig",
     "ExportConfig",
     "ExportFormat",
+    "ExternalEvaluatorConfig",
     "LRScheduleConfig",
     "LoggersConfig",
     "MLflowConfig",
@@ -384,6 +386,8 @@ class ExperimentConfig(ConfigModel):
         default_factory=EvalSpecConfig, description="tf.estimator's throttling of in-process evaluations."
     )
     sidecar: SidecarConfig = Field(default_factory=SidecarConfig, description="The sidecar evaluator's settings.")
+    evaluators: ExternalEvaluatorsConfig = Field(
+        default_factory=list, description="External evaluator commands (lm-eval, ...) run on each evaluated checkpoint.")
     export: ExportConfig | None = Field(
         default=None, description="Export inference artefacts; `null`: no exports during training."
     )

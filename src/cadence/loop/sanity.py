@@ -4,13 +4,15 @@ An error in the validation code or in an eval action's settings (a misnamed metr
 otherwise surface only at the first evaluation, after training steps have run. A few validation
 batches are run through the real evaluator before the first training step, and the eval actions
 that read the metrics check that they are there (:class:`~cadence.extensions.ChecksOutputs`).
-Nothing is written: no summary, no metrics file, no action state; the evaluator leaves the
+Nothing is written: no summary, no metrics file, no action state, and no external evaluator runs
+(``evaluators:``: their metrics are NaN); the evaluator leaves the
 training's RNG, data position and the model's modes as they were (its validation data is
 iterated afresh for each evaluation).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Iterable
 
@@ -18,6 +20,7 @@ from cadence.errors import CadenceError, SanityCheckError, ValidationOutputError
 from cadence.extensions import ChecksOutputs
 from cadence.loop.members import components
 from cadence.extensions import Evaluator
+from cadence.sidecar.external import RunsExternal
 
 logger = logging.getLogger("cadence")
 
@@ -39,8 +42,10 @@ def sanity_check(evaluator: Evaluator, eval_actions: Iterable[object], steps: in
         raise ValueError(f"sanity_check: steps must be an int >= 1, got {steps!r}")
     what = f"sanity check ({steps} validation batch{'es' if steps > 1 else ''} before training)"
     logger.info("%s", what)
+    quiet = evaluator.without_external() if isinstance(evaluator, RunsExternal) else contextlib.nullcontext()
     try:
-        metrics = dict(evaluator.evaluate(steps) or {})
+        with quiet:  # no external evaluator command: their metrics are NaN
+            metrics = dict(evaluator.evaluate(steps) or {})
     except ValidationOutputError as e:
         raise SanityCheckError(f"{what}: {e}") from e
     for obj in components(eval_actions):

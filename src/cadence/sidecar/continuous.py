@@ -25,6 +25,7 @@ from cadence.checkpoint.lease_keeper import LeaseKeeper
 from cadence.checkpoint.watcher import CheckpointWatcher, Mode
 from cadence.config.schema import SidecarConfig
 from cadence.errors import CheckpointError
+from cadence.sidecar.external import ReportsExternal
 from cadence.storage import Storage
 from cadence.summaries.metrics_file import read_metrics
 from cadence.summaries.scalars import json_value
@@ -58,7 +59,8 @@ class EvaluationLog:
     """``evaluations.jsonl``: one JSON record per checkpoint the sidecar dealt with.
 
     Each record: ``step``, ``checkpoint`` (its path), ``status`` (``evaluated`` | ``failed`` |
-    ``skipped``), ``time``, and ``metrics`` + ``duration_s`` (evaluated) or ``error`` (the others).
+    ``skipped``), ``time``, and ``metrics`` + ``duration_s`` (evaluated) or ``error`` (the others);
+    with external evaluators, ``external``: what each command did (its ``status``, ``exit``, ``last_line``).
     Appends rewrite the file atomically, so a killed sidecar leaves whole records only.
     """
 
@@ -155,6 +157,8 @@ class ContinuousEvaluation:
       best: which metric's best to report.
       should_stop: polled between checkpoints; True ends the run (``"stopped"``).
       name: who is evaluating, for log lines.
+      external: the evaluator, when it runs external commands: what they did goes into each
+        evaluated step's record (``external``), written after them.
 
     Stop reasons: ``"final"`` (the final checkpoint was evaluated), ``"timeout"``,
     ``"max_evaluations"``, ``"stopped"``.
@@ -179,6 +183,7 @@ class ContinuousEvaluation:
         best: BestTracker | None = None,
         should_stop: Callable[[], bool] | None = None,
         name: str = "evaluate_continuously",
+        external: ReportsExternal | None = None,
     ) -> None:
         mode = DEFAULTS.mode if mode is None else mode
         if mode != "every" and mode != "latest":
@@ -202,6 +207,7 @@ class ContinuousEvaluation:
         self.best = best or BestTracker(None)
         self.should_stop = should_stop
         self.name = name
+        self.external = external
 
     def run(self) -> SidecarResult:
         """Evaluate checkpoints until a stop condition; return what was done and why it stopped."""
@@ -334,6 +340,9 @@ class ContinuousEvaluation:
                                     f"evaluated{self._bound_note()} ({e})")
         record = self._new_record(step, "evaluated", metrics={k: json_value(v) for k, v in metrics.items()})
         record["duration_s"] = round(time.perf_counter() - start, 6)
+        report = self.external.external_report() if self.external is not None else None
+        if report:
+            record["external"] = report
         return record
 
     def _new_record(self, step: int, status: Status, **extra: Any) -> dict[str, Any]:

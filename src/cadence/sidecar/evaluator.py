@@ -32,6 +32,7 @@ from cadence.runtime.signals import install_handlers
 from cadence.sidecar.backfill import Backfill, backfill_plan
 from cadence.sidecar.continuous import (DEFAULTS, EVALUATIONS_FILE, BestTracker, ContinuousEvaluation, EvaluationLog,
                                         SidecarResult, resume_after)
+from cadence.sidecar.external import ReportsExternal
 
 __all__ = ["EVALUATIONS_FILE", "EvaluationLog", "SidecarEvaluator", "SidecarResult", "check_backfill", "check_name_free",
            "lease_holder"]
@@ -177,6 +178,7 @@ class SidecarEvaluator:
                 timeout=self.timeout, max_evaluations=self.max_evaluations, train_steps=self.train_steps,
                 max_retries=self.max_retries, retry_backoff=self.retry_backoff, log=self.log, keeper=keeper,
                 max_pending=self.max_pending, best=self.best, should_stop=self._stop.is_set, name=self.holder,
+                external=self._external(),
             ).run()
 
     def backfill(self, checkpoints: Sequence[int] | None = None) -> SidecarResult:
@@ -195,7 +197,12 @@ class SidecarEvaluator:
         with self._session(after=None, max_pending=None) as (controller, keeper):
             return Backfill(controller, checkpoints, steps=self.steps, max_retries=self.max_retries,
                             retry_backoff=self.retry_backoff, log=self.log, keeper=keeper, best=self.best,
-                            should_stop=self._stop.is_set, name=f"{self.holder} (backfill)").run()
+                            should_stop=self._stop.is_set, name=f"{self.holder} (backfill)",
+                            external=self._external()).run()
+
+    def _external(self) -> ReportsExternal | None:
+        """The evaluator, when it runs external evaluators (their outcomes go into each record)."""
+        return self.evaluator if isinstance(self.evaluator, ReportsExternal) else None
 
     def check_name(self) -> None:
         """:class:`~cadence.errors.ReaderLeaseHeldError` when another live process (a sidecar or a

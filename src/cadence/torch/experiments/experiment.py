@@ -29,6 +29,7 @@ from cadence.torch.runtime.distributed import broadcast_unsharded
 from cadence.torch.components.ema import applied
 from cadence.torch.experiments.actions import build_actions
 from cadence.torch.experiments.callbacks import build_callbacks, tracking_callbacks
+from cadence.torch.experiments.external import with_external_evaluators
 from cadence.torch.experiments.exporting import ModelExporter, example_inputs_for
 from cadence.torch.experiments.run import Run, build_run
 from cadence.torch.experiments.runners import build_runners_from_config, pretrained_loader
@@ -108,12 +109,14 @@ def _save_config_if_training(cfg: ExperimentConfig, run: Run) -> None:
 
 def build_sidecar(cfg: ExperimentConfig) -> SidecarEvaluator:
     """A :class:`~cadence.sidecar.evaluator.SidecarEvaluator` for the experiment: the task's torch
-    evaluator, the ``sidecar:`` settings, the configured eval actions (best checkpoint and its
-    export, export on every evaluation) and callbacks (:func:`build_callbacks`). Early stopping
-    needs the trainer's loop and is ignored here, with a warning."""
+    evaluator (with the ``evaluators:`` whose ``on`` holds ``sidecar``), the ``sidecar:`` settings,
+    the configured eval actions (best checkpoint and its export, export on every evaluation) and
+    callbacks (:func:`build_callbacks`). Early stopping needs the trainer's loop and is ignored here,
+    with a warning."""
     model_dir = layout.check_model_dir(cfg.require_model_dir())
     t = cfg.trainer
     task, ctx, _, evaluator = build_runners_from_config(cfg, train=False)
+    evaluator = with_external_evaluators(cfg, task, evaluator, "sidecar", layout.eval_dir(model_dir, cfg.sidecar.name))
     _, eval_actions = build_actions(cfg, task, evaluator.model, train=False, chief=ctx.is_chief, ema=evaluator.ema)
     callbacks = build_callbacks(cfg, task)
     export_on = cfg.export.on if cfg.export is not None else None

@@ -24,6 +24,7 @@ from cadence.torch.checkpoint_io.state_size import StateSizeEstimate
 from cadence.torch.components.ema import ModelEMA
 from cadence.torch.experiments.actions import build_actions
 from cadence.torch.experiments.callbacks import build_callbacks, tracking_callbacks
+from cadence.torch.experiments.external import with_external_evaluators
 from cadence.torch.experiments.intervals import StepIntervals, resolve_intervals
 from cadence.torch.experiments.runners import build_runners_from_config
 from cadence.torch.loop.trainer import TorchTrainer
@@ -118,6 +119,8 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     if train:  # checkpoints/ a file: one line now, before anything is written
         check_training_paths(model_dir)
     task, ctx, trainer, evaluator = build_runners_from_config(cfg, train=train, evaluate=evaluate)
+    evaluator = with_external_evaluators(cfg, task, evaluator, "train" if train else "evaluate",
+                                         layout.eval_dir(model_dir) if train else None)
     intervals = StepIntervals(None, None, cfg.trainer.steps_per_loop)
     if trainer is not None:  # the training input now: a bad batch size, an interval in epochs without a len(),
         intervals = resolve_intervals(cfg.trainer, trainer.plan().batches_per_epoch)  # fail before the model dir is written
