@@ -143,6 +143,23 @@ def test_evaluate_checkpoint_runs_the_commands_and_prints_their_metrics(trained,
     assert sorted(p.relative_to(trained) for p in trained.rglob("*")) == before  # the model dir untouched
 
 
+
+def test_a_backfill_runs_the_commands_and_records_what_they_did(trained, tmp_path):
+    """``cadence evaluate --steps`` (a backfill) runs the sidecar's commands on each listed checkpoint: their
+    metrics and outcome in its records, ``best/`` following the commands' metric."""
+    model_dir = tmp_path / "run"
+    shutil.copytree(trained, model_dir)
+    state = tmp_path / "state"
+    state.mkdir()
+    config = write_config(tmp_path, [{"name": "score", "command": fake("score", state), "select": "results"}])
+    proc = run_cadence("evaluate", str(config), "--model-dir", str(model_dir), "--steps", "8,4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = records(model_dir)
+    assert [(r["step"], r["status"]) for r in rows] == [(4, "evaluated"), (8, "evaluated")]
+    assert all(r["external"]["score"]["status"] == "ok" for r in rows)
+    assert [r["metrics"]["score/t/acc"] for r in rows] == pytest.approx([1.0, 0.6])  # the command's, from {step}
+    assert json.loads((model_dir / "best" / "best.json").read_text())["step"] == 4
+
 def test_sidecar_killed_while_a_command_runs_runs_it_again_and_records_the_step_once(trained, tmp_path):
     model_dir = tmp_path / "run"
     shutil.copytree(trained, model_dir)
