@@ -40,7 +40,10 @@ HSDP, DP_REPLICATE_TP = CHAIN[2][0], CHAIN[3][0]  # the chain's links with a kil
 
 
 def mesh_sets(mesh: dict[str, int]) -> list[str]:
-    return [f"trainer.parallel.{k}={v}" for k, v in mesh.items()]
+    """The ``--set``s of a link on ``mesh``; HSDP's and (dp_replicate 2 x tp 2)'s train in bf16 (FSDP2's
+    mixed precision, and autocast), so that bf16 is resumed exactly on those meshes too."""
+    bf16 = ["trainer.precision=bf16"] if mesh in (HSDP, DP_REPLICATE_TP) else []
+    return [f"trainer.parallel.{k}={v}" for k, v in mesh.items()] + bf16
 
 
 def train(config: Path, model_dir: Path, nproc: int, *sets: str) -> str:
