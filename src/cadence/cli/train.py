@@ -8,7 +8,6 @@ Each takes the parsed arguments and the stderr console, and returns the exit sta
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -17,6 +16,8 @@ from typing import Any
 from rich.console import Console
 
 from cadence import layout
+from cadence.cli.sidecar import run_sidecar_here, sidecar_with_torchrun
+from cadence.cli.sidecar import sidecar_done as _sidecar_done
 from cadence.cli.torchrun import end_distributed, env_rank, log_restart, train_with_torchrun, wants_torchrun
 from cadence.cluster import slurm
 from cadence.config.schema import ExperimentConfig
@@ -117,8 +118,9 @@ def cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
                      "--max-evaluations": ("sidecar.max_evaluations", args.max_evaluations),
                      "--name": ("sidecar.name", args.name)}
     given = {flag: setting for flag, setting in sidecar_flags.items() if setting[1] is not None}
-    if args.continuous and args.nproc is not None:
-        raise ConfigError("--nproc and --continuous exclude each other (the sidecar is one process)")
+    ranks = [f"--{n.replace('_', '-')}" for n in _RANKS_FLAGS if getattr(args, n, None) is not None]
+    if ranks and not args.continuous:
+        raise ConfigError(f"{', '.join(ranks)}: a sidecar of several ranks' flags; they need --continuous --nproc N")
     if args.initial and (args.continuous or args.checkpoint is not None):
         raise ConfigError("--initial evaluates no checkpoint: leave out --checkpoint and --continuous")
     if args.continuous:
@@ -150,6 +152,9 @@ def cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
             print(result)
     return 0
 
+
+_RANKS_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "max_restarts")
+"""``cadence evaluate``'s flags for a sidecar of several ranks (with ``--continuous --nproc N``)."""
 
 _RESULT_ENV = "CADENCE_EVALUATE_RESULT"
 """Where the chief of ``cadence evaluate --nproc N`` writes its JSON line for the launcher to print."""
@@ -185,18 +190,9 @@ def _cmd_sidecar(args: argparse.Namespace, console: Console, flags: dict[str, tu
         raise ConfigError("--checkpoint and --continuous exclude each other")
     cfg = _load(args, flags)
     layout.check_model_dir(cfg.require_model_dir(), writable=True)  # it writes eval/, best/, its lease: before it waits
-    from cadence.torch.experiments.experiment import run_sidecar
-
-    return _sidecar_done(run_sidecar(cfg), console)
-
-
-def _sidecar_done(result: Any, console: Console) -> int:
-    """Print a sidecar's :class:`~cadence.sidecar.evaluator.SidecarResult` as JSON; 1 when it timed out."""
-    print(json.dumps(dataclasses.asdict(result), default=str))
-    if result.stop_reason == "timeout":
-        console.print(f"[red]cadence: sidecar stopped:[/red] {result.message}", highlight=False, soft_wrap=True)
-        return 1
-    return 0
+    if wants_torchrun(args):  # --nproc N: a sidecar of N ranks
+        return sidecar_with_torchrun(args, cfg, console)
+    return run_sidecar_here(cfg, console)
 
 
 def cmd_launch(args: argparse.Namespace, console: Console) -> int:
@@ -217,7 +213,8 @@ def cmd_launch(args: argparse.Namespace, console: Console) -> int:
         return any(lease.holder == holder for lease in leases.active())
 
     codes = launch(sidecar_commands(args.config, model_dir, args.overrides, nproc=args.nproc,
-                                   progress=not args.no_progress), env={"COLUMNS": "120"},
+                                   sidecar_nproc=args.sidecar_nproc, progress=not args.no_progress),
+                   env={"COLUMNS": "120"},
                    stop_others_on_failure=["trainer"], grace_s=args.grace,
                    start_when={"trainer": sidecar_ready})
     for name, code in codes.items():

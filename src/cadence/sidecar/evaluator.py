@@ -22,9 +22,11 @@ from cadence.checkpoint.lease_keeper import LeaseKeeper
 from cadence.checkpoint.leases import Leases
 from cadence.extensions import Evaluator
 from cadence.loop.controller import Controller
+from cadence.runtime.coordination import Coordinator
 from cadence.runtime.signals import install_handlers
 from cadence.sidecar.continuous import (DEFAULTS, EVALUATIONS_FILE, BestTracker, ContinuousEvaluation, EvaluationLog,
                                         SidecarResult)
+from cadence.sidecar.ranks import ChiefRun, follow
 
 __all__ = ["EVALUATIONS_FILE", "EvaluationLog", "SidecarEvaluator", "SidecarResult", "lease_holder"]
 
@@ -58,6 +60,9 @@ class SidecarEvaluator:
         always). A sidecar does not train: ``on_train_start`` / ``on_train_end`` /
         ``on_checkpoint_save`` never fire, and callbacks' state is not restored (it belongs to
         the training run).
+      coordinator: the ranks of a sidecar of several processes (``None``: one). The chief alone
+        watches, holds the lease and writes ``evaluations.jsonl``; every rank restores and
+        evaluates each checkpoint it picks (:mod:`cadence.sidecar.ranks`).
 
     The stop conditions, each with a clear message: the final checkpoint was evaluated
     (``checkpoints/FINAL``, or a step >= ``train_steps``); ``max_evaluations``; ``timeout``
@@ -85,6 +90,7 @@ class SidecarEvaluator:
         higher_is_better: bool = True,
         storage_options: dict[str, Any] | None = None,
         callbacks: Iterable[Any] = (),
+        coordinator: Coordinator | None = None,
     ) -> None:
         if mode not in ("every", "latest"):
             raise ValueError(f"mode must be 'every' or 'latest', got {mode!r}")
@@ -117,6 +123,7 @@ class SidecarEvaluator:
                                          storage_options=storage_options)
         self.leases = Leases(layout.checkpoints_dir(model_dir), storage_options=storage_options)
         self.log = EvaluationLog(self.eval_dir, storage_options)
+        self.coordinator = coordinator
         self._stop = threading.Event()
 
     def stop(self) -> None:
@@ -124,12 +131,30 @@ class SidecarEvaluator:
         self._stop.set()
 
     def start(self) -> SidecarResult:
-        """Evaluate checkpoints until a stop condition; return what was done and why it stopped."""
-        done = [r["step"] for r in self.log.records()]
-        after = max(done) if done else None
+        """Evaluate checkpoints until a stop condition; return what was done and why it stopped.
+        With a coordinator of several ranks, on every rank: the chief leads, the others follow
+        (:mod:`cadence.sidecar.ranks`), and every rank returns the chief's result."""
         controller = Controller(evaluator=self.evaluator, checkpoint_manager=self.manager,
                                 eval_summary_dir=self.eval_dir, eval_actions=self.eval_actions,
-                                callbacks=self.callbacks, restore=False, progress=False)
+                                callbacks=self.callbacks, restore=False, progress=False, coordinator=self.coordinator)
+        if self.coordinator is None or self.coordinator.world_size == 1:
+            return self._lead(controller, None)
+        if not self.coordinator.is_chief:
+            return self._follow(controller)
+        run = ChiefRun(controller, self.coordinator)
+        try:
+            result = self._lead(controller, run)
+        except BaseException as e:
+            run.fail(e)  # the others raise too, rather than wait for a command that never comes
+            raise
+        run.end(result)
+        return result
+
+    def _lead(self, controller: Controller, run: ChiefRun | None) -> SidecarResult:
+        """The sidecar's loop, its lease and its log (one process, or the chief of several ranks,
+        whose restores and evaluations ``run`` broadcasts); closes ``controller``."""
+        done = [r["step"] for r in self.log.records()]
+        after = max(done) if done else None
         every = self.mode == "every"
         # every: protect all checkpoints after the last one dealt with (-1: all of them)
         keeper = LeaseKeeper(self.leases, self.holder, ttl=self.lease_ttl,
@@ -138,12 +163,23 @@ class SidecarEvaluator:
         handlers = install_handlers((signal.SIGTERM, signal.SIGINT), lambda *_: self.stop(), owner=self.holder)
         try:
             return ContinuousEvaluation(
-                controller, steps=self.steps, mode=self.mode, poll_interval=self.poll_interval,
+                run or controller, steps=self.steps, mode=self.mode, poll_interval=self.poll_interval,
                 timeout=self.timeout, max_evaluations=self.max_evaluations, train_steps=self.train_steps,
                 max_retries=self.max_retries, retry_backoff=self.retry_backoff, log=self.log, keeper=keeper,
-                max_pending=self.max_pending, best=self.best, should_stop=self._stop.is_set, name=self.holder,
+                max_pending=self.max_pending, best=self.best, name=self.holder,
+                should_stop=run.should_stop(self._stop.is_set) if run else self._stop.is_set,
             ).run()
         finally:
             keeper.close()
+            controller.close()
+            handlers.restore()
+
+    def _follow(self, controller: Controller) -> SidecarResult:
+        """A rank other than the chief: restore and evaluate what the chief picks; no lease, no log."""
+        assert self.coordinator is not None
+        handlers = install_handlers((signal.SIGTERM, signal.SIGINT), lambda *_: self.stop(), owner=self.holder)
+        try:
+            return follow(controller, self.coordinator, self._stop.is_set)
+        finally:
             controller.close()
             handlers.restore()
