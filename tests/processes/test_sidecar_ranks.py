@@ -58,7 +58,7 @@ def test_a_two_rank_sidecar_follows_the_trainer_with_its_in_process_metrics_exac
     assert [(r["step"], r["status"]) for r in rows] == [(s, "evaluated") for s in STEPS]  # the chief's, each once
     # the same sharded model on the same 2 data shards as the trainer's evaluation: the same arithmetic
     assert {r["step"]: r["metrics"] for r in rows} == in_process(model_dir)
-    assert "evaluating on 2 ranks: the model sharded over them (FSDP2)" in err
+    assert "evaluating on 2 ranks: the model sharded over them (FSDP2)" in err and "a sidecar of 2 ranks" in err
     result = json.loads(out)  # one line, the chief's, without torchrun's rank prefix
     assert result["evaluated"] == STEPS and result["stop_reason"] == "final"
     best = json.loads((model_dir / "best" / "best.json").read_text())

@@ -169,6 +169,7 @@ def test_the_sidecar_job_evaluates_every_checkpoint_of_the_requeued_job_once(
     assert rows[-1]["step"] == TRAINER["train_steps"]
     results = [line for line in _output(jobs.sidecar).splitlines() if line.startswith('{"stop_reason"')]
     assert len(results) == 1 and json.loads(results[0])["stop_reason"] == "final"  # the chief's line alone
+    assert "a sidecar of 2 ranks" in _output(jobs.sidecar)
 
 
 def test_two_srun_tasks_train_as_two_ranks(slurm_cluster: SlurmCluster, jobs: Jobs) -> None:

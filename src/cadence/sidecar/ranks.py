@@ -67,6 +67,8 @@ class ChiefRun:
         self.tick_s = tick_s
         self._clock = clock
         self._last = clock()
+        logger.info("a sidecar of %d ranks: rank 0 watches the checkpoints, holds the lease and records; every rank "
+                    "evaluates", coordinator.world_size)
 
     @property
     def checkpoint_manager(self) -> CheckpointManager | None:
