@@ -1,7 +1,7 @@
 """A sidecar of several ranks (`cadence evaluate --continuous --nproc N`) on a 2-rank FSDP trainer's
 run: it follows the live trainer, its chief alone records, its metrics equal the trainer's
-in-process evaluation, a 1-rank sidecar agrees, and a rank killed with kill -9 is resumed with
-restarts (every step recorded once) or ends it in one line without."""
+in-process evaluation, a 1-rank sidecar agrees, a rank killed with kill -9 is resumed with restarts
+(every step recorded once) or ends it in one line without, and it runs on two nodes."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from cadence.cluster.launch import sidecar_commands
 from cadence.summaries.metrics_file import read_metrics
 from cli_run import popen, run_cadence
 from configs import write_config
+from multinode import free_port, listening, wait_until
 
 STEPS = [4, 8, 12, 16]
 NO_BEST = ("--set", "trainer.best_checkpoint=null")  # best/ is the first sidecar's alone
@@ -126,6 +127,23 @@ def test_a_rank_killed_without_restarts_fails_in_one_line(run):
     assert out == ""
     steps = [r["step"] for r in records(model_dir, "lost")]
     assert steps == STEPS[:len(steps)] and steps  # what was recorded, once each, in order
+
+
+def test_a_sidecar_on_two_nodes_prints_one_line_from_the_node_of_its_chief(run):
+    """``--nnodes 2`` (one process a node, on 127.0.0.1): the node whose worker the rendezvous made rank 0
+    prints the line, the other nothing; both exit 0, and the records are the 2-rank sidecar's."""
+    config, model_dir, _, _ = run
+    port = free_port()
+    args = ["-m", "cadence", "evaluate", str(config), "--model-dir", str(model_dir), "--continuous", "--nproc", "1",
+            "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--name", "nodes", *NO_BEST]
+    first = popen([*args, "--node-rank", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until("node 0's rendezvous store", lambda: listening(port), procs=[first])
+    second = popen([*args, "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outputs = [node.communicate(timeout=240) for node in (first, second)]
+    assert (first.returncode, second.returncode) == (0, 0), [err for _, err in outputs]
+    lines = [out for out, _ in outputs if out.strip()]
+    assert len(lines) == 1 and json.loads(lines[0])["evaluated"] == STEPS
+    assert {r["step"]: r["metrics"] for r in records(model_dir, "nodes")} == in_process(model_dir)
 
 
 def test_launch_gives_the_sidecar_its_size(tmp_path):

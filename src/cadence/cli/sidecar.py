@@ -54,8 +54,8 @@ def sidecar_with_torchrun(args: argparse.Namespace, cfg: Any, console: Console) 
             line = f.read().strip()
     finally:
         os.unlink(result)
-    if code != 0 or not line:
-        return code or 1
+    if code != 0 or not line:  # no line, and no failure: the chief ran on another node, which prints it
+        return code
     print(line)
     stopped = json.loads(line)
     if stopped.get("stop_reason") == "timeout":
