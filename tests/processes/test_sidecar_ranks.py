@@ -153,7 +153,7 @@ def test_launch_gives_the_sidecar_its_size(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--nnodes", "2"), "--nnodes: a sidecar of several ranks' flags; they need --continuous --nproc N"),
+    (("--nnodes", "2"), "--nnodes: only for a sidecar of several ranks (--continuous --nproc N)"),
     (("--continuous", "--max-restarts", "1"), "--max-restarts need --nproc N"),
     (("--continuous", "--nproc", "2", "--max-restarts", "-1"), "--max-restarts: must be >= 0, got -1"),
 ])

@@ -120,7 +120,7 @@ def cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     given = {flag: setting for flag, setting in sidecar_flags.items() if setting[1] is not None}
     ranks = [f"--{n.replace('_', '-')}" for n in _RANKS_FLAGS if getattr(args, n, None) is not None]
     if ranks and not args.continuous:
-        raise ConfigError(f"{', '.join(ranks)}: a sidecar of several ranks' flags; they need --continuous --nproc N")
+        raise ConfigError(f"{', '.join(ranks)}: only for a sidecar of several ranks (--continuous --nproc N)")
     if args.initial and (args.continuous or args.checkpoint is not None):
         raise ConfigError("--initial evaluates no checkpoint: leave out --checkpoint and --continuous")
     if args.continuous:

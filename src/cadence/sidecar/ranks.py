@@ -11,7 +11,8 @@ does what the chief broadcasts until it broadcasts the end.
 The commands (broadcast by the chief through the run's coordinator, one object each):
 
 - ``("restore", step)``: restore checkpoint ``step`` (collective); a ``CheckpointError`` is the
-  chief's to handle (every rank gets the same one: the ranks agree on a checkpoint's verification),
+  chief's to handle (every rank gets the same one: the ranks first agree that each sees the
+  checkpoint committed, then on its verification),
 - ``("evaluate", steps)``: evaluate the restored state (collective: the data is sharded over the
   ranks and the metrics reduced exactly; eval actions run as in training, the chief writing),
 - ``("wait", None)``: sent at least every ``tick_s`` seconds while the chief waits for a
@@ -76,6 +77,7 @@ class ChiefRun:
 
     def restore(self, step: int | None = None) -> int | None:
         self._send("restore", step)
+        _all_see(self.run, self.coordinator, step)
         return self.run.restore(step)
 
     def evaluate(self, steps: int = -1) -> dict[str, Any]:
@@ -129,6 +131,7 @@ def follow(run: EvaluationRun, coordinator: Coordinator, asked: Callable[[], boo
         command, value = message
         if command == "restore":
             try:
+                _all_see(run, coordinator, value)
                 run.restore(value)
             except CheckpointError as e:
                 logger.debug("rank %d: restoring checkpoint %s failed (the chief decides): %s",
@@ -146,3 +149,16 @@ def follow(run: EvaluationRun, coordinator: Coordinator, asked: Callable[[], boo
             raise SidecarChiefError(f"the sidecar's chief (rank 0) failed: {value}")
         else:
             raise RuntimeError(f"unknown sidecar command from the chief: {command!r}")
+
+
+def _all_see(run: EvaluationRun, coordinator: Coordinator, step: int | None) -> None:
+    """Collective, before a restore: every rank sees checkpoint ``step`` committed, or every rank raises
+    the same ``CheckpointError`` naming those that do not (a model dir not shared by every node, or a
+    checkpoint deleted since the chief picked it), so that no rank enters the restore's collectives alone."""
+    manager = run.checkpoint_manager
+    sees = step is None or manager is None or step in manager.steps()
+    blind = [rank for rank, seen in enumerate(coordinator.all_gather(sees)) if not seen]
+    if blind:
+        ranks = ", ".join(map(str, blind))
+        raise CheckpointError(f"checkpoint {step} is not committed as rank {ranks} of the sidecar sees the model dir "
+                              "(deleted since, or a model dir not shared by every node)")
