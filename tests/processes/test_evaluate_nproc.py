@@ -46,7 +46,7 @@ def test_the_ranks_evaluate_the_best_checkpoint(trained):
 
 @pytest.mark.parametrize("args, message", [
     (("--checkpoint", "best", "--continuous"), "--checkpoint and --continuous exclude each other"),
-    (("--nproc", "2", "--continuous"), "--nproc and --continuous exclude each other"),
+    (("--nproc", "2", "--max-restarts", "1"), "--max-restarts: only for a sidecar of several ranks (--continuous --nproc N)"),
     (("--nproc", "0"), "--nproc: must be >= 1, got 0"),
 ])
 def test_bad_nproc_is_a_one_line_error(trained, args, message):

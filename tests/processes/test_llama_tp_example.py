@@ -2,7 +2,8 @@
 a device mesh of 4 gloo processes, dp_shard 2 x tp 2, against one process on the same global batches:
 the 20 per-step training losses agree within a measured relative tolerance; its ``hf`` export loads
 into a plain ``LlamaForCausalLM`` with the checkpoint's full tensors; ``cadence evaluate`` of its last
-checkpoint on one process gives the in-process evaluation's loss. One run of each layout, shared."""
+checkpoint on one process, and a 2-rank sidecar's, give the in-process evaluation's loss. One run of each
+layout, shared."""
 
 from __future__ import annotations
 
@@ -101,6 +102,20 @@ def test_evaluate_on_one_process_gives_the_in_process_evaluation_loss(mesh_run):
     assert result["step"] == in_process["step"] == STEPS
     assert result["loss"] == pytest.approx(in_process["loss"], rel=1e-5)  # TP's sums in another order
     assert result["accuracy"] == pytest.approx(in_process["accuracy"], rel=1e-5)
+
+
+def test_a_two_rank_sidecar_evaluates_the_four_rank_mesh_checkpoint_resharded(mesh_run):
+    """The 4-rank (dp_shard 2 x tp 2) checkpoint loads into a 2-rank sidecar's model, sharded with FSDP2 over
+    its own 2 ranks (issue 42): its record has the in-process evaluation's loss."""
+    (in_process,) = read_metrics(mesh_run / "eval")
+    proc = run_cadence("evaluate", str(mesh_run / "config.yaml"), "--model-dir", str(mesh_run), "--continuous",
+                       "--nproc", "2", "--name", "two", "--timeout", "60")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "evaluating on 2 ranks: the model sharded over them (FSDP2)" in proc.stderr
+    (record,) = read_metrics(mesh_run / "eval_two" / "evaluations.jsonl")
+    assert (record["step"], record["status"]) == (STEPS, "evaluated")
+    assert record["metrics"]["loss"] == pytest.approx(in_process["loss"], rel=1e-5)  # TP's sums in another order
+    assert json.loads(proc.stdout)["evaluated"] == [STEPS]
 
 
 def test_on_one_process_the_examples_config_is_refused_in_one_line(tmp_path):

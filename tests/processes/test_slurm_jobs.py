@@ -10,7 +10,8 @@ and run side by side; each test waits for its own:
 - a job held at its first step gets SIGUSR1 (``scancel --signal=USR1``, what ``--signal=USR1@N``
   sends to the steps before the time limit): cadence commits, requeues it (``--requeue``), and the
   requeued job resumes and ends bit-identical to ``reference``;
-- the sidecar job (``--dependency=after:`` that job) evaluates each of its checkpoints once;
+- the sidecar job (``--dependency=after:`` that job), two tasks (a sidecar of 2 ranks), evaluates
+  each of its checkpoints once;
 - a two-task job (the multi-node script on one node) trains as two ranks.
 """
 
@@ -78,7 +79,7 @@ def jobs(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) 
     return Jobs(
         requeued=requeued,
         sidecar=_submit(slurm_cluster, "sidecar.sbatch", work, plain, requeued.model_dir,  # no pid file of its own
-                        f"--dependency=after:{requeued.id}"),
+                        f"--dependency=after:{requeued.id}", "--ntasks-per-node=2"),  # a sidecar of 2 ranks
         reference=_submit(slurm_cluster, "train.sbatch", work, plain, work / "reference"),
         two_ranks=_submit(slurm_cluster, "train_multinode.sbatch", work, plain, work / "two-ranks",
                           "--nodes=1", "--ntasks-per-node=2"),
@@ -166,6 +167,9 @@ def test_the_sidecar_job_evaluates_every_checkpoint_of_the_requeued_job_once(
     rows = read_metrics(model_dir / "eval" / "evaluations.jsonl")
     assert [(r["step"], r["status"]) for r in rows] == [(s, "evaluated") for s in _committed(model_dir)], rows
     assert rows[-1]["step"] == TRAINER["train_steps"]
+    results = [line for line in _output(jobs.sidecar).splitlines() if line.startswith('{"stop_reason"')]
+    assert len(results) == 1 and json.loads(results[0])["stop_reason"] == "final"  # the chief's line alone
+    assert "a sidecar of 2 ranks" in _output(jobs.sidecar)
 
 
 def test_two_srun_tasks_train_as_two_ranks(slurm_cluster: SlurmCluster, jobs: Jobs) -> None:

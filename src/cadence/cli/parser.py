@@ -91,8 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--name", default=None,
                           help="with --continuous, --all or --steps: write to eval_<name>/ (sidecar.name)")
     evaluate.add_argument("--nproc", type=int, default=None, metavar="N",
-                          help="evaluate the checkpoint on N processes of this machine (the data sharded, the "
-                               "metrics reduced exactly); not with --continuous, --all or --steps")
+                          help="evaluate on N processes of this machine (the data sharded, the metrics reduced "
+                               "exactly); with --continuous: a sidecar of N ranks (its chief, rank 0, alone "
+                               "watches, holds the lease and writes evaluations.jsonl); not with --all or --steps")
+    _sidecar_ranks_flags(evaluate.add_argument_group(
+        "a sidecar of several ranks", "with --continuous --nproc N, as cadence train's multi-process flags; under "
+        "an external torchrun or srun (one task per rank), leave these and --nproc out"))
 
     launch = sub.add_parser("launch", help="train with a sidecar evaluator, as two processes on this machine")
     add_config_args(launch, model_dir_required=False)
@@ -101,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
                         help="seconds between SIGTERM and SIGKILL when stopping them (default 30)")
     launch.add_argument("--nproc", type=int, default=None, metavar="N",
-                        help="train on N processes of this machine (cadence train --nproc N); the sidecar is one more")
+                        help="train on N processes of this machine (cadence train --nproc N)")
+    launch.add_argument("--sidecar-nproc", type=int, default=None, metavar="N",
+                        help="run the sidecar on N processes of this machine (cadence evaluate --continuous --nproc "
+                             "N; default: one process)")
     launch.add_argument("--profile", action="store_true",
                         help="the trainer traces steps with torch.profiler, as cadence train --profile does")
     launch.add_argument("--no-progress", action="store_true",
@@ -166,3 +173,19 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
                        help="seconds between SIGTERM and SIGKILL when stopping the trials (default 30)")
     return parser
+
+
+def _sidecar_ranks_flags(group: argparse._ArgumentGroup) -> None:
+    """``cadence evaluate --continuous --nproc N``'s launcher flags (as ``cadence train``'s)."""
+    group.add_argument("--nnodes", type=int, default=None, metavar="M",
+                       help="machines in the sidecar's job (default 1; more needs --rdzv-endpoint)")
+    group.add_argument("--node-rank", type=int, default=None, metavar="R", help="this machine's rank among the nodes")
+    group.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="the c10d rendezvous every node joins (default: a standalone job on this machine)")
+    group.add_argument("--rdzv-id", default=None, metavar="ID", help="the job's id at the rendezvous")
+    group.add_argument("--rdzv-conf", default=None, metavar="KEY=VALUE,...",
+                       help="settings of the c10d rendezvous, as torchrun's --rdzv-conf")
+    group.add_argument("--max-restarts", type=int, default=None, metavar="K",
+                       help="when a rank fails (killed, crashed), stop the others and restart the sidecar, up to K "
+                            "times; it resumes after the last step in evaluations.jsonl (default 0: a failed rank "
+                            "ends the sidecar, in one line naming it)")

@@ -43,6 +43,9 @@ ERRORS_ENV = "CADENCE_TORCHRUN_ERRORS"
 """Set (``1``) by :func:`train_with_torchrun` for the ranks: a rank ended by bad input (exit 2) leaves
 its one line to ``cadence train`` to print once for the job (:func:`record_for_launcher`)."""
 
+RESUMES = "from its last checkpoint"
+"""Where a restarted training job resumes, as :func:`failure_message` says it."""
+
 LOG_LINE_PREFIX = "[rank${rank}]:"
 """Each worker's output lines are prefixed with its global rank (torchrun's
 ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``; torch 2.13's launcher has no command-line flag for it)."""
@@ -188,11 +191,12 @@ def torchrun_command(args: argparse.Namespace, python: str = sys.executable, *,
 
 def train_with_torchrun(args: argparse.Namespace, cfg: ExperimentConfig, console: Console, *,
                         command: str = "train", extra: Sequence[str] = (),
-                        env_extra: Mapping[str, str] | None = None) -> int:
+                        env_extra: Mapping[str, str] | None = None, resumes: str = "") -> int:
     """Run ``cadence train`` on ``args.nproc`` processes of this machine (and more nodes) through
     torch's launcher (:func:`torchrun_command`); return the job's exit status. ``cfg`` is the
     config, already loaded once here so that a bad one fails before any process starts. A failed
-    job ends with one line naming the rank that failed first and how (:func:`failure_message`).
+    job ends with one line naming the rank that failed first and how (:func:`failure_message`;
+    ``resumes``: where a restarted job resumes, in it).
 
     SIGTERM / SIGHUP to this process are forwarded to the launcher, which stops the ranks."""
     cfg.require_model_dir()
@@ -254,7 +258,7 @@ def train_with_torchrun(args: argparse.Namespace, cfg: ExperimentConfig, console
     if message is not None:  # the ranks' own one line (the launcher exited 2 for it), printed once
         console.print(f"[red]cadence: error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     elif code != 0:
-        message = failure_message(code, failures, _max_restarts(args), lost=finding)
+        message = failure_message(code, failures, _max_restarts(args), lost=finding, resumes=resumes)
         console.print(f"[red]cadence: failed:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return code
 
@@ -300,12 +304,13 @@ def _how(failure: dict[str, Any]) -> str:
 
 
 def failure_message(code: int, failures: list[dict[str, Any]], max_restarts: int,
-                    lost: dict[str, Any] | None = None) -> str:
+                    lost: dict[str, Any] | None = None, resumes: str = "") -> str:
     """``cadence train --nproc N``'s one-line error: the rank that failed first and how, the
     others that failed with it, and the restarts used up; without a report (the launcher itself
     failed, e.g. at the rendezvous) the launcher's exit status. ``lost``: the ranks of other nodes that a
     failed rank found had stopped answering (:mod:`cadence.cli.node_loss`): then the lost node and its
-    ranks are named instead of this node's ranks, which failed because of it."""
+    ranks are named instead of this node's ranks, which failed because of it. ``resumes``: where a
+    restarted job resumes (default :data:`RESUMES`)."""
     if not failures:
         return (f"the distributed job exited with status {code}; torchrun's report above names the failed "
                 "rank")
@@ -317,7 +322,7 @@ def failure_message(code: int, failures: list[dict[str, Any]], max_restarts: int
         text += "; also ended: " + ", ".join(f"rank {f['rank']} ({_short(f)})" for f in others)
     text = lost_message(lost, failures) or text
     if max_restarts == 0:
-        text += "; the job was not restarted (--max-restarts 0; --max-restarts K restarts it from its last checkpoint)"
+        text += f"; the job was not restarted (--max-restarts 0; --max-restarts K restarts it {resumes or RESUMES})"
     else:
         times = "once" if max_restarts == 1 else f"{max_restarts} times"
         text += f"; the job was restarted {times} already (--max-restarts {max_restarts}, all used)"

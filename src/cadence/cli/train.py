@@ -9,7 +9,6 @@ Each takes the parsed arguments and the stderr console, and returns the exit sta
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -18,6 +17,8 @@ from typing import Any
 from rich.console import Console
 
 from cadence import layout
+from cadence.cli.sidecar import run_sidecar_here, sidecar_with_torchrun
+from cadence.cli.sidecar import sidecar_done as _sidecar_done
 from cadence.cli.torchrun import end_distributed, env_rank, log_restart, train_with_torchrun, wants_torchrun
 from cadence.cluster import slurm
 from cadence.config.schema import ExperimentConfig
@@ -120,8 +121,9 @@ def cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     given = {flag: setting for flag, setting in sidecar_flags.items() if setting[1] is not None}
     if args.all or args.steps is not None:
         return _cmd_backfill(args, console, given)
-    if args.continuous and args.nproc is not None:
-        raise ConfigError("--nproc and --continuous exclude each other (the sidecar is one process)")
+    ranks = [f"--{n.replace('_', '-')}" for n in _RANKS_FLAGS if getattr(args, n, None) is not None]
+    if ranks and not args.continuous:
+        raise ConfigError(f"{', '.join(ranks)}: only for a sidecar of several ranks (--continuous --nproc N)")
     if args.initial and (args.continuous or args.checkpoint is not None):
         raise ConfigError("--initial evaluates no checkpoint: leave out --checkpoint and --continuous")
     if args.continuous:
@@ -154,6 +156,9 @@ def cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
             print(result)
     return 0
 
+
+_RANKS_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "max_restarts")
+"""``cadence evaluate``'s flags for a sidecar of several ranks (with ``--continuous --nproc N``)."""
 
 _RESULT_ENV = "CADENCE_EVALUATE_RESULT"
 """Where the chief of ``cadence evaluate --nproc N`` writes its JSON line for the launcher to print."""
@@ -189,9 +194,9 @@ def _cmd_sidecar(args: argparse.Namespace, console: Console, flags: dict[str, tu
         raise ConfigError("--checkpoint and --continuous exclude each other")
     cfg = _load(args, flags)
     layout.check_model_dir(cfg.require_model_dir(), writable=True)  # it writes eval/, best/, its lease: before it waits
-    from cadence.torch.experiments.experiment import run_sidecar
-
-    return _sidecar_done(run_sidecar(cfg), console)
+    if wants_torchrun(args):  # --nproc N: a sidecar of N ranks
+        return sidecar_with_torchrun(args, cfg, console)
+    return run_sidecar_here(cfg, console)
 
 
 def _cmd_backfill(args: argparse.Namespace, console: Console, flags: dict[str, tuple[str, Any]]) -> int:
@@ -203,6 +208,7 @@ def _cmd_backfill(args: argparse.Namespace, console: Console, flags: dict[str, t
     others = [flag for flag, on in (("--continuous", args.continuous), ("--checkpoint", args.checkpoint is not None),
                                     ("--initial", args.initial), ("--nproc", args.nproc is not None)) if on]
     others += [flag for flag in flags if flag != "--name"]
+    others += [f"--{n.replace('_', '-')}" for n in _RANKS_FLAGS if getattr(args, n, None) is not None]
     if others:
         raise ConfigError(f"{selection} evaluates the committed checkpoints without a record, on one process, then "
                           f"stops: leave out {', '.join(others)}")
@@ -210,16 +216,6 @@ def _cmd_backfill(args: argparse.Namespace, console: Console, flags: dict[str, t
     from cadence.torch.experiments.experiment import run_backfill
 
     return _sidecar_done(run_backfill(cfg, args.steps), console)
-
-
-def _sidecar_done(result: Any, console: Console) -> int:
-    """Print a sidecar's (or a backfill's) :class:`~cadence.sidecar.evaluator.SidecarResult` as JSON; 1 when
-    it timed out."""
-    print(json.dumps(dataclasses.asdict(result), default=str))
-    if result.stop_reason == "timeout":
-        console.print(f"[red]cadence: sidecar stopped:[/red] {result.message}", highlight=False, soft_wrap=True)
-        return 1
-    return 0
 
 
 def cmd_launch(args: argparse.Namespace, console: Console) -> int:
@@ -241,7 +237,8 @@ def cmd_launch(args: argparse.Namespace, console: Console) -> int:
         return any(lease.holder == holder for lease in leases.active())
 
     codes = launch(sidecar_commands(args.config, model_dir, args.overrides, nproc=args.nproc,
-                                   progress=not args.no_progress), env={"COLUMNS": "120"},
+                                   sidecar_nproc=args.sidecar_nproc, progress=not args.no_progress),
+                   env={"COLUMNS": "120"},
                    stop_others_on_failure=["trainer"], grace_s=args.grace,
                    start_when={"trainer": sidecar_ready})
     for name, code in codes.items():

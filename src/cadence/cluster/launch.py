@@ -44,11 +44,13 @@ def sidecar_commands(
     python: str = sys.executable,
     *,
     nproc: int | None = None,
+    sidecar_nproc: int | None = None,
     progress: bool = False,
 ) -> dict[str, list[str]]:
     """The two commands of ``cadence launch CONFIG --sidecar``: a continuous evaluator, and a
     trainer that does not validate in-process, on the same model dir (in that order); ``nproc``:
-    the trainer runs on that many processes (``cadence train --nproc``; the sidecar stays one);
+    the trainer runs on that many processes (``cadence train --nproc``); ``sidecar_nproc``: the
+    sidecar does (``cadence evaluate --continuous --nproc``; default one process);
     ``progress``: the trainer prints its progress lines (else ``cadence train --no-progress``; the
     sidecar prints none either way).
 
@@ -60,7 +62,8 @@ def sidecar_commands(
     sets = [arg for text in overrides for arg in ("--set", text)]
     common = [config, "--model-dir", os.fspath(model_dir), *sets]
     return {  # the sidecar first: the trainer may start once it holds its lease
-        "sidecar": [python, "-m", "cadence", "evaluate", *common, "--continuous"],
+        "sidecar": [python, "-m", "cadence", "evaluate", *common, "--continuous",
+                    *(["--nproc", str(sidecar_nproc)] if sidecar_nproc is not None else [])],
         "trainer": [python, "-m", "cadence", "train", *common,
                     "--set", "trainer.in_process_validation=false", *([] if progress else ["--no-progress"]),
                     *(["--nproc", str(nproc)] if nproc is not None else [])],

@@ -28,11 +28,13 @@ from cadence.checkpoint.leases import Leases
 from cadence.errors import ReaderLeaseHeldError
 from cadence.extensions import Evaluator
 from cadence.loop.controller import Controller
+from cadence.runtime.coordination import Coordinator
 from cadence.runtime.signals import install_handlers
 from cadence.sidecar.backfill import Backfill, backfill_plan
 from cadence.sidecar.continuous import (DEFAULTS, EVALUATIONS_FILE, BestTracker, ContinuousEvaluation, EvaluationLog,
                                         SidecarResult, resume_after)
 from cadence.sidecar.external import ReportsExternal
+from cadence.sidecar.ranks import ChiefRun, follow
 
 __all__ = ["EVALUATIONS_FILE", "EvaluationLog", "SidecarEvaluator", "SidecarResult", "check_backfill", "check_name_free",
            "lease_holder"]
@@ -97,6 +99,9 @@ class SidecarEvaluator:
         always). A sidecar does not train: ``on_train_start`` / ``on_train_end`` /
         ``on_checkpoint_save`` never fire, and callbacks' state is not restored (it belongs to
         the training run).
+      coordinator: the ranks of a sidecar of several processes (``None``: one). The chief alone
+        watches, holds the lease and writes ``evaluations.jsonl``; every rank restores and
+        evaluates each checkpoint it picks (:mod:`cadence.sidecar.ranks`).
 
     The stop conditions, each with a clear message: the final checkpoint was evaluated
     (``checkpoints/FINAL``, or a step >= ``train_steps``); ``max_evaluations``; ``timeout``
@@ -124,6 +129,7 @@ class SidecarEvaluator:
         higher_is_better: bool = True,
         storage_options: dict[str, Any] | None = None,
         callbacks: Iterable[Any] = (),
+        coordinator: Coordinator | None = None,
     ) -> None:
         if mode not in ("every", "latest"):
             raise ValueError(f"mode must be 'every' or 'latest', got {mode!r}")
@@ -157,6 +163,7 @@ class SidecarEvaluator:
         self.leases = Leases(layout.checkpoints_dir(model_dir), storage_options=storage_options)
         self.log = EvaluationLog(self.eval_dir, storage_options)
         self.storage_options = storage_options
+        self.coordinator = coordinator
         self._stop = threading.Event()
 
     def stop(self) -> None:
@@ -165,20 +172,44 @@ class SidecarEvaluator:
 
     def start(self) -> SidecarResult:
         """Evaluate checkpoints until a stop condition; return what was done and why it stopped.
-        Raises :class:`~cadence.errors.ReaderLeaseHeldError` first when another live process
-        evaluates under this name (:meth:`check_name`)."""
-        self.check_name()
+        With a coordinator of several ranks, on every rank: the chief leads, the others follow
+        (:mod:`cadence.sidecar.ranks`), and every rank returns the chief's result.
+
+        Raises :class:`~cadence.errors.ReaderLeaseHeldError` first (on the chief; the other ranks raise
+        too) when another live process evaluates under this name (:meth:`check_name`)."""
+        controller = self._controller()
+        if self.coordinator is None or self.coordinator.world_size == 1:
+            return self._lead(controller, None)
+        if not self.coordinator.is_chief:
+            return self._follow(controller)
+        run = ChiefRun(controller, self.coordinator)
+        try:
+            result = self._lead(controller, run)
+        except BaseException as e:
+            run.fail(e)  # the others raise too, rather than wait for a command that never comes
+            raise
+        run.end(result)
+        return result
+
+    def _lead(self, controller: Controller, run: ChiefRun | None) -> SidecarResult:
+        """The sidecar's loop, its lease and its log (one process, or the chief of several ranks,
+        whose restores and evaluations ``run`` broadcasts); closes ``controller``."""
+        try:
+            self.check_name()
+        except BaseException:
+            controller.close()
+            raise
         after = resume_after({r["step"] for r in self.log.records()}, self.manager.steps(), self.mode)
         every = self.mode == "every"
         # every: protect all checkpoints after the last one dealt with (-1: all of them)
-        with self._session(after=(-1 if after is None else after) if every else None,
-                           max_pending=self.max_pending if every else None) as (controller, keeper):
+        with self._session(controller, after=(-1 if after is None else after) if every else None,
+                           max_pending=self.max_pending if every else None) as keeper:
             return ContinuousEvaluation(
-                controller, steps=self.steps, mode=self.mode, poll_interval=self.poll_interval,
+                run or controller, steps=self.steps, mode=self.mode, poll_interval=self.poll_interval,
                 timeout=self.timeout, max_evaluations=self.max_evaluations, train_steps=self.train_steps,
                 max_retries=self.max_retries, retry_backoff=self.retry_backoff, log=self.log, keeper=keeper,
-                max_pending=self.max_pending, best=self.best, should_stop=self._stop.is_set, name=self.holder,
-                external=self._external(),
+                max_pending=self.max_pending, best=self.best, name=self.holder, external=self._external(),
+                should_stop=run.should_stop(self._stop.is_set) if run else self._stop.is_set,
             ).run()
 
     def backfill(self, checkpoints: Sequence[int] | None = None) -> SidecarResult:
@@ -194,7 +225,8 @@ class SidecarEvaluator:
         (:func:`check_backfill`); :class:`~cadence.errors.ReaderLeaseHeldError` as :meth:`start`.
         """
         check_backfill(self.model_dir, self.name, checkpoints, storage_options=self.storage_options)
-        with self._session(after=None, max_pending=None) as (controller, keeper):
+        controller = self._controller()
+        with self._session(controller, after=None, max_pending=None) as keeper:
             return Backfill(controller, checkpoints, steps=self.steps, max_retries=self.max_retries,
                             retry_backoff=self.retry_backoff, log=self.log, keeper=keeper, best=self.best,
                             should_stop=self._stop.is_set, name=f"{self.holder} (backfill)",
@@ -209,20 +241,38 @@ class SidecarEvaluator:
         backfill) holds this name's lease (:func:`check_name_free`)."""
         check_name_free(self.model_dir, self.name, storage_options=self.storage_options)
 
+    def _controller(self) -> Controller:
+        """The controller restoring and evaluating checkpoints (its collectives on the coordinator's
+        ranks, when there are several)."""
+        return Controller(evaluator=self.evaluator, checkpoint_manager=self.manager, eval_summary_dir=self.eval_dir,
+                          eval_actions=self.eval_actions, callbacks=self.callbacks, restore=False, progress=False,
+                          coordinator=self.coordinator)
+
     @contextlib.contextmanager
-    def _session(self, *, after: int | None, max_pending: int | None) -> Iterator[tuple[Controller, LeaseKeeper]]:
-        """The controller restoring and evaluating checkpoints, this name's lease kept fresh
-        (``after``, ``max_pending``: its range) and SIGTERM/SIGINT asking :meth:`stop`; all closed
-        on exit, the lease released."""
-        controller = Controller(evaluator=self.evaluator, checkpoint_manager=self.manager,
-                                eval_summary_dir=self.eval_dir, eval_actions=self.eval_actions,
-                                callbacks=self.callbacks, restore=False, progress=False)
-        keeper = LeaseKeeper(self.leases, self.holder, ttl=self.lease_ttl, after=after,
-                             max_pending=max_pending).start()
+    def _session(self, controller: Controller, *, after: int | None, max_pending: int | None) -> Iterator[LeaseKeeper]:
+        """This name's lease kept fresh (``after``, ``max_pending``: its range) and SIGTERM/SIGINT
+        asking :meth:`stop`, while ``controller`` runs; on exit the lease is released and
+        ``controller`` closed."""
+        try:
+            keeper = LeaseKeeper(self.leases, self.holder, ttl=self.lease_ttl, after=after,
+                                 max_pending=max_pending).start()
+        except BaseException:
+            controller.close()
+            raise
         handlers = install_handlers((signal.SIGTERM, signal.SIGINT), lambda *_: self.stop(), owner=self.holder)
         try:
-            yield controller, keeper
+            yield keeper
         finally:
             keeper.close()
+            controller.close()
+            handlers.restore()
+
+    def _follow(self, controller: Controller) -> SidecarResult:
+        """A rank other than the chief: restore and evaluate what the chief picks; no lease, no log."""
+        assert self.coordinator is not None
+        handlers = install_handlers((signal.SIGTERM, signal.SIGINT), lambda *_: self.stop(), owner=self.holder)
+        try:
+            return follow(controller, self.coordinator, self._stop.is_set)
+        finally:
             controller.close()
             handlers.restore()

@@ -128,7 +128,7 @@ def build_sidecar(cfg: ExperimentConfig) -> SidecarEvaluator:
     return SidecarEvaluator(
         evaluator, model_dir, steps=t.validation_steps, eval_actions=eval_actions, train_steps=t.train_steps,
         best_metric=best.metric if best else None, higher_is_better=best.higher_is_better if best else True,
-        callbacks=callbacks, **cfg.sidecar.model_dump(),
+        callbacks=callbacks, coordinator=ctx.coordinator if ctx.world_size > 1 else None, **cfg.sidecar.model_dump(),
     )
 
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from cadence.config.components.compile import CompileConfig
     from cadence.config.components.ema import EMAConfig
     from cadence.config.components.parallel import ParallelConfig
+
+logger = logging.getLogger("cadence")
 
 __all__ = ["attach_mesh", "build_runners", "build_runners_from_config", "built_model"]
 
@@ -82,8 +85,10 @@ def build_runners(
     ``strategy="fsdp"``: when training on several ranks, the model is sharded with FSDP2 instead
     (:func:`cadence.torch.parallel.sharding.shard_model`, the units ``task.fsdp_units(model)`` names; a
     collective), before the optimizer is built over its sharded parameters; the evaluator runs
-    the same sharded module. ``ValueError`` for an unknown strategy or ``precision="fp16"`` with
-    ``"fsdp"``.
+    the same sharded module. An evaluator alone (``train=False``) on several ranks with ``"fsdp"``
+    shards its model the same way (each rank holds its shards; a checkpoint of any world size loads
+    resharded into it): the sidecar of several ranks, ``cadence evaluate --nproc``. ``ValueError`` for
+    an unknown strategy or ``precision="fp16"`` with ``"fsdp"``.
 
     Build order when ``train``: the model, ``task.build_optimizer(model)``, the train input
     (``task.build_inputs("train", ctx)``), then ``task.configure_lr_scheduler(optimizer, plan)`` with
@@ -144,7 +149,7 @@ def build_runners(
         apply_activation_checkpointing(model, task.fsdp_units(model), activation_checkpointing.every,
                                        declared_by=f"{type(task).__name__}.fsdp_units")
     if compile_config is not None:
-        compile_model(task, model, compile_config, per_unit=train and strategy == "fsdp" and ctx.world_size > 1)
+        compile_model(task, model, compile_config, per_unit=strategy == "fsdp" and ctx.world_size > 1 and (train or evaluate))
     trainer = None
     if train:
         # DDP's parameters are the module's own tensors: the optimizer built on the module updates
@@ -180,6 +185,13 @@ def build_runners(
             mesh=configured,
         )
     evaluator = None
+    if evaluate and not train and strategy == "fsdp" and ctx.world_size > 1 and ctx.mesh is None:
+        # an evaluation of its own on several ranks (the sidecar, `cadence evaluate --nproc`): the
+        # model sharded over them as training shards it; checkpoints load resharded into it
+        model = sharding.shard_model(model, task.fsdp_units(model), ctx, resolve_precision(precision, ctx.device).name,
+                                     declared_by=f"{type(task).__name__}.fsdp_units")
+        if ctx.is_chief:
+            logger.info("evaluating on %d ranks: the model sharded over them (FSDP2)", ctx.world_size)
     if evaluate:
         step_fn = (lambda: trainer.global_step) if trainer is not None else None
         if trainer is not None:
@@ -207,11 +219,15 @@ def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: b
     seed_everything(t.seed)
     task = build_task(cfg)
     ctx = Context.create(device=device or t.device, seed=t.seed)
-    # the mesh is training's: an evaluation or export (train=False) loads the checkpoint into a plain model
+    # the mesh is training's: an evaluation or export (train=False) loads the checkpoint into a plain
+    # model, sharded with FSDP2 over its ranks (1-D, no TP) when it has several and training shards
     degrees = attach_mesh(task, ctx, t.parallel) if t.parallel is not None and train else None
+    strategy = t.strategy
+    if not train and t.parallel is not None:
+        strategy = "fsdp" if t.parallel.dp_shard != 1 or t.parallel.tp != 1 else "ddp"
     trainer, evaluator = build_runners(
         task, ctx, precision=precision or t.precision, grad_accum_steps=t.grad_accum_steps,
-        grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate, strategy=t.strategy,
+        grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate, strategy=strategy,
         lr_schedule=_lr_schedule(cfg), ema=t.ema,
         peak_tflops=t.peak_tflops, log_throughput=t.log_throughput, compile_config=t.compile if compile_model else None,
         activation_checkpointing=t.activation_checkpointing,

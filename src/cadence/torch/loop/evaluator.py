@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from cadence.torch.components.metrics import TorchMetricsReducer, as_reducer
 from cadence.torch.components.precision import resolve_precision
 from cadence.torch.checkpoint_io.kinds import is_sharded_checkpoint
 from cadence.torch.parallel.replicas import sync_buffers
-from cadence.torch.parallel.sharding import unsharded
+from cadence.torch.parallel.sharding import is_sharded, load_full_model, unsharded
 from cadence.torch.checkpoint_io.state import MODEL_FILE, load_model_safetensors
 from cadence.torch.runtime.rng import RNGSnapshot
 from cadence.torch.task.task import Task
@@ -384,9 +385,10 @@ class TorchEvaluator:
             from cadence.torch.checkpoint_io import sharded as sharded_checkpoint
 
             sharded_checkpoint.load_model(source, self.model, storage_options=reader.storage_options)
-        else:
+        else:  # into a sharded model (a sidecar of several ranks), each rank keeps its shards
+            load = functools.partial(load_full_model, self.model) if is_sharded(self.model) else None
             load_model_safetensors(self.model, reader.view(MODEL_FILE),
-                                   source=f"{source}/{MODEL_FILE}" if source else MODEL_FILE)
+                                   source=f"{source}/{MODEL_FILE}" if source else MODEL_FILE, load=load)
         if self.ema is not None:
             self.ema.load_checkpoint(reader)
         step = state.get("global_step") if isinstance(state, Mapping) else None
