@@ -1,6 +1,7 @@
 """``trainer.parallel`` (a device mesh) on gloo CPU processes: tensor parallelism alone (2 ranks), with
 FSDP over the data-parallel ranks (4 ranks: dp_shard 2 x tp 2), HSDP (dp_replicate 2 x dp_shard 2); the
-ranks of a TP group read the same batches, data-parallel ranks different ones; a TP run resumes exactly;
+ranks of a TP group read the same batches, data-parallel ranks different ones; a TP run killed with
+kill -9 resumes exactly;
 degrees that do not fit the world are one line, exit 2, before the model dir is written."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from cli_run import checkpoint_weights, run_cadence, same_weights
+from cli_run import checkpoint_weights, killed_after, run_cadence, same_weights
 from configs import write_config
 
 cadence = partial(run_cadence, env={"COLUMNS": "200"})
@@ -61,14 +62,14 @@ def test_hsdp_splits_the_data_over_all_four_data_parallel_ranks(tmp_path):
     assert len(shards(tmp_path / "run" / "checkpoints" / "ckpt-4")) == 4
 
 
-def test_a_tp_run_resumed_from_its_checkpoint_ends_bit_identical(tmp_path):
+def test_a_tp_run_killed_with_kill_9_resumes_bit_identical(tmp_path):
     seen = tmp_path / "seen"
     seen.mkdir()
     config = write_config(tmp_path, TASK, params={"digest_dir": str(seen)},
-                          trainer={"train_steps": 12, "checkpoint_interval": 6, "parallel": {"tp": 2}})
+                          trainer={"train_steps": 12, "checkpoint_interval": 4, "parallel": {"tp": 2}})
     train(config, tmp_path / "straight", 2)
     assert digests(seen, 2)[0] == digests(seen, 2)[1]
-    train(config, tmp_path / "run", 2, "trainer.train_steps=6")
+    killed_after(config, tmp_path / "run", 4, 12, "--nproc", "2")  # both ranks SIGKILLed after ckpt-4
     train(config, tmp_path / "run", 2)
     assert same_weights(checkpoint_weights(tmp_path / "run" / "checkpoints" / "ckpt-12"),
                         checkpoint_weights(tmp_path / "straight" / "checkpoints" / "ckpt-12"))
