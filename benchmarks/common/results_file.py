@@ -65,3 +65,19 @@ def run_on_this_machine(title: str, script: str, run: Callable[[], dict[str, Any
                        f"Reproduce: `OMP_NUM_THREADS=1 python benchmarks/{script} "
                        f"--out benchmarks/results/{results or Path(script).stem}.md`.\n"), *markdown_lines(result)])
     return text, result
+
+
+def quick_main(doc: str, title: str, script: str, run: Callable[..., dict[str, Any]],
+               markdown_lines: Callable[[dict[str, Any]], list[str]]) -> None:
+    """The command line of a benchmark that takes ``--quick`` and ``--out`` alone: ``run(quick=...)``
+    on this machine (:func:`run_on_this_machine`), its page printed and written (:func:`write_results`).
+    ``doc``: the benchmark module's docstring (its first paragraph describes the command)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short run (smoke test)")
+    parser.add_argument("--out", default=None, help="write the table here (and the JSON next to it)")
+    args = parser.parse_args()
+    text, result = run_on_this_machine(title, script, lambda: run(quick=args.quick), markdown_lines)
+    print(text)
+    write_results(args.out, text, result)

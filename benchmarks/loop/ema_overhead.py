@@ -21,7 +21,6 @@ runs it as ``ema``.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ if __name__ == "__main__":  # run as a file: the checkout's root, not this folde
     sys.path[0] = str(Path(__file__).resolve().parents[2])  # (imports `benchmarks`: see its __init__)
 
 from benchmarks.loop import overhead as loop_overhead  # noqa: E402  (the loop benchmark's model and task)
-from benchmarks.common.results_file import run_on_this_machine, write_results  # noqa: E402
+from benchmarks.common.results_file import quick_main  # noqa: E402
 
 WARMUP = 20
 FULL = {"mlp": {"steps": 2000, "repeats": 11}, "charlm": {"steps": 200, "repeats": 7}}
@@ -169,13 +168,7 @@ def markdown_lines(r: dict) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a short run (smoke test)")
-    parser.add_argument("--out", default=None, help="write the table here (and the JSON next to it)")
-    args = parser.parse_args()
-    text, result = run_on_this_machine("EMA overhead", "loop/ema_overhead.py", lambda: run(quick=args.quick), markdown_lines)
-    print(text)
-    write_results(args.out, text, result)
+    quick_main(__doc__, "EMA overhead", "loop/ema_overhead.py", run, markdown_lines)
 
 
 if __name__ == "__main__":

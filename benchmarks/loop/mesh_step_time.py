@@ -19,7 +19,6 @@ and a step of one process is a few ms. ``benchmarks/run.py`` runs it as ``mesh``
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,7 +30,7 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a file: the checkout's root, not this folder, first on sys.path
     sys.path[0] = str(Path(__file__).resolve().parents[2])  # (imports `benchmarks`: see its __init__)
 
-from benchmarks.common.results_file import run_on_this_machine, write_results  # noqa: E402
+from benchmarks.common.results_file import quick_main  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "mesh_step_time_worker.py"
 WARMUP = 5
@@ -90,14 +89,7 @@ def markdown_lines(r: dict) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a short run (smoke test)")
-    parser.add_argument("--out", default=None, help="write the table here (and the JSON next to it)")
-    args = parser.parse_args()
-    text, result = run_on_this_machine("step time on a device mesh", "loop/mesh_step_time.py",
-                                       lambda: run(quick=args.quick), markdown_lines)
-    print(text)
-    write_results(args.out, text, result)
+    quick_main(__doc__, "step time on a device mesh", "loop/mesh_step_time.py", run, markdown_lines)
 
 
 if __name__ == "__main__":

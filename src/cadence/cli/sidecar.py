@@ -20,7 +20,7 @@ from typing import Any
 
 from rich.console import Console
 
-from cadence.cli.torchrun import end_distributed, env_rank, train_with_torchrun
+from cadence.cli.torchrun import end_distributed, env_rank, restarts, train_with_torchrun
 from cadence.cluster import slurm
 
 logger = logging.getLogger("cadence")
@@ -110,11 +110,7 @@ def _json(result: Any) -> str:
 
 def _log_restart() -> None:
     """In the chief of a sidecar that torchrun restarted: say so, and where it resumes."""
-    try:
-        count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        limit = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    except ValueError:
-        return
+    count, limit = restarts()
     if count > 0:
         logger.warning("torchrun restarted the sidecar after a failure (restart %d of --max-restarts %d): it "
                        "resumes %s", count, limit, RESUMES)

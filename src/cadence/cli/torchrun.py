@@ -263,14 +263,21 @@ def train_with_torchrun(args: argparse.Namespace, cfg: ExperimentConfig, console
     return code
 
 
-def log_restart() -> None:
-    """In a worker of a torchrun job that restarted (``TORCHELASTIC_RESTART_COUNT`` > 0, this node's
-    agent's count): say so, once per node (each node's local rank 0 calls it)."""
+def restarts() -> tuple[int, int]:
+    """In a worker of a torchrun job: ``(restart, max_restarts)``, this node's agent's count of the
+    job's restarts so far (``TORCHELASTIC_RESTART_COUNT``) and its ``--max-restarts``; ``(0, 0)``
+    outside torchrun or when they cannot be read."""
     try:
-        count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        limit = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+        return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+                int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0))
     except ValueError:
-        return
+        return 0, 0
+
+
+def log_restart() -> None:
+    """In a worker of a torchrun job that restarted (:func:`restarts`): say so, once per node (each
+    node's local rank 0 calls it)."""
+    count, limit = restarts()
     if count > 0:
         logger.warning("torchrun restarted the job after a failure (restart %d of --max-restarts %d): resuming "
                        "from the latest committed checkpoint", count, limit)
