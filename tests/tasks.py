@@ -65,7 +65,9 @@ class TinyTask(Task):
         self.hidden = hidden
         self.outputs = outputs
         if pid_dir is not None:  # lets a test signal one rank of a multi-process job
-            Path(pid_dir, f"rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
+            group = os.environ.get("CADENCE_REPLICA_ID")  # a fault-tolerant replica group's process
+            name = f"group{group}" if group is not None else f"rank{os.environ.get('RANK', '0')}"
+            Path(pid_dir, name).write_text(str(os.getpid()))
         self.step_sleep = step_sleep
         self.hold_file = hold_file
         self.eval_sleep = eval_sleep
@@ -87,8 +89,10 @@ class TinyTask(Task):
 
     def build_inputs(self, split, ctx):
         if split == "train":
+            # fault-tolerant replica groups split the data over all of them (ctx.data_shard)
+            rank, world = (ctx.data_shard() if ctx.replica_groups > 1 else (ctx.rank, ctx.world_size))
             return ResumableLoader(self.train_set, self.batch_size, shuffle=self.shuffle, seed=ctx.seed,
-                                   rank=ctx.rank, world_size=ctx.world_size, drop_last=ctx.world_size > 1)
+                                   rank=rank, world_size=world, drop_last=world > 1)
         return DataLoader(ctx.wrap_dataset(self.val_set), batch_size=16)
 
     def example_inputs(self):
