@@ -43,6 +43,11 @@ class FaultToleranceConfig(ConfigModel):
         default=1.0, gt=0,
         description=("The lighthouse's wait for late groups before it forms a quorum without them "
                      "(`cadence launch --replicas` passes it as `--join_timeout_ms`)."))
+    heartbeat_timeout_s: float = Field(
+        default=5.0, gt=0,
+        description=("How long the lighthouse counts a silent group as alive (`--heartbeat_timeout_ms`). With 2 "
+                     "groups the survivor waits this long after a loss: a quorum needs more than half of the "
+                     "groups the lighthouse counts as alive (torchft's split-brain rule)."))
 
     @model_validator(mode="after")
     def _check_counts(self) -> FaultToleranceConfig:

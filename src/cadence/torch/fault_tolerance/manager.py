@@ -5,6 +5,7 @@ reached within ``connect_timeout_s``, before any step."""
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from typing import Any, Callable
@@ -17,6 +18,7 @@ __all__ = ["build_manager", "import_torchft"]
 
 def import_torchft() -> Any:
     """The ``torchft`` module; a :class:`ConfigError` naming the ``ft`` extra when it is missing."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum and commit at info
     try:
         import torchft
     except ImportError as exc:
@@ -41,6 +43,9 @@ def build_manager(config: FaultToleranceConfig, replica_id: int,
     group's TCPStore, which must live as long as the manager."""
     torchft = import_torchft()
     from torch.distributed import TCPStore
+
+    # torchft warns at every new quorum that NCCL's flight recorder cannot be reset: nothing to do on gloo
+    logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
 
     address = lighthouse_address(config)
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
