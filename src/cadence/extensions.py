@@ -45,8 +45,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from cadence.runtime.coordination import Coordinator
 
 __all__ = ["Action", "Callback", "ChecksOutputs", "Closeable", "Composite", "EndsTraining", "Evaluator", "GathersCheckpoint",
-           "Initializable", "JoinsPeers", "Logs", "NamedInCheckpoint", "PlansSteps", "ReportsSteps", "RunAware", "RunContext", "Stateful",
-           "StepEnd", "Trainer"]
+           "Initializable", "JoinsPeers", "Logs", "NamedInCheckpoint", "PlansSteps", "ReportsSteps", "RunAware", "RunContext",
+           "Stateful", "StepEnd", "Trainer"]
 
 JSON = Any
 Logs = Mapping[str, Any]

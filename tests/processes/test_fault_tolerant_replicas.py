@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_run import ENV, checkpoint_weights, popen, run_cadence
+from cli_run import checkpoint_weights, popen, run_cadence
 from configs import write_config
 
 pytest.importorskip("torchft")

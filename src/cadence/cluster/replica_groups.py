@@ -6,8 +6,9 @@ with its ``trainer.fault_tolerance.replica_id`` and the lighthouse's address. Gr
 model dir (its chief alone commits the run's checkpoints); group ``r > 0`` in
 ``MODEL_DIR/replicas/group<r>``. A group that dies (a non-zero exit, a signal) is started again, at
 most ``max_restarts`` times; it heals from a live peer at its first step. Their output is streamed
-as ``[group<r>] line``; each group's process gets ``CADENCE_REPLICA_ID=<r>`` too (:mod:`cadence.cluster.launch`). Once every group has ended, the lighthouse
-is stopped. SIGINT / SIGTERM / SIGHUP stop everything (SIGTERM, then SIGKILL after ``grace_s``).
+as ``[group<r>] line`` (:mod:`cadence.cluster.launch`); each group's process gets
+``CADENCE_REPLICA_ID=<r>`` too. Once every group has ended, the lighthouse is stopped. SIGINT / SIGTERM /
+SIGHUP stop everything (SIGTERM, then SIGKILL after ``grace_s``).
 
 No torch here: the lighthouse is a separate program.
 """

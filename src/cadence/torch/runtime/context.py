@@ -257,8 +257,9 @@ class Context:
         """A loader for this rank.
 
         ``train=True``: a :class:`~cadence.torch.ResumableLoader` over the whole dataset, rank
-        ``dp_rank`` of ``dp_size`` (:meth:`data_shard`: over every replica group's ranks; its position, in global samples, is checkpointed; a resume on
-        another world size continues the same global order); ``shuffle`` defaults to True and
+        ``dp_rank`` of ``dp_size`` (:meth:`data_shard`: over every replica group's ranks; its position,
+        in global samples, is checkpointed; a resume on another world size continues the same global
+        order); ``shuffle`` defaults to True and
         ``drop_last`` to more than one shard (every rank then yields the same number of batches,
         which DDP needs). ``train=False``: a plain ``DataLoader`` over :meth:`wrap_dataset`
         (unpadded shards: per-rank metric states merge to the single-process value); ``shuffle``
