@@ -130,9 +130,10 @@ class EndsTraining(Protocol):
 @runtime_checkable
 class JoinsPeers(Protocol):
     """A trainer that may take a live peer's state mid-loop (a fault-tolerant replica group healing
-    from another group): its global step then jumps to the peer's. :attr:`loop_start_step` is where
-    its last ``train`` call's steps are counted from (the jump included), so the controller counts
-    that loop's steps, intervals and reports from there."""
+    from another group): its global step then jumps to the peer's, and the loop ends at the step it
+    was asked to reach (or one step past the peer's, if that is further). :attr:`loop_start_step` is
+    where its last ``train`` call's steps are counted from (the jump included), so the controller
+    counts that loop's steps, intervals and reports from there."""
 
     @property
     def loop_start_step(self) -> int: ...

@@ -245,8 +245,9 @@ class Controller:
             elapsed = time.perf_counter() - start
             self._session.after_loop()  # an asynchronous save that failed surfaces here
             after = self.global_step
-            if isinstance(trainer, JoinsPeers):  # healed from a peer: the loop counts from the peer's step
-                before = trainer.loop_start_step
+            if isinstance(trainer, JoinsPeers) and trainer.loop_start_step != before:  # healed from a peer
+                before = trainer.loop_start_step  # the loop counts from the peer's step, up to the step asked for
+                requested = min(requested, after - before)
             self._heartbeat.enter("actions", after)
             ended = until_exhausted or (isinstance(trainer, EndsTraining) and trainer.training_ended)
             exhausted = check_advance(before, after, requested, until_exhausted=ended)

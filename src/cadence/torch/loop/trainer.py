@@ -273,6 +273,7 @@ class TorchTrainer:
             while steps < num_steps:
                 optimizer.zero_grad(set_to_none=True)
                 if sync is not None and (healed := sync.start_step(start_step + steps)) is not None:
+                    num_steps = steps + max(1, start_step + num_steps - healed)  # to the step asked for, or one
                     self._global_step = start_step = healed - steps  # a live peer's state: go on from its step
                 if plain:
                     try:
