@@ -21,8 +21,10 @@ __all__ = ["healing_state", "load_healing_state"]
 
 
 def healing_state(parts: TrainerParts, global_step: int) -> dict[str, Any]:
-    """The state a healing peer loads: the tensors themselves (torchft's transport serialises them
-    while this group waits in its quorum, before its next forward pass changes anything)."""
+    """The state a healing peer loads: the tensors themselves. torchft's HTTP transport serves them
+    until this group's commit vote, before which neither the parameters nor the optimizer state
+    change; buffers that a forward pass updates (BatchNorm's statistics) may be sent as that step's
+    forward pass left them."""
     return {
         "global_step": global_step,
         "model": unwrap_model(parts.model).state_dict(),

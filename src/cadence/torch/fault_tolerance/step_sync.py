@@ -75,6 +75,9 @@ class ReplicaSync:
         return healing_state(self._parts, self._step)
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
+        checkpoint = getattr(self._parts, "_checkpoint", None)  # a TorchTrainer's: a pipelined snapshot's copy
+        if checkpoint is not None:
+            checkpoint.fence.wait()  # finishes before the state is replaced
         self._healed = load_healing_state(self._parts, state)
         log.info("replica group %d healed from a live peer at step %d", self.replica_id, self._healed)
 
