@@ -50,7 +50,9 @@ class TinyTask(Task):
     ``step_sleep`` slows each step down so a test can kill the process mid-run.
     ``hold_file``: while that file exists, each step waits (a test holds a run mid-way, then lets it go).
     ``eval_sleep`` slows each validation batch down (a slow sidecar).
-    ``pid_dir`` gets a file ``rank<N>`` with each process's pid.
+    ``pid_dir`` gets a file ``rank<N>`` with each process's pid (``group<R>`` for a fault-tolerant replica
+    group's); ``restart_sleep``: a process that finds its file there already (a restarted one) first
+    sleeps that long, as a restart on a cluster takes a while.
     ``poison_index`` puts a NaN into that training sample (and turns shuffling off, so the step
     that meets it is known): its batch gives a NaN loss.
     ``hidden`` is the width of the hidden layer (a bigger checkpoint), ``outputs`` that of the head (the
@@ -60,12 +62,16 @@ class TinyTask(Task):
 
     def __init__(self, step_sleep: float = 0.0, batch_size: int = 8, n: int = 200,
                  poison_index: int | None = None, eval_sleep: float = 0.0, pid_dir: str | None = None,
-                 hidden: int = 16, hold_file: str | None = None, outputs: int = 2) -> None:
+                 hidden: int = 16, hold_file: str | None = None, outputs: int = 2, restart_sleep: float = 0.0) -> None:
         super().__init__()
         self.hidden = hidden
         self.outputs = outputs
         if pid_dir is not None:  # lets a test signal one rank of a multi-process job
-            Path(pid_dir, f"rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
+            group = os.environ.get("CADENCE_REPLICA_ID")  # a fault-tolerant replica group's process
+            name = f"group{group}" if group is not None else f"rank{os.environ.get('RANK', '0')}"
+            if restart_sleep and Path(pid_dir, name).exists():
+                time.sleep(restart_sleep)
+            Path(pid_dir, name).write_text(str(os.getpid()))
         self.step_sleep = step_sleep
         self.hold_file = hold_file
         self.eval_sleep = eval_sleep
@@ -87,8 +93,10 @@ class TinyTask(Task):
 
     def build_inputs(self, split, ctx):
         if split == "train":
+            # fault-tolerant replica groups split the data over all of them (ctx.data_shard)
+            rank, world = (ctx.data_shard() if ctx.replica_groups > 1 else (ctx.rank, ctx.world_size))
             return ResumableLoader(self.train_set, self.batch_size, shuffle=self.shuffle, seed=ctx.seed,
-                                   rank=ctx.rank, world_size=ctx.world_size, drop_last=ctx.world_size > 1)
+                                   rank=rank, world_size=world, drop_last=world > 1)
         return DataLoader(ctx.wrap_dataset(self.val_set), batch_size=16)
 
     def example_inputs(self):

@@ -45,8 +45,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from cadence.runtime.coordination import Coordinator
 
 __all__ = ["Action", "Callback", "ChecksOutputs", "Closeable", "Composite", "EndsTraining", "Evaluator", "GathersCheckpoint",
-           "Initializable", "Logs", "NamedInCheckpoint", "PlansSteps", "ReportsSteps", "RunAware", "RunContext", "Stateful",
-           "StepEnd", "Trainer"]
+           "Initializable", "JoinsPeers", "Logs", "NamedInCheckpoint", "PlansSteps", "ReportsSteps", "RunAware", "RunContext",
+           "Stateful", "StepEnd", "Trainer"]
 
 JSON = Any
 Logs = Mapping[str, Any]
@@ -125,6 +125,18 @@ class EndsTraining(Protocol):
 
     @property
     def training_ended(self) -> bool: ...
+
+
+@runtime_checkable
+class JoinsPeers(Protocol):
+    """A trainer that may take a live peer's state mid-loop (a fault-tolerant replica group healing
+    from another group): its global step then jumps to the peer's, and the loop ends at the step it
+    was asked to reach (or one step past the peer's, if that is further). :attr:`loop_start_step` is
+    where its last ``train`` call's steps are counted from (the jump included), so the controller
+    counts that loop's steps, intervals and reports from there."""
+
+    @property
+    def loop_start_step(self) -> int: ...
 
 
 @runtime_checkable

@@ -43,7 +43,8 @@ _GRACE = Bound("--grace", 0, seconds=True)
 BOUNDS: dict[str, dict[str, Bound]] = {
     "train": {"nproc": _NPROC, "nnodes": Bound("--nnodes", 1), "max_restarts": Bound("--max-restarts", 0)},
     "evaluate": {"nproc": _NPROC, "nnodes": Bound("--nnodes", 1), "max_restarts": Bound("--max-restarts", 0)},
-    "launch": {"nproc": _NPROC, "sidecar_nproc": Bound("--sidecar-nproc", 1), "grace": _GRACE},
+    "launch": {"nproc": _NPROC, "sidecar_nproc": Bound("--sidecar-nproc", 1), "grace": _GRACE,
+               "replicas": Bound("--replicas", 1), "max_restarts": Bound("--max-restarts", 0)},
     "smoke": {"steps": Bound("--steps", 1)},
     "sweep": {"trials": Bound("--trials", 1), "parallel": Bound("--parallel", 1), "grace": _GRACE},
 }

@@ -98,10 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
         "a sidecar of several ranks", "with --continuous --nproc N, as cadence train's multi-process flags; under "
         "an external torchrun or srun (one task per rank), leave these and --nproc out"))
 
-    launch = sub.add_parser("launch", help="train with a sidecar evaluator, as two processes on this machine")
+    launch = sub.add_parser("launch", help="train with a sidecar evaluator, or as fault-tolerant replica groups, "
+                                           "on this machine")
     add_config_args(launch, model_dir_required=False)
     launch.add_argument("--sidecar", action="store_true",
                         help="start the trainer and a continuous evaluator; stream both with a prefix")
+    launch.add_argument("--replicas", type=int, default=None, metavar="R",
+                        help="train as R fault-tolerant replica groups of one process each (torchft): starts the "
+                             "lighthouse and the groups, restarts a group that dies; group 0 commits the checkpoints")
+    launch.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                        help="with --replicas: restarts of each group at most (default 3)")
     launch.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
                         help="seconds between SIGTERM and SIGKILL when stopping them (default 30)")
     launch.add_argument("--nproc", type=int, default=None, metavar="N",

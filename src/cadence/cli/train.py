@@ -219,8 +219,12 @@ def _cmd_backfill(args: argparse.Namespace, console: Console, flags: dict[str, t
 
 
 def cmd_launch(args: argparse.Namespace, console: Console) -> int:
+    if args.replicas is not None:
+        from cadence.cli.launch_replicas import launch_replicas
+
+        return launch_replicas(args, console)
     if not args.sidecar:
-        raise ConfigError("launch: nothing to launch; add --sidecar")
+        raise ConfigError("launch: nothing to launch; add --sidecar or --replicas R")
     cfg = _load(args)  # a bad config fails here (exit 2), before anything starts
     if args.profile and cfg.profiler is None:  # both processes get it; only the trainer traces
         args.overrides.append("profiler={}")

@@ -21,6 +21,7 @@ from cadence.config.components.activation_checkpoint import (
 from cadence.config.components.compile import COMPILE_FORM, CompileConfig, compile_shorthand
 from cadence.config.components.ema import EMAConfig
 from cadence.config.components.lr_schedule import LRScheduleConfig
+from cadence.config.components.fault_tolerance import FaultToleranceConfig
 from cadence.config.components.parallel import ParallelConfig
 from cadence.config.components.slurm import SlurmConfig
 from cadence.config.intervals import INTERVAL_FORM, check_interval_value
@@ -149,6 +150,11 @@ class TrainerConfig(ConfigModel):
         description=("The device mesh: `{dp_replicate, dp_shard, tp}` degrees whose product is the world size "
                      "(one may be -1: the rest); HSDP with both `dp_` degrees > 1, tensor parallelism with `tp > 1` "
                      "(the Task's `parallelize`). Null: `trainer.strategy`'s 1-D mesh."),
+    )
+    fault_tolerance: FaultToleranceConfig | None = Field(
+        default=None,
+        description=("Fault-tolerant replica groups (torchft): each group a job of its own, a lost group costs the "
+                     "others the step in flight, a restarted one heals from a live peer. Null: off."),
     )
     grad_accum_steps: int = Field(
         default=1, ge=1, strict=True,

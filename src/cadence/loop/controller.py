@@ -16,7 +16,7 @@ from cadence.checkpoint.protocol import WritesShards
 from cadence.checkpoint.session import CheckpointSession
 from cadence.errors import StopTraining
 from cadence.extensions import (Action, Callback, Closeable, EndsTraining, Evaluator, GathersCheckpoint,
-                                RunAware, Trainer)
+                                JoinsPeers, RunAware, Trainer)
 from cadence.loop.hooks import CallbackHooks
 from cadence.loop.members import components
 from cadence.loop.reports import LoopReports
@@ -245,6 +245,9 @@ class Controller:
             elapsed = time.perf_counter() - start
             self._session.after_loop()  # an asynchronous save that failed surfaces here
             after = self.global_step
+            if isinstance(trainer, JoinsPeers) and trainer.loop_start_step != before:  # healed from a peer
+                before = trainer.loop_start_step  # the loop counts from the peer's step, up to the step asked for
+                requested = min(requested, after - before)
             self._heartbeat.enter("actions", after)
             ended = until_exhausted or (isinstance(trainer, EndsTraining) and trainer.training_ended)
             exhausted = check_advance(before, after, requested, until_exhausted=ended)

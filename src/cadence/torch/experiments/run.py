@@ -72,6 +72,8 @@ class Run:
             self.watchdog.stop()
         if isinstance(self.controller.trainer, TorchTrainer):
             self.controller.trainer.close_data()
+            if self.controller.trainer.replicas is not None:  # leaves the replica groups' quorum
+                self.controller.trainer.replicas.close()
         if self.writer_lease is None:
             return
         if self.footprint is not None and is_refusal(error) and self._untouched():

@@ -225,6 +225,11 @@ def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: b
     strategy = t.strategy
     if not train and t.parallel is not None:
         strategy = "fsdp" if t.parallel.dp_shard != 1 or t.parallel.tp != 1 else "ddp"
+    ft = t.fault_tolerance if train else None  # fault-tolerant replica groups: training's only
+    if ft is not None:  # before the train data is built: it is split over every group
+        from cadence.torch.fault_tolerance import join_replica_groups
+
+        join_replica_groups(ft, ctx)
     trainer, evaluator = build_runners(
         task, ctx, precision=precision or t.precision, grad_accum_steps=t.grad_accum_steps,
         grad_clip_norm=t.grad_clip_norm, train=train, evaluate=evaluate, strategy=strategy,
@@ -235,6 +240,10 @@ def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: b
         pipelined_snapshots=cfg.checkpoint.pipelined,
         init_from_pretrained=cfg.task.init_from_pretrained, degrees=degrees,
     )
+    if ft is not None and trainer is not None:
+        from cadence.torch.fault_tolerance import ReplicaSync
+
+        trainer.replicas = ReplicaSync(ft, trainer)  # reaches the lighthouse now
     return task, ctx, trainer, evaluator
 
 

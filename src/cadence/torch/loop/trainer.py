@@ -19,6 +19,7 @@ from cadence.torch.components.ema import ModelEMA
 from cadence.torch.components.precision import resolve_precision
 from cadence.torch.components.throughput import ThroughputMeter
 from cadence.torch.data.batch import move_to_device
+from cadence.torch.loop.forward_backward import forward_backward as run_forward_backward
 from cadence.torch.loop.train_data import TrainData
 from cadence.torch.loop.trainer_checkpoint import TrainerCheckpoint
 from cadence.torch.loop.trainer_snapshot import TrainerSnapshot
@@ -69,7 +70,8 @@ class TorchTrainer:
     an asynchronous save's copy runs beside the next step (see :meth:`snapshot_checkpoint`).
     ``initial_weights``: loads a fresh start's weights into the unwrapped model before
     ``Task.initialize`` (``task.init_from_pretrained``; see :meth:`initialize`). ``mesh``: ``trainer.parallel``'s
-    degrees, saved in each checkpoint (a resume on another mesh says so).
+    degrees, saved in each checkpoint (a resume on another mesh says so). :attr:`replicas`, when set: fault-tolerant
+    replica groups (:class:`~cadence.torch.fault_tolerance.ReplicaSync`: each step's quorum, healing, average, vote).
 
     A re-iterable ``train_data`` (a ``DataLoader``) that runs out mid-loop starts its next epoch
     (``set_epoch`` on it or its sampler first); ``max_epochs`` (``None``: no bound) ends the data
@@ -136,12 +138,13 @@ class TorchTrainer:
         self.pipelined_snapshots = pipelined_snapshots
         self.initial_weights = initial_weights
         self._step_end: StepEnd | None = None
-        self._global_step = 0
+        self._global_step = self._loop_start = 0
         self._checkpoint = TrainerCheckpoint(self, sharded=self._sharded, mesh=mesh)  # what checkpoints hold
         if ema is not None:
             ema.fence = self._checkpoint.fence  # its swap waits for a pipelined snapshot's copy
         self._meter = ThroughputMeter(task, ctx, self.precision.name, peak_tflops,  # samples, tokens, FLOPs
                                       enabled=log_throughput)
+        self.replicas: Any = None  # fault-tolerant replica groups: a ReplicaSync (cadence.torch.fault_tolerance)
 
     # -- protocol ------------------------------------------------------------------------------
 
@@ -149,6 +152,11 @@ class TorchTrainer:
     def global_step(self) -> int:
         """Optimizer steps taken so far (restored from checkpoints)."""
         return self._global_step
+
+    @property
+    def loop_start_step(self) -> int:
+        """:class:`~cadence.extensions.JoinsPeers`: where the last :meth:`train` counted from (healed: a peer's)."""
+        return self._loop_start
 
     @property
     def training_ended(self) -> bool:
@@ -192,7 +200,8 @@ class TorchTrainer:
         self.task.initialize(module)
         if self.ctx.world_size > 1:
             broadcast_unsharded(module)
-            seed_everything(rank_seed(self.ctx.seed, self.ctx.dp_rank, 0))
+        if self.ctx.world_size > 1 or self.ctx.replica_groups > 1:  # every data shard its own draws
+            seed_everything(rank_seed(self.ctx.seed, self.ctx.data_shard()[0], 0))
         if self.ema is not None:
             self.ema.reset()  # from the initial weights (the same on every rank)
 
@@ -246,12 +255,12 @@ class TorchTrainer:
         # The common case (one micro-batch, full precision, no scaler) runs inline: no per-step calls
         # beyond the task's train_step, backward and the optimizer.
         plain = k == 1 and autocast is None and scaler is None and not place
-        train_step, forward_backward, step_optimizer = task.train_step, self._forward_backward, optimizer.step
+        train_step, forward_backward, step_optimizer = task.train_step, run_forward_backward, optimizer.step
         heartbeat = self.ctx.heartbeat  # the watchdog's: one beat per step
         # A pipelined snapshot's copy runs beside this loop's first forward and backward passes (it
         # starts now), and is waited for before the first optimizer step (cadence.torch.checkpoint_io.pipelined).
         fence = self._checkpoint.fence if self._checkpoint.fence.resume() else None
-        step_end, start_step = self._step_end, self._global_step
+        step_end, start_step, sync = self._step_end, self._global_step, self.replicas
         count = self._meter.start_loop()  # samples and tokens: one Python call per batch (None: off)
         # Detached per-micro-batch losses stay on the device until the end (no per-step sync).
         losses: list[torch.Tensor] = []
@@ -261,8 +270,11 @@ class TorchTrainer:
         lr_group, trained_lr = optimizer.param_groups[0], None  # the rate of the last step, read before the scheduler's
         model.train()
         try:
-            for _ in range(num_steps):
+            while steps < num_steps:
                 optimizer.zero_grad(set_to_none=True)
+                if sync is not None and (healed := sync.start_step(start_step + steps)) is not None:
+                    num_steps = steps + max(1, start_step + num_steps - healed)  # to the step asked for, or one
+                    self._global_step = start_step = healed - steps  # a live peer's state: go on from its step
                 if plain:
                     try:
                         batch = next(it)
@@ -318,6 +330,9 @@ class TorchTrainer:
                 if fence is not None:
                     fence.wait()
                     fence = None
+                if sync is not None and not sync.commit():  # a group was lost in this step: run it again
+                    del losses[-k:]
+                    continue
                 if scaler is not None:
                     if clip is not None:
                         scaler.unscale_(optimizer)
@@ -347,6 +362,7 @@ class TorchTrainer:
         finally:
             self._data.batches_consumed += consumed
             self._global_step += steps
+            self._loop_start = start_step
 
         logs: dict[str, float] = {}
         if steps:
@@ -363,6 +379,7 @@ class TorchTrainer:
         if self._data.reiterable and (self._data.epoch or self._data.max_epochs is not None):
             logs["epoch"] = float(self._data.epoch)
         logs.update(self._meter.end_loop())
+        logs.update(sync.loop_logs() if sync is not None else {})  # replicas, replica_retries
         return logs
 
     def _epoch_started(self) -> None:
@@ -378,23 +395,6 @@ class TorchTrainer:
         (``Task.flops_per_sample()``, else counted once on the meta device when the peak is known)
         and the device's peak FLOP/s; see :class:`~cadence.torch.components.throughput.ThroughputMeter`."""
         return self._meter.loop_work()
-
-    @staticmethod
-    def _forward_backward(
-        task: Task, model: nn.Module, batch: Any, autocast: Any, scaler: Any, k: int
-    ) -> tuple[torch.Tensor, Mapping[str, Any] | None]:
-        if autocast is None:
-            out = task.train_step(model, batch)
-        else:
-            with autocast():
-                out = task.train_step(model, batch)
-        loss, extras = split_output(task, out)
-        backward_loss = loss / k if k > 1 else loss
-        if scaler is not None:
-            backward_loss = scaler.scale(backward_loss)
-        backward_loss.backward()
-        loss = loss.detach()
-        return (loss.reshape(()) if loss.dim() else loss), extras
 
     # -- checkpoints (see :mod:`cadence.torch.loop.trainer_checkpoint`) -----------------------------
 

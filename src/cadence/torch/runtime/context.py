@@ -74,6 +74,15 @@ class Context:
     tensor-parallel group share it and read the same batches."""
     dp_size: int = -1
     """The number of data-parallel ranks (default: ``world_size``), over which the data is split."""
+    replica_group: int = 0
+    replica_groups: int = 1
+    """Fault-tolerant replica groups (``trainer.fault_tolerance``): this process's group and their
+    number; each group is a job of its own, and :meth:`data_shard` splits the data over all of them."""
+
+    def data_shard(self) -> tuple[int, int]:
+        """``(index, count)``: this rank's share of the data over every replica group's
+        data-parallel ranks; ``(dp_rank, dp_size)`` without replica groups."""
+        return self.replica_group * self.dp_size + self.dp_rank, self.replica_groups * self.dp_size
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -248,9 +257,10 @@ class Context:
         """A loader for this rank.
 
         ``train=True``: a :class:`~cadence.torch.ResumableLoader` over the whole dataset, rank
-        ``dp_rank`` of ``dp_size`` (its position, in global samples, is checkpointed; a resume on
-        another world size continues the same global order); ``shuffle`` defaults to True and
-        ``drop_last`` to ``world_size > 1`` (every rank then yields the same number of batches,
+        ``dp_rank`` of ``dp_size`` (:meth:`data_shard`: over every replica group's ranks; its position,
+        in global samples, is checkpointed; a resume on another world size continues the same global
+        order); ``shuffle`` defaults to True and
+        ``drop_last`` to more than one shard (every rank then yields the same number of batches,
         which DDP needs). ``train=False``: a plain ``DataLoader`` over :meth:`wrap_dataset`
         (unpadded shards: per-rank metric states merge to the single-process value); ``shuffle``
         defaults to False. ``seed`` defaults to :attr:`seed`. ``batch_size`` is per rank. Extra
@@ -260,9 +270,10 @@ class Context:
         if train:
             from cadence.torch.data.loaders import ResumableLoader
 
-            kwargs.setdefault("drop_last", self.world_size > 1)
+            index, count = self.data_shard()
+            kwargs.setdefault("drop_last", count > 1)
             return ResumableLoader(dataset, batch_size, shuffle=True if shuffle is None else shuffle, seed=seed,
-                                   rank=self.dp_rank, world_size=self.dp_size, **kwargs)
+                                   rank=index, world_size=count, **kwargs)
         if shuffle and "generator" not in kwargs:
             kwargs["generator"] = torch.Generator().manual_seed(seed)
         return DataLoader(self.wrap_dataset(dataset), batch_size=batch_size, shuffle=bool(shuffle), **kwargs)

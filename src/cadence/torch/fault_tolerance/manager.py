@@ -1,0 +1,68 @@
+"""The torchft ``Manager`` of one replica group (one process in this version): its own TCPStore on
+127.0.0.1 (``MASTER_ADDR`` when set), a reconfigurable gloo process group over the groups, and the
+connection to the lighthouse -- one :class:`~cadence.errors.ConfigError` line when it cannot be
+reached within ``connect_timeout_s``, before any step."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any, Callable
+
+from cadence.config.components.fault_tolerance import LIGHTHOUSE_ENV, FaultToleranceConfig
+from cadence.errors import ConfigError
+
+__all__ = ["build_manager", "import_torchft"]
+
+
+def import_torchft() -> Any:
+    """The ``torchft`` module; a :class:`ConfigError` naming the ``ft`` extra when it is missing."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum and commit at info
+    try:
+        import torchft
+    except ImportError as exc:
+        raise ConfigError(f"trainer.fault_tolerance needs torchft (pip install 'cadence[ft]'): {exc}") from None
+    return torchft
+
+
+def lighthouse_address(config: FaultToleranceConfig) -> str:
+    """``config.lighthouse``, else ``TORCHFT_LIGHTHOUSE``; a :class:`ConfigError` when neither is set."""
+    address = config.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+    if not address:
+        raise ConfigError(f"trainer.fault_tolerance: no lighthouse address (set trainer.fault_tolerance.lighthouse "
+                          f"or {LIGHTHOUSE_ENV}, or start the groups with cadence launch --replicas)")
+    return address
+
+
+def build_manager(config: FaultToleranceConfig, replica_id: int,
+                  state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> tuple[Any, Any]:
+    """A ``torchft.Manager`` for group ``replica_id`` with the healing callbacks, the quorum taken
+    synchronously at each step's start (a healing group loads the peer's state before its forward
+    pass and takes part in that step), and ``min_replica_size = config.min_replicas``; with the
+    group's TCPStore, which must live as long as the manager."""
+    torchft = import_torchft()
+    from torch.distributed import TCPStore
+
+    # torchft warns at every new quorum that NCCL's flight recorder cannot be reset: nothing to do on gloo
+    logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
+
+    address = lighthouse_address(config)
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)  # this group's own (one process)
+    timeout = timedelta(seconds=config.timeout_s)
+    try:
+        manager = torchft.Manager(
+            pg=torchft.ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
+            min_replica_size=config.min_replicas, use_async_quorum=False, timeout=timeout,
+            quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=config.connect_timeout_s), rank=0, world_size=1,
+            store_addr=host, store_port=store.port, lighthouse_addr=address, replica_id=f"group_{replica_id}",
+        )
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "failed to connect" in first:
+            raise ConfigError(f"trainer.fault_tolerance: cannot reach the lighthouse at {address} within "
+                              f"{config.connect_timeout_s:g} s ({first.split(': ')[-1]})") from None
+        raise
+    return manager, store

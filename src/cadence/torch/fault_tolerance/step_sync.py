@@ -1,0 +1,131 @@
+"""One replica group's side of each fault-tolerant step (:class:`ReplicaSync`), run by
+:class:`~cadence.torch.loop.trainer.TorchTrainer` when ``trainer.fault_tolerance`` is set:
+
+1. :meth:`ReplicaSync.start_step`, before the forward pass: a quorum of the live groups through the
+   lighthouse; a group behind the others (restarted, or new) heals from a live peer there
+   (:mod:`~cadence.torch.fault_tolerance.healing`) and takes part in the same step.
+2. :meth:`ReplicaSync.commit`, after the backward pass: the gradients averaged over the step's
+   participants (one all-reduce of a flat buffer), then torchft's commit vote. False -- a peer was
+   lost in the step, or fewer than ``min_replicas`` took part -- means the optimizer must not step:
+   the trainer drops the step and runs it again on its next batches.
+3. :meth:`ReplicaSync.loop_logs`: ``replicas``, the fewest groups that took part in a step of the
+   loop, and ``replica_retries``, the loop's steps run again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from cadence.config.components.fault_tolerance import REPLICA_ID_ENV, FaultToleranceConfig
+from cadence.errors import ConfigError
+from cadence.torch.fault_tolerance.healing import healing_state, load_healing_state
+from cadence.torch.fault_tolerance.manager import build_manager
+from cadence.torch.loop.trainer_checkpoint import TrainerParts
+from cadence.torch.runtime.context import Context
+
+__all__ = ["ReplicaSync", "join_replica_groups", "replica_id_of"]
+
+log = logging.getLogger(__name__)
+
+
+def replica_id_of(config: FaultToleranceConfig) -> int:
+    """This group's id: ``config.replica_id``, else ``CADENCE_REPLICA_ID``; a :class:`ConfigError`
+    when neither gives an integer below ``replica_groups``."""
+    if config.replica_id is not None:
+        return config.replica_id
+    text = os.environ.get(REPLICA_ID_ENV)
+    if text is None or not text.strip().isdigit() or int(text) >= config.replica_groups:
+        raise ConfigError(f"trainer.fault_tolerance: this group's id comes from trainer.fault_tolerance.replica_id or "
+                          f"{REPLICA_ID_ENV}, an integer from 0 to {config.replica_groups - 1}; got {text!r}")
+    return int(text)
+
+
+def join_replica_groups(config: FaultToleranceConfig, ctx: Context) -> int:
+    """Before the train data is built: set ``ctx.replica_group`` and ``ctx.replica_groups`` (the
+    data is then split over every group's ranks: :meth:`Context.data_shard`); return this group's
+    id. One process per group in this version: a :class:`ConfigError` for a context of several."""
+    if ctx.world_size != 1:
+        raise ConfigError(f"trainer.fault_tolerance runs one process per replica group in this version; "
+                          f"this group has {ctx.world_size} (drop --nproc)")
+    ctx.replica_group, ctx.replica_groups = replica_id_of(config), config.replica_groups
+    return ctx.replica_group
+
+
+class ReplicaSync:
+    """Joins this replica group (``parts``: the trainer, whose context :func:`join_replica_groups`
+    set) to the others -- it reaches the lighthouse now (:class:`ConfigError` when it cannot within
+    ``connect_timeout_s``) -- and runs each step's quorum, gradient average and commit vote."""
+
+    def __init__(self, config: FaultToleranceConfig, parts: TrainerParts) -> None:
+        self.config = config
+        self.replica_id = parts.ctx.replica_group
+        self._parts = parts
+        self._step = 0  # the global step of the step in flight (what a healing peer gets)
+        self._healed: int | None = None
+        self._participants: list[int] = []
+        self._retries = 0
+        self._manager, self._store = build_manager(config, self.replica_id, self._state_dict, self._load_state_dict)
+        log.info("replica group %d of %d joined the lighthouse", self.replica_id, config.replica_groups)
+
+    def _state_dict(self) -> dict[str, Any]:
+        return healing_state(self._parts, self._step)
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        checkpoint = getattr(self._parts, "_checkpoint", None)  # a TorchTrainer's: a pipelined snapshot's copy
+        if checkpoint is not None:
+            checkpoint.fence.wait()  # finishes before the state is replaced
+        self._healed = load_healing_state(self._parts, state)
+        log.info("replica group %d healed from a live peer at step %d", self.replica_id, self._healed)
+
+    def start_step(self, global_step: int) -> int | None:
+        """Before the step that ends at ``global_step + 1``: the quorum (healing included).
+        Returns the peer's global step when this group healed (the trainer continues from it), else None."""
+        manager = self._manager
+        self._step, self._healed = global_step, None
+        if manager.current_step() != global_step:  # a resume from the model dir: torchft counts from there
+            manager.load_state_dict({"step": global_step, "batches_committed": manager.batches_committed()})
+        manager.start_quorum()
+        healed = self._healed
+        if healed is not None:
+            self._step = healed
+        self._participants.append(manager.num_participants())
+        return healed
+
+    def commit(self) -> bool:
+        """Average the gradients of the optimizer's parameters over the step's participants, then
+        vote: True when every group of the quorum may step its optimizer."""
+        groups = self._parts.optimizer.param_groups
+        grads = [p.grad for group in groups for p in group["params"] if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self._manager.allreduce(flat).wait()
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        committed = bool(self._manager.should_commit())
+        if not committed:
+            self._retries += 1
+            self._participants.pop()
+            log.warning("replica group %d: step %d not committed (a peer was lost or too few took part); "
+                        "running it again", self.replica_id, self._step + 1)
+        return committed
+
+    def loop_logs(self) -> dict[str, float]:
+        """``replicas`` (the fewest participants of a committed step since the last call) and
+        ``replica_retries`` (steps run again); then starts counting anew."""
+        logs = {"replica_retries": float(self._retries)}
+        if self._participants:
+            logs["replicas"] = float(min(self._participants))
+        self._participants, self._retries = [], 0
+        return logs
+
+    def close(self) -> None:
+        """Leave the quorum (the manager's server and transport stop)."""
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
+            self._manager = None
