@@ -736,6 +736,7 @@ def test_the_schema_imports_no_yaml_and_no_overrides() -> None:
                                "cadence.config.components", "cadence.config.components.activation_checkpoint",
                                "cadence.config.components.compile",
                                "cadence.config.components.ema", "cadence.config.components.external_evaluators",
+                               "cadence.config.components.fault_tolerance",
                                "cadence.config.components.lr_schedule",
                                "cadence.config.components.parallel", "cadence.config.components.profiler",
                                "cadence.config.components.slurm",
