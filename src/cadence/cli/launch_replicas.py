@@ -9,20 +9,23 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 
 from cadence import layout
 from cadence.cluster.launch import launch_exit_code
+from cadence.config.schema import ExperimentConfig
 from cadence.errors import ConfigError
 
 __all__ = ["launch_replicas"]
 
 
-def launch_replicas(args: argparse.Namespace, console: Console) -> int:
+def launch_replicas(args: argparse.Namespace, console: Console,
+                    load: Callable[[argparse.Namespace], ExperimentConfig]) -> int:
     """Run ``args.replicas`` fault-tolerant replica groups of ``args.config``; the launcher's exit
-    status (0 when every group ended with 0)."""
-    from cadence.cli.train import _load
+    status (0 when every group ended with 0). ``load``: the command line's config loader (its
+    file, ``--set`` overrides and ``--model-dir``)."""
     from cadence.cluster.replica_groups import free_port, group_commands, lighthouse_program, run_replica_groups
 
     replicas = int(args.replicas)
@@ -37,7 +40,7 @@ def launch_replicas(args: argparse.Namespace, console: Console) -> int:
            f"trainer.fault_tolerance.lighthouse={lighthouse}"]
     args.overrides = overrides + own
     try:
-        cfg = _load(args)  # a bad config (or one that does not fit R groups) fails here, before anything starts
+        cfg = load(args)  # a bad config (or one that does not fit R groups) fails here, before anything starts
     finally:
         args.overrides = overrides
     ft = cfg.trainer.fault_tolerance

@@ -222,7 +222,7 @@ def cmd_launch(args: argparse.Namespace, console: Console) -> int:
     if args.replicas is not None:
         from cadence.cli.launch_replicas import launch_replicas
 
-        return launch_replicas(args, console)
+        return launch_replicas(args, console, _load)
     if not args.sidecar:
         raise ConfigError("launch: nothing to launch; add --sidecar or --replicas R")
     cfg = _load(args)  # a bad config fails here (exit 2), before anything starts

@@ -23,6 +23,7 @@ from cadence.torch.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
 from cadence.torch.experiments.task_loader import build_task
 from cadence.torch.hf.pretrained import load_pretrained
 from cadence.torch.runtime.context import Context
+from cadence.torch.runtime.distributed import rank_env
 from cadence.torch.runtime.rng import seed_everything
 from cadence.torch.runtime.threads import fix_intra_op_threads
 from cadence.torch.task.lr_schedule import LRSchedule, TrainingPlan
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("cadence")
 
-__all__ = ["attach_mesh", "build_runners", "build_runners_from_config", "built_model"]
+__all__ = ["attach_mesh", "build_runners", "build_runners_from_config", "built_model", "check_degrees"]
 
 
 def built_model(task: Task) -> torch.nn.Module:
@@ -218,6 +219,8 @@ def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: b
     fix_intra_op_threads()
     seed_everything(t.seed)
     task = build_task(cfg)
+    if t.parallel is not None and train:  # before the process group: the launcher's WORLD_SIZE
+        check_degrees(task, t.parallel, rank_env()[1])
     ctx = Context.create(device=device or t.device, seed=t.seed)
     # the mesh is training's: an evaluation or export (train=False) loads the checkpoint into a plain
     # model, sharded with FSDP2 over its ranks (1-D, no TP) when it has several and training shards
@@ -247,14 +250,20 @@ def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: b
     return task, ctx, trainer, evaluator
 
 
+def check_degrees(task: Task, parallel: ParallelConfig, world_size: int) -> MeshDegrees:
+    """``trainer.parallel``'s degrees resolved against ``world_size`` and checked against the Task
+    (:func:`~cadence.torch.parallel.mesh.resolve_degrees`: a :class:`ConfigError`, one line). No
+    collective: a job checks them before its process group exists, so every rank refuses alike and
+    none waits on a peer that has already left."""
+    return resolve_degrees(parallel.dp_replicate, parallel.dp_shard, parallel.tp, world_size,
+                           tp_divisor=task.tp_divisor, has_tp_plan=type(task).parallelize is not Task.parallelize,
+                           task_name=type(task).__name__)
+
+
 def attach_mesh(task: Task, ctx: Context, parallel: ParallelConfig) -> MeshDegrees:
-    """``trainer.parallel``'s degrees resolved against ``ctx.world_size`` and checked against the
-    Task (:func:`~cadence.torch.parallel.mesh.resolve_degrees`: a :class:`ConfigError`, one line,
-    before anything is built); on several ranks the mesh is built (a collective) and set on
-    ``ctx`` with this rank's data-parallel coordinates."""
-    degrees = resolve_degrees(parallel.dp_replicate, parallel.dp_shard, parallel.tp, ctx.world_size,
-                              tp_divisor=task.tp_divisor, has_tp_plan=type(task).parallelize is not Task.parallelize,
-                              task_name=type(task).__name__)
+    """:func:`check_degrees` against ``ctx.world_size`` (before anything is built); on several ranks
+    the mesh is built (a collective) and set on ``ctx`` with this rank's data-parallel coordinates."""
+    degrees = check_degrees(task, parallel, ctx.world_size)
     if ctx.world_size > 1:
         ctx.use_mesh(build_mesh(degrees, ctx.device.type), degrees.dp_rank(ctx.rank), degrees.dp_size)
     return degrees
