@@ -1,5 +1,5 @@
-"""``trainer.parallel`` (a device mesh) on gloo CPU processes: tensor parallelism alone (2 ranks), with
-FSDP over the data-parallel ranks (4 ranks: dp_shard 2 x tp 2), HSDP (dp_replicate 2 x dp_shard 2); the
+"""``trainer.parallel`` (a device mesh) on gloo CPU processes: tensor parallelism alone (2 ranks), HSDP
+(dp_replicate 2 x dp_shard 2; dp_shard 2 x tp 2's data and shards: test_mesh_checkpoints.py); the
 ranks of a TP group read the same batches, data-parallel ranks different ones; a TP run killed with
 kill -9 resumes exactly;
 degrees that do not fit the world are one line, exit 2, before the model dir is written."""
@@ -29,25 +29,6 @@ def digests(directory: Path, nproc: int) -> list[list[str]]:
 
 def shards(checkpoint: Path) -> list[str]:
     return sorted(p.name for p in checkpoint.iterdir() if p.name.endswith(".distcp"))
-
-
-def test_tp_with_fsdp_reads_one_batch_per_tp_group_and_checkpoints_sharded(tmp_path):
-    seen = tmp_path / "seen"
-    seen.mkdir()
-    config = write_config(tmp_path, TASK, params={"digest_dir": str(seen)},
-                          trainer={"train_steps": 6, "parallel": {"dp_shard": -1, "tp": 2}})
-    train(config, tmp_path / "run", 4)
-    ranks = digests(seen, 4)
-    assert all(len(r) == 6 for r in ranks)
-    # ranks 0-1 and 2-3 are the TP groups (tp is the fastest dimension): the same batches within one,
-    # different ones across the data-parallel dimension
-    assert ranks[0] == ranks[1] and ranks[2] == ranks[3]
-    assert not set(ranks[0]) & set(ranks[2])
-    ckpt = tmp_path / "run" / "checkpoints" / "ckpt-6"
-    assert shards(ckpt) == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
-    weights = checkpoint_weights(ckpt)
-    assert {k: tuple(v.shape) for k, v in weights.items()} == {
-        "0.weight": (16, 8), "0.bias": (16,), "2.weight": (2, 16), "2.bias": (2,)}
 
 
 def test_hsdp_splits_the_data_over_all_four_data_parallel_ranks(tmp_path):

@@ -89,14 +89,31 @@ def tp_run(tmp_path_factory) -> tuple[Path, Path, Path]:
     """``(config, model_dir, chain)``: a 4-rank (dp_shard 2 x tp 2) run to step 12, checkpoints at 4, 8, 12;
     ``chain`` is a copy of its model dir taken at once (the chain resumes it; the other tests read the run)."""
     tmp = tmp_path_factory.mktemp("mesh-checkpoints")
-    config = write_config(tmp, TASK, trainer={"train_steps": 12, "checkpoint_interval": 4, "steps_per_loop": 2,
-                                              "validation_interval": 4, "parallel": TP_FSDP})
+    (tmp / "seen").mkdir()  # each rank's training batches (a digest each), for the data test
+    config = write_config(tmp, TASK, params={"digest_dir": str(tmp / "seen")},
+                          trainer={"train_steps": 12, "checkpoint_interval": 4, "steps_per_loop": 2,
+                                   "validation_interval": 4, "parallel": TP_FSDP})
     run = tmp / "run"
     train(config, run, 4)
+    shutil.copytree(tmp / "seen", tmp / "seen-run")  # this run's alone (the other runs add theirs)
     chain = tmp / "chain"
     shutil.copytree(run, chain)
     return config, run, chain
 
+
+
+def test_the_ranks_of_a_tp_group_read_the_same_batches_and_each_rank_writes_its_shards(tp_run):
+    """dp_shard 2 x tp 2: ranks 0-1 and 2-3 are the TP groups (tp is the fastest dimension): the same
+    batches within one, different ones across the data-parallel dimension; every rank its DCP file."""
+    _, run, _ = tp_run
+    ranks = [(run.parent / "seen-run" / f"rank{r}").read_text().split() for r in range(4)]
+    assert all(len(r) == 12 for r in ranks)
+    assert ranks[0] == ranks[1] and ranks[2] == ranks[3]
+    assert not set(ranks[0]) & set(ranks[2])
+    last = ckpt(run, 12)
+    assert sorted(p.name for p in last.iterdir() if p.name.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    assert {k: tuple(v.shape) for k, v in checkpoint_weights(last).items()} == {
+        "0.weight": (16, 8), "0.bias": (16,), "2.weight": (2, 16), "2.bias": (2,)}
 
 @pytest.fixture(scope="module")
 def chain(tp_run) -> dict[str, object]:
