@@ -182,12 +182,7 @@ def launch(
                     break
             _start(child, child_env, output)
         for child in children:
-            if child.proc is not None:
-                child.reader = threading.Thread(
-                    target=_pump, args=(child.proc.stdout, child.name, output),
-                    name=f"cadence-launch-{child.name}", daemon=True,
-                )
-                child.reader.start()
+            _start_reader(child, output)
         _supervise(children, set(stop_others_on_failure), grace_s, signals, output)
     finally:
         try:
@@ -224,6 +219,14 @@ def _start(child: _Child, env: Mapping[str, str], output: _Output) -> None:
         child.returncode = 127
 
 
+def _start_reader(child: _Child, output: _Output) -> None:
+    """The thread that copies a started ``child``'s lines to ``output`` (nothing for one that did not start)."""
+    if child.proc is not None:
+        child.reader = threading.Thread(target=_pump, args=(child.proc.stdout, child.name, output),
+                                        name=f"cadence-launch-{child.name}", daemon=True)
+        child.reader.start()
+
+
 def _pump(stream: IO[bytes], name: str, output: _Output) -> None:
     with stream:
         for raw in iter(stream.readline, b""):
@@ -232,7 +235,11 @@ def _pump(stream: IO[bytes], name: str, output: _Output) -> None:
 
 
 def _supervise(children: list[_Child], stoppers: set[str], grace_s: float,
-               signals: list[int], output: _Output) -> None:
+               signals: list[int], output: _Output, restart: Callable[[_Child], bool] | None = None) -> None:
+    """Wait for ``children``: a non-zero exit of one in ``stoppers`` stops the others; the stop
+    ``signals`` stop (then kill) them all. ``restart``: asked about a child that exited non-zero
+    before any stop signal; True when it started the child again (nothing else is done then)."""
+
     def exited(child: _Child) -> None:
         code = child.returncode
         if code is not None and code != 0 and child.name in stoppers:
@@ -252,6 +259,8 @@ def _supervise(children: list[_Child], stoppers: set[str], grace_s: float,
         for child in children:
             if child.running and child.started.poll() is not None:
                 child.returncode = child.started.returncode
+                if restart is not None and child.returncode != 0 and not signals and restart(child):
+                    continue
                 exited(child)
         if len(signals) > handled_signals:
             first = handled_signals == 0

@@ -21,21 +21,19 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from cadence.cluster.launch import (_LAUNCHER, _STOP_SIGNALS, _Child, _cleanup, _describe, _kill, _Output, _pump,
-                                    _start, _terminate, die_with_parent)
+from cadence.cluster.launch import (_LAUNCHER, _STOP_SIGNALS, _Child, _cleanup, _describe, _Output, _start,
+                                    _start_reader, _supervise, die_with_parent)
 from cadence.config.components.fault_tolerance import REPLICA_ID_ENV
 from cadence.errors import ConfigError
-from cadence.runtime.signals import install_handlers, signal_name
+from cadence.runtime.signals import install_handlers
 
 __all__ = ["group_commands", "lighthouse_program", "run_replica_groups"]
 
-_POLL_S = 0.05
 LIGHTHOUSE_WAIT_S = 15.0
 """How long the launcher waits for the lighthouse to accept connections before it gives up (exit 2)."""
 
@@ -101,7 +99,8 @@ def run_replica_groups(commands: dict[str, list[str]], lighthouse_argv: list[str
             output.line(_LAUNCHER, f"lighthouse on 127.0.0.1:{lighthouse_port} (log: {lighthouse_log})")
             for child in groups:
                 _begin(child, env, output)
-            _supervise(groups, restarts, max_restarts, env, grace_s, signals, output)
+            _supervise(groups, set(), grace_s, signals, output,
+                       restart=lambda child: _restart(child, restarts, max_restarts, env, output))
         finally:
             try:
                 _cleanup(groups, grace_s, output)
@@ -150,44 +149,20 @@ class _Lighthouse:
 def _begin(child: _Child, env: dict[str, str], output: _Output) -> None:
     child.proc, child.returncode, child.kill_at, child.killed = None, None, None, False
     _start(child, {**env, REPLICA_ID_ENV: child.name.removeprefix("group")}, output)
-    if child.proc is not None:
-        child.reader = threading.Thread(target=_pump, args=(child.proc.stdout, child.name, output),
-                                        name=f"cadence-launch-{child.name}", daemon=True)
-        child.reader.start()
+    _start_reader(child, output)
 
 
-def _supervise(groups: list[_Child], restarts: dict[str, int], max_restarts: int, env: dict[str, str],
-               grace_s: float, signals: list[int], output: _Output) -> None:
-    stopping = False
-    while any(c.running for c in groups):
-        for child in groups:
-            if not (child.running and child.started.poll() is not None):
-                continue
-            child.returncode = code = child.started.returncode
-            if code == 0 or stopping:
-                continue
-            if restarts[child.name] >= max_restarts:
-                output.line(_LAUNCHER, f"{child.name} exited with {_describe(code)}; no restart left "
-                                       f"({max_restarts} made)")
-                continue
-            restarts[child.name] += 1
-            output.line(_LAUNCHER, f"{child.name} exited with {_describe(code)}; restarting it "
-                                   f"({restarts[child.name]} of {max_restarts})")
-            if child.reader is not None:
-                child.reader.join(timeout=5.0)
-            _begin(child, env, output)
-        if signals and not stopping:
-            stopping = True
-            running = [c for c in groups if c.running]
-            output.line(_LAUNCHER, f"received {signal_name(signals[-1])}; stopping {', '.join(c.name for c in running)}")
-            for child in running:
-                _terminate(child, grace_s)
-        elif len(signals) > 1:
-            for child in groups:
-                if child.running:
-                    _kill(child)
-        now = time.monotonic()
-        for child in groups:
-            if child.running and child.kill_at is not None and not child.killed and now >= child.kill_at:
-                _kill(child)
-        time.sleep(_POLL_S)
+def _restart(child: _Child, restarts: dict[str, int], max_restarts: int, env: dict[str, str],
+             output: _Output) -> bool:
+    """A group that died: started again while it has restarts left (True), else reported (False)."""
+    if restarts[child.name] >= max_restarts:
+        output.line(_LAUNCHER, f"{child.name} exited with {_describe(child.started.returncode)}; no restart left "
+                               f"({max_restarts} made)")
+        return False
+    restarts[child.name] += 1
+    output.line(_LAUNCHER, f"{child.name} exited with {_describe(child.started.returncode)}; restarting it "
+                           f"({restarts[child.name]} of {max_restarts})")
+    if child.reader is not None:
+        child.reader.join(timeout=5.0)
+    _begin(child, env, output)
+    return True
