@@ -17,13 +17,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from cadence.cluster.replica_groups import free_port
 from cli_run import checkpoint_weights, popen, run_cadence
 from configs import write_config
 
@@ -128,12 +128,6 @@ def test_a_fault_free_run_of_two_groups_matches_two_ddp_ranks(fault_free):
     assert {r["replicas"] for r in metrics(root / "ft_model")} == {2.0}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def one_line_exit_2(proc: subprocess.CompletedProcess, *words: str) -> None:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -151,3 +145,4 @@ def test_bad_replica_launches_are_one_line_exit_2(tmp_path):
                        "--set", f"trainer.fault_tolerance={{replica_groups: 2, replica_id: 1, connect_timeout_s: 1, "
                                 f"lighthouse: '{lighthouse}'}}")
     one_line_exit_2(proc, "cannot reach the lighthouse", lighthouse)
+    assert not (tmp_path / "m").exists()  # each refused before anything was written
