@@ -121,3 +121,14 @@ def profile_dir(model_dir: str) -> str:
     """``profile/``: the profiler's traces, ``rank<R>.<time>.pt.trace.json[.gz]`` (one per rank and
     cycle), laid out as TensorBoard's profiler plugin reads a run (:mod:`cadence.torch.components.profiling`)."""
     return join(model_dir, PROFILE)
+
+
+REPLICAS = "replicas"
+
+
+def replica_group_dir(model_dir: str, group: int) -> str:
+    """Where replica group ``group`` of a fault-tolerant run writes its own outputs (its ``train/``
+    metrics, TensorBoard events, ``eval/``, ``config.yaml``, ``best/``, ``export/``): the model dir
+    itself for group 0, ``replicas/group<r>/`` for the others. The run's checkpoints and writer lease
+    stay in the model dir (``checkpoints/``, ``.writer/``): one group writes them at a time."""
+    return model_dir if group == 0 else join(model_dir, REPLICAS, f"group{group}")

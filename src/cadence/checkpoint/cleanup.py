@@ -1,5 +1,6 @@
 """What a checkpoints directory's writer removes or moves aside: the leftovers of interrupted
-saves and dead readers' leases (at start-up), and checkpoints that do not verify (quarantine)."""
+saves and dead readers' leases (at start-up), checkpoints that do not verify (quarantine), and
+the checkpoints retention deletes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from cadence.checkpoint.final import FINAL_TEMP
 from cadence.checkpoint.leases import Leases
 from cadence.checkpoint.listing import COMMITTED, CORRUPT_INFIX, TEMP, has_manifest, step_dir
+from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.storage import Storage
 
 logger = logging.getLogger("cadence.checkpoint")
@@ -50,3 +52,14 @@ def quarantine(storage: Storage, step: int, reason: str) -> str:
     logger.warning("checkpoint %s does not verify (%s): moved aside to %s; the step is saved anew when reached",
                    storage.url(step_dir(storage, step)), reason, storage.url(target))
     return storage.url(target)
+
+
+def delete_committed(storage: Storage, step: int) -> None:
+    """Delete committed checkpoint ``step``: its manifest first (readers stop seeing it), then its
+    directory. A ``ckpt-<step>`` that is a symbolic link is removed as a link: nothing it points to
+    is deleted."""
+    directory = step_dir(storage, step)
+    if storage.link_under(directory) is None:
+        storage.remove(storage.join(f"ckpt-{step}", MANIFEST_NAME))
+    storage.rmtree(directory)
+    logger.debug("deleted checkpoint %s (retention)", storage.url(directory))

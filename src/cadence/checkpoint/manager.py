@@ -24,7 +24,6 @@ from cadence.checkpoint.commit import Committer
 from cadence.checkpoint.files import STATE_NAME, VerifiedReader
 from cadence.checkpoint.leases import Leases
 from cadence.checkpoint.listing import check_step
-from cadence.checkpoint.manifest import MANIFEST_NAME
 from cadence.checkpoint.objects import snapshot_objects
 from cadence.checkpoint.protocol import Savable
 from cadence.checkpoint.save_mode import AsyncSave, SaveMode, StateSize
@@ -36,6 +35,7 @@ from cadence.storage import Storage
 
 if TYPE_CHECKING:
     from cadence.checkpoint.writer_lease import WriterLease
+    from cadence.checkpoint.writer_turn import WriterTurn
 
 logger = logging.getLogger("cadence.checkpoint")
 
@@ -58,13 +58,17 @@ class CheckpointManager:
         :data:`~cadence.checkpoint.cleanup.STALE_LEASE_GRACE` seconds (dead readers'; unexpired
         ones are never touched). False for readers (sidecar evaluators, tools): nothing on disk is
         changed, and :meth:`save`, :meth:`mark_final` and :meth:`clear_final` raise
-        :class:`CheckpointError`.
-        There must be at most one writer per directory at a time: see ``fence``.
+        :class:`CheckpointError`. At most one writer per directory at a time: see ``fence``.
       fence: the model dir's writer lease this writer holds
         (:class:`~cadence.checkpoint.writer_lease.WriterLease`): checked right before each commit
         (the manifest write), each deletion (retention, :meth:`delete`, clean-up), moving aside,
         and FINAL; a lost lease raises :class:`~cadence.errors.WriterLeaseLostError` and nothing
         more is changed. Not released by this manager. None: no fencing (one writer is assumed).
+      turn: a replica group's turn at the writer lease (:mod:`~cadence.checkpoint.writer_turn`;
+        ``fence`` is then its lease): while a peer group holds it, this writer is a *standby* that
+        changes nothing (:meth:`save`, :meth:`begin`, :meth:`mark_final`, :meth:`clear_final` do
+        nothing; :meth:`delete`, :meth:`quarantine` raise) and tries to take it at each of them
+        (:meth:`my_turn`).
       async_save: True: :meth:`save` returns once the objects are snapshotted into memory (an
         object's ``snapshot_checkpoint()`` when it has one, see :mod:`cadence.checkpoint.protocol`);
         a background thread writes and commits (same protocol). At most one save is in flight: the
@@ -83,13 +87,9 @@ class CheckpointManager:
     ``load_checkpoint``) or *Stateful* (``state_dict`` / ``load_state_dict``), see
     :mod:`cadence.checkpoint.protocol`; the Checkpointable methods win when both exist.
 
-    Retention honours readers' leases: a checkpoint protected by an unexpired lease in
-    ``directory/.leases/`` (its ``reading`` step, or any step after its ``after``; see
-    :mod:`cadence.checkpoint.leases`, :attr:`leases`) is kept until the lease ends or is released.
-    Each retention pass reads them once (one listing of ``.leases/`` and one small read per lease);
-    when they, or ``protected_steps``, cannot be read, nothing is deleted that time (a warning is
-    logged). ``.leases/`` is not a checkpoint: listing, restoring and clean-up ignore it.
-    :meth:`delete` is an explicit request and ignores leases.
+    Retention honours readers' leases in ``directory/.leases/`` (:attr:`leases`; see
+    :func:`cadence.checkpoint.retention.apply`); ``.leases/`` is not a checkpoint: listing, restoring
+    and clean-up ignore it. :meth:`delete` is an explicit request and ignores leases.
 
     Retention runs after each commit on a helper thread (not a daemon), in the background of a
     synchronous save too: :meth:`steps`, :meth:`wait` and every change to the directory (the next
@@ -101,28 +101,20 @@ class CheckpointManager:
         self,
         directory: str,
         *,
-        max_to_keep: int | None = retention.DEFAULT_MAX_TO_KEEP,
-        keep_every_n_steps: int | None = None,
-        storage_options: dict[str, Any] | None = None,
-        protected_steps: Callable[[], Iterable[int]] | None = None,
-        writer: bool = True,
-        async_save: AsyncSave = False,
-        fence: WriterLease | None = None,
-        checksum: str = checksum_lib.DEFAULT_ALGORITHM,
-        state_size: StateSize | None = None,
+        max_to_keep: int | None = retention.DEFAULT_MAX_TO_KEEP, keep_every_n_steps: int | None = None,
+        storage_options: dict[str, Any] | None = None, protected_steps: Callable[[], Iterable[int]] | None = None,
+        writer: bool = True, async_save: AsyncSave = False, fence: WriterLease | None = None,
+        checksum: str = checksum_lib.DEFAULT_ALGORITHM, state_size: StateSize | None = None,
+        turn: WriterTurn | None = None,
     ) -> None:
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 0):
             raise ValueError(f"max_to_keep must be None or an int >= 0, got {max_to_keep!r}")
         if keep_every_n_steps is not None and (not isinstance(keep_every_n_steps, int) or keep_every_n_steps < 1):
             raise ValueError(f"keep_every_n_steps must be None or an int >= 1, got {keep_every_n_steps!r}")
-        self.directory = directory
-        self.max_to_keep = max_to_keep
-        self.keep_every_n_steps = keep_every_n_steps
-        self.protected_steps = protected_steps
-        self.writer = writer
+        self.directory, self.max_to_keep, self.keep_every_n_steps = directory, max_to_keep, keep_every_n_steps
+        self.protected_steps, self.writer, self.async_save = protected_steps, writer, async_save
         self.save_mode = SaveMode(async_save, state_size=state_size)  # ValueError for another value
-        self.async_save = async_save
-        self.fence = fence
+        self.turn, self.fence = turn, (turn.lease if turn is not None else fence)
         checksum_lib.new(checksum)  # ValueError naming the known algorithms
         self.checksum = checksum
         self._background = BackgroundSave()
@@ -134,10 +126,8 @@ class CheckpointManager:
         self.storage = Storage(directory, storage_options)
         self.leases = Leases(directory, storage_options=storage_options)
         self._committer = Committer(self.storage)
-        if writer:
-            self.storage.makedirs(self.storage.root)
-            self._require_writer("clean up after interrupted saves")
-            cleanup.clean_up(self.storage, self.leases)
+        if writer and (turn is None or self.fence is not None):
+            self._clean_up()
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r}, writer={self.writer})"
@@ -185,16 +175,7 @@ class CheckpointManager:
         """``{"step", "time", "size", "files", "ranks", "path"}`` of checkpoint ``step`` from its manifest
         alone (``size``: total bytes; ``files``: how many; ``ranks``: how many ranks wrote them, more than
         one for a sharded checkpoint). Raises as :meth:`manifest`."""
-        manifest = self.manifest(step)
-        files = manifest["files"]
-        return {
-            "step": step,
-            "time": manifest["time"],
-            "size": sum(entry["size"] for entry in files.values()),
-            "files": len(files),
-            "ranks": len({entry["rank"] for entry in files.values() if "rank" in entry}) or 1,
-            "path": self.path(step),
-        }
+        return {"step": step, **manifest_lib.summary(self.manifest(step)), "path": self.path(step)}
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -207,6 +188,8 @@ class CheckpointManager:
         """
         self.wait()  # one save in flight at most; raises a previous failure
         step = check_step(step)
+        if not self.my_turn():
+            return self.path(step)  # a standby: the writer commits this step
         asynchronous = self.asynchronous(step)
         self._decided = None
         if not asynchronous:
@@ -232,6 +215,8 @@ class CheckpointManager:
         return its location (a path or URL); the next :meth:`save` of ``step`` commits it. None
         when ``step`` is already committed (nothing to write). Writers only."""
         step = check_step(step)
+        if not self.my_turn():
+            return None  # a standby: the writer commits this step
         self._require_writer("save")
         if self._already_saved(step):
             return None
@@ -366,12 +351,7 @@ class CheckpointManager:
         self._delete(step)
 
     def _delete(self, step: int) -> None:
-        """Manifest first (readers stop seeing the checkpoint), then the directory. A ``ckpt-<step>``
-        that is a symbolic link is removed as a link: nothing it points to is deleted."""
-        if self.storage.link_under(self._dir(step)) is None:
-            self.storage.remove(self.storage.join(f"ckpt-{step}", MANIFEST_NAME))
-        self.storage.rmtree(self._dir(step))
-        logger.debug("deleted checkpoint %s (retention)", self.path(step))
+        cleanup.delete_committed(self.storage, step)
 
     # -- restoring -----------------------------------------------------------------------------
 
@@ -405,7 +385,8 @@ class CheckpointManager:
         self.wait()
         restore.check_restorable(objects)
         if step is None:
-            loaded = restore.load_latest(self.storage, coordinator, self.quarantine if self.writer else None)
+            moves = self.writer and (self.turn is None or self.fence is not None)  # a standby moves nothing
+            loaded = restore.load_latest(self.storage, coordinator, self.quarantine if moves else None)
             if loaded is None:
                 return None
         else:
@@ -439,6 +420,8 @@ class CheckpointManager:
         """
         self.wait()  # FINAL names a committed checkpoint
         step = check_step(step)
+        if not self.my_turn():
+            return  # a standby: the writer marks it
         self._require_writer("mark_final")
         listing.require_committed(self.storage, step)
         if self.final_step() != step:
@@ -449,7 +432,9 @@ class CheckpointManager:
         return final.read_final_step(self.storage)
 
     def clear_final(self) -> None:
-        """Remove ``FINAL`` (training continues past it); nothing happens when there is none."""
+        """Remove ``FINAL`` (training continues past it); nothing happens when there is none (nor on a standby)."""
+        if not self.my_turn():
+            return
         self._require_writer("clear_final")
         final.remove_final(self.storage)
 
@@ -488,9 +473,24 @@ class CheckpointManager:
         self._committed_here.add(step)
         return True
 
+    def my_turn(self) -> bool:
+        """Whether this writer changes the directory now: always without ``turn``; with it, once it
+        holds the lease (taken now when free; the previous writer's leftovers are then cleaned up)."""
+        if self.turn is not None and self.fence is None and self.turn.take() is not None:
+            self.fence = self.turn.lease
+            self._clean_up()
+        return self.turn is None or self.fence is not None
+
+    def _clean_up(self) -> None:
+        self.storage.makedirs(self.storage.root)
+        self._require_writer("clean up after interrupted saves")
+        cleanup.clean_up(self.storage, self.leases)
+
     def _require_writer(self, what: str) -> None:
         """Raise unless this manager may change the directory now: a writer, holding ``fence``."""
         if not self.writer:
             raise CheckpointError(f"{what}: this manager of {self.directory} is a reader (writer=False)")
+        if self.turn is not None and self.fence is None:
+            raise CheckpointError(f"{what}: replica {self.turn.group} stands by: another group writes {self.directory}")
         if self.fence is not None:
             self.fence.check(what)

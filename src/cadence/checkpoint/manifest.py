@@ -284,3 +284,10 @@ def verify_all(storage: Storage, directory: str, manifest: Mapping[str, Any],
         futures = [pool.submit(read_verified, storage, directory, manifest, name) for name in names]
         return {name: future.result() for name, future in zip(names, futures)}
 
+
+def summary(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``{"time", "size", "files", "ranks"}`` of a validated manifest: its time, the total bytes and the
+    number of its files, and how many ranks wrote them (more than one for a sharded checkpoint)."""
+    files = manifest["files"]
+    return {"time": manifest["time"], "size": sum(entry["size"] for entry in files.values()), "files": len(files),
+            "ranks": len({entry["rank"] for entry in files.values() if "rank" in entry}) or 1}

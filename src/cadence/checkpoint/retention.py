@@ -87,7 +87,11 @@ def apply(storage: Storage, leases: Leases, just_saved: int, *, max_to_keep: int
     (:meth:`~cadence.checkpoint.leases.Leases.record_deleted`), then ``delete`` each. ``check(what)``
     (the writer's fence) runs before anything is deleted and may raise. Nothing is deleted when the
     leases or ``extra()`` cannot be read, or the note cannot be written; a failed deletion is
-    logged and the others go on."""
+    logged and the others go on.
+
+    A checkpoint protected by an unexpired reader's lease (its ``reading`` step, or any step after
+    its ``after``; :mod:`cadence.checkpoint.leases`) is kept until the lease ends or is released.
+    Each pass reads the leases once (one listing of ``.leases/`` and one small read per lease)."""
     steps = committed_steps(storage)
     protected = protected_steps(steps, leases, extra)
     if protected is None:  # unknown: delete nothing this time

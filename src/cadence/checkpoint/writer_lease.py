@@ -18,9 +18,14 @@ The file with the highest token is the **current** lease. The contract:
 * **Replaceable** although held: the holder is this process (a newer acquisition in one process
   fences off the older); or it ran on this host, in this pid namespace, and its pid is gone
   (``kill -9`` and restart on one machine takes over at once); or it belongs to the same *job*
-  (``CADENCE_JOB_ID``, else torchrun's ``TORCHELASTIC_RUN_ID``): a restarted job takes over from
-  its own earlier attempt, whose workers torchelastic stopped first. On another host a dead
-  holder's lease ends when it expires, ``ttl`` seconds after its last renewal.
+  (``CADENCE_JOB_ID``, else torchrun's ``TORCHELASTIC_RUN_ID``) and the same replica *group*: a
+  restarted job takes over from its own earlier attempt, whose workers torchelastic stopped first.
+  On another host a dead holder's lease ends when it expires, ``ttl`` seconds after its last renewal.
+* **Replica groups** (``trainer.fault_tolerance``) share the run's model dir: each acquires with its
+  ``group`` name, recorded in the lease. The holder commits; the others stand by
+  (:class:`~cadence.checkpoint.writer_turn.WriterTurn`) and try to acquire, without waiting, at
+  each checkpoint: they succeed by the rules above once the holder is gone. Two groups of one job are
+  not the same holder (a live peer group is never replaced).
 * **Renew**: a daemon thread rewrites the holder's own file every ``ttl / 4`` seconds with
   ``expires = now + ttl``. Only the holder writes its file; a newcomer writes a new token.
 * **Fence** (:meth:`WriterLease.check`): before each commit, deletion and FINAL the
@@ -122,6 +127,8 @@ class WriterLeaseRecord:
       since: unix time of the acquisition; renewed: of the last renewal.
       expires: unix time after which the lease is free (unless renewed).
       released: the holder let it go (or it was taken over): free at once.
+      group: the holder's replica group (``group<r>``) when the model dir is shared by replica
+        groups; None for a plain trainer.
     """
 
     token: int
@@ -133,9 +140,13 @@ class WriterLeaseRecord:
     renewed: float
     expires: float
     released: bool = False
+    group: str | None = None
 
     def to_json(self) -> bytes:
-        return (json.dumps(asdict(self), sort_keys=True) + "\n").encode()
+        doc = asdict(self)
+        if self.group is None:  # a plain trainer's lease reads as before replica groups
+            del doc["group"]
+        return (json.dumps(doc, sort_keys=True) + "\n").encode()
 
     @classmethod
     def from_json(cls, data: bytes, token: int) -> WriterLeaseRecord:
@@ -161,19 +172,21 @@ class WriterLeaseRecord:
         pid = doc.get("pid")
         return cls(token=token, host=text("host") or "", pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else 0,
                    pid_namespace=text("pid_namespace"), job=text("job"), since=number("since"),
-                   renewed=number("renewed"), expires=float(expires), released=released)
+                   renewed=number("renewed"), expires=float(expires), released=released,
+                   group=text("group"))
 
     def held(self, now: float) -> bool:
         """Not released and not expired at unix time ``now`` (this host's clock): ``expires``, plus
         :data:`~cadence.checkpoint.lease_file.CLOCK_SKEW_TOLERANCE` when written on another host."""
         return not self.released and now < self.expires + clock_skew(self.host)
 
-    def replaceable(self) -> bool:
-        """True when this process may take the lease over although it is held (see the module
-        doc): the holder is this very process (the newer acquisition wins, the older is fenced
-        off), or is gone: same host and pid namespace with its pid not running, or the same job."""
+    def replaceable(self, group: str | None = None) -> bool:
+        """True when this process (of replica group ``group``; None: a plain trainer) may take the
+        lease over although it is held (see the module doc): the holder is this very process (the
+        newer acquisition wins, the older is fenced off), or is gone: same host and pid namespace
+        with its pid not running, or the same job and group."""
         job = _job_id()
-        if job is not None and job == self.job:
+        if job is not None and job == self.job and group == self.group:
             return True
         if self.host != socket.gethostname() or self.pid_namespace != _pid_namespace() or self.pid <= 0:
             return False
@@ -188,7 +201,8 @@ class WriterLeaseRecord:
         return zombie(self.pid)
 
     def describe(self, now: float) -> str:
-        return (f"pid {self.pid} on host {self.host or '?'} since {_utc(self.since)} "
+        who = f"replica {self.group}, " if self.group is not None else ""
+        return (f"{who}pid {self.pid} on host {self.host or '?'} since {_utc(self.since)} "
                 f"(writer lease {self.token}, expires in {max(0.0, self.expires + clock_skew(self.host) - now):.0f}s)")
 
 
@@ -239,11 +253,11 @@ class _Dir:
                     logger.debug("could not remove old writer lease %d: %s", token, e)
 
 
-def _record(token: int, ttl: float, *, released: bool = False) -> WriterLeaseRecord:
+def _record(token: int, ttl: float, *, released: bool = False, group: str | None = None) -> WriterLeaseRecord:
     now = time.time()
     return WriterLeaseRecord(token=token, host=socket.gethostname(), pid=os.getpid(), pid_namespace=_pid_namespace(),
                              job=_job_id(), since=now, renewed=now, expires=now if released else now + ttl,
-                             released=released)
+                             released=released, group=group)
 
 
 def current_lease(model_dir: str, *, storage_options: dict[str, Any] | None = None) -> WriterLeaseRecord | None:
@@ -264,13 +278,16 @@ def read_lease(model_dir: str, token: int, *, storage_options: dict[str, Any] | 
     return WriterLeaseRecord.from_json(directory.storage.read_bytes(directory.path(token)), token)
 
 
-def check_free(model_dir: str, *, storage_options: dict[str, Any] | None = None) -> None:
+def check_free(model_dir: str, *, storage_options: dict[str, Any] | None = None,
+               group: str | None = None) -> None:
     """Raise :class:`~cadence.errors.WriterLeaseHeldError` when another live process holds
     ``model_dir``'s writer lease (a check before starting a job's ranks; only
-    :meth:`WriterLease.acquire` takes the lease)."""
+    :meth:`WriterLease.acquire` takes the lease). ``group``: this job is that replica group, which
+    stands by when a peer replica group holds the lease: only a plain trainer's lease refuses it."""
     current = current_lease(model_dir, storage_options=storage_options)
-    if current is not None and current.held(time.time()) and not current.replaceable():
-        raise _held_error(model_dir, current)
+    if current is not None and current.held(time.time()) and not current.replaceable(group):
+        if group is None or current.group is None:
+            raise _held_error(model_dir, current)
 
 
 def take_over(model_dir: str, *, storage_options: dict[str, Any] | None = None) -> WriterLeaseRecord | None:
@@ -308,8 +325,9 @@ class WriterLease:
 
     @classmethod
     def acquire(cls, model_dir: str, *, ttl: float = DEFAULT_WRITER_LEASE_TTL,
-                storage_options: dict[str, Any] | None = None) -> WriterLease:
-        """Take the writer lease of ``model_dir`` (created if missing) or raise.
+                storage_options: dict[str, Any] | None = None, group: str | None = None) -> WriterLease:
+        """Take the writer lease of ``model_dir`` (created if missing) or raise. ``group``: this
+        process is that replica group's chief (recorded in the lease; see the module doc).
 
         Raises:
           WriterLeaseHeldError: another live process holds it; the message names the holder and
@@ -320,9 +338,9 @@ class WriterLease:
             raise ValueError(f"the writer lease ttl must be a finite number of seconds > 0, got {ttl!r}")
         directory = _Dir(model_dir, storage_options)
         current = directory.current()
-        if current is not None and current.held(time.time()) and not current.replaceable():
+        if current is not None and current.held(time.time()) and not current.replaceable(group):
             raise _held_error(model_dir, current)
-        record = _record((current.token if current is not None else 0) + 1, float(ttl))
+        record = _record((current.token if current is not None else 0) + 1, float(ttl), group=group)
         if not directory.create(record):  # another process acquired it first
             winner = directory.read(record.token)
             raise _held_error(model_dir, winner)

@@ -56,6 +56,6 @@ def launch_replicas(args: argparse.Namespace, console: Console,
     restarts = codes.pop("restarts")
     for name, code in codes.items():
         console.print(f"{name}: exit {code}")
-    console.print(f"restarts: {restarts}; checkpoints (group 0): cadence ls {model_dir}")
+    console.print(f"restarts: {restarts}; checkpoints: cadence ls {model_dir}")
     return launch_exit_code(codes)
 

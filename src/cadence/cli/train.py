@@ -101,16 +101,20 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
 
 def _claim_model_dir(args: argparse.Namespace, cfg: ExperimentConfig, *, check: bool) -> ExperimentConfig:
     """Before any rank starts: with ``--take-over`` fence off the holder of the model dir's writer
-    lease; else, with ``check``, refuse now (exit 2) when another trainer holds it. First, a model dir
-    this process cannot create or write (a file on its path, no permission) is refused (exit 2)."""
+    lease; else, with ``check``, refuse now (exit 2) when another trainer holds it (a fault-tolerant
+    replica group: another trainer than a peer replica group, which it stands by for). First, a model
+    dir this process cannot create or write (a file on its path, no permission) is refused (exit 2)."""
     from cadence.checkpoint import writer_lease
+    from cadence.config.components.fault_tolerance import REPLICA_ID_ENV
 
     model_dir = layout.check_model_dir(cfg.require_model_dir(), writable=True)
+    ft = cfg.trainer.fault_tolerance
+    group = None if ft is None else f"group{ft.replica_id if ft.replica_id is not None else os.environ.get(REPLICA_ID_ENV)}"
     if args.take_over:
         if writer_lease.take_over(model_dir) is None:
             logger.info("--take-over: nobody holds the writer lease of %s", model_dir)
     elif check:
-        writer_lease.check_free(model_dir)
+        writer_lease.check_free(model_dir, group=group)
     return cfg
 
 

@@ -2,9 +2,10 @@
 
 Starts torchft's lighthouse (its ``torchft_lighthouse`` program, on a free port of 127.0.0.1, its log
 in ``MODEL_DIR/replicas/lighthouse.log``), then R groups, each a ``cadence train`` job of one process
-with its ``trainer.fault_tolerance.replica_id`` and the lighthouse's address. Group 0 trains in the
-model dir (its chief alone commits the run's checkpoints); group ``r > 0`` in
-``MODEL_DIR/replicas/group<r>``. A group that dies (a non-zero exit, a signal) is started again, at
+with its ``trainer.fault_tolerance.replica_id`` and the lighthouse's address, all with the same model
+dir: the run's checkpoints are ``MODEL_DIR/checkpoints``, committed by the group whose chief holds the
+writer lease (group 0 at first; a survivor when it dies), and group ``r > 0`` writes its own outputs
+into ``MODEL_DIR/replicas/group<r>`` (:func:`cadence.layout.replica_group_dir`). A group that dies (a non-zero exit, a signal) is started again, at
 most ``max_restarts`` times; it heals from a live peer at its first step. Their output is streamed
 as ``[group<r>] line`` (:mod:`cadence.cluster.launch`); each group's process gets
 ``CADENCE_REPLICA_ID=<r>`` too. Once every group has ended, the lighthouse is stopped. SIGINT / SIGTERM /
@@ -58,16 +59,15 @@ def free_port() -> int:
 def group_commands(config_path: str | os.PathLike[str], model_dir: str, replicas: int, lighthouse: str,
                    overrides: Sequence[str] = (), python: str = sys.executable, *,
                    progress: bool = False) -> dict[str, list[str]]:
-    """``{"group<r>": argv}``: each group's ``cadence train`` (group 0 in ``model_dir``, the others in
-    ``model_dir/replicas/group<r>``), with ``trainer.fault_tolerance`` set to ``replicas`` groups,
-    its id and the ``lighthouse`` address over the config's other settings."""
+    """``{"group<r>": argv}``: each group's ``cadence train`` of ``model_dir`` (every group the same),
+    with ``trainer.fault_tolerance`` set to ``replicas`` groups, its id and the ``lighthouse`` address
+    over the config's other settings."""
     sets = [arg for text in overrides for arg in ("--set", text)]
     commands = {}
     for r in range(replicas):
-        directory = model_dir if r == 0 else os.path.join(model_dir, "replicas", f"group{r}")
         ft = [f"trainer.fault_tolerance.replica_groups={replicas}", f"trainer.fault_tolerance.replica_id={r}",
               f"trainer.fault_tolerance.lighthouse={lighthouse}"]
-        commands[f"group{r}"] = [python, "-m", "cadence", "train", os.fspath(config_path), "--model-dir", directory,
+        commands[f"group{r}"] = [python, "-m", "cadence", "train", os.fspath(config_path), "--model-dir", model_dir,
                                  *sets, *[a for text in ft for a in ("--set", text)],
                                  *([] if progress else ["--no-progress"])]
     return commands

@@ -68,7 +68,7 @@ def _train_and_evaluate(cfg: ExperimentConfig, progress: bool | None) -> dict[st
     # the controller closes (commits) before the lease goes; bad input before any step leaves nothing (Run.release)
     with run, run.controller as controller:
         export_final = (
-            ModelExporter(cfg, run.task, run.model, "final", chief=run.ctx.is_chief, ema=run.ema)
+            ModelExporter(run.config, run.task, run.model, "final", chief=run.ctx.is_chief, ema=run.ema)
             if cfg.export is not None and cfg.export.on == "final" else None
         )
         _save_config_if_training(cfg, run)
@@ -103,8 +103,8 @@ def _save_config_if_training(cfg: ExperimentConfig, run: Run) -> None:
     first checkpoint; a model dir restored at ``trainer.train_steps`` or past it (nothing to
     train) keeps the config it was trained with."""
     steps = cfg.trainer.train_steps
-    if steps is None or run.controller.global_step < steps:
-        save_config(cfg, layout.config_path(cfg.require_model_dir()), workdir=os.getcwd())
+    if steps is None or run.controller.global_step < steps:  # a replica group's into its own directory
+        save_config(cfg, layout.config_path(run.model_dir), workdir=os.getcwd())
 
 
 def build_sidecar(cfg: ExperimentConfig) -> SidecarEvaluator:

@@ -15,6 +15,7 @@ from cadence.checkpoint import CheckpointManager
 from cadence.checkpoint.footprint import ModelDirFootprint, check_training_paths, is_refusal
 from cadence.checkpoint.shared_dir import check_shared
 from cadence.checkpoint.writer_lease import WriterLease
+from cadence.checkpoint.writer_turn import WriterTurn
 from cadence.config import ExperimentConfig
 from cadence.errors import WriterLeaseHeldError
 from cadence.loop.controller import Controller
@@ -31,7 +32,7 @@ from cadence.torch.loop.trainer import TorchTrainer
 from cadence.torch.runtime.context import Context
 from cadence.torch.task.task import Task
 
-__all__ = ["Run", "acquire_writer_lease", "build_run"]
+__all__ = ["Run", "acquire_writer_lease", "build_run", "take_writer_turn"]
 
 
 @dataclass
@@ -45,7 +46,11 @@ class Run:
     checkpoint_manager: CheckpointManager
     model: Any
     writer_lease: WriterLease | None = None
-    """The chief's writer lease on the model dir while it trains; None on other ranks and readers."""
+    """The chief's writer lease on the model dir taken at the start; None on other ranks, readers,
+    and a replica group that stands by."""
+    writer_turn: WriterTurn | None = None
+    """A fault-tolerant replica group's chief: its turn at the run's writer lease (it may take the
+    lease at a later checkpoint, :mod:`cadence.checkpoint.writer_turn`); None otherwise."""
     watchdog: Watchdog | None = None
     """This rank's hang watchdog while it trains (``trainer.hang_timeout``); None: off."""
     ema: ModelEMA | None = None
@@ -60,6 +65,8 @@ class Run:
 
     @property
     def model_dir(self) -> str:
+        """Where this process writes its outputs: the model dir, or a replica group's own directory
+        (:func:`~cadence.layout.replica_group_dir`; the checkpoints are in the run's model dir)."""
         return self.config.require_model_dir()
 
     def release(self, error: BaseException | None = None) -> None:
@@ -74,11 +81,12 @@ class Run:
             self.controller.trainer.close_data()
             if self.controller.trainer.replicas is not None:  # leaves the replica groups' quorum
                 self.controller.trainer.replicas.close()
-        if self.writer_lease is None:
-            return
-        if self.footprint is not None and is_refusal(error) and self._untouched():
-            self.footprint.undo(self.writer_lease)
-        self.writer_lease.release()  # a no-op once withdrawn
+        if self.writer_lease is not None:
+            if self.footprint is not None and is_refusal(error) and self._untouched():
+                self.footprint.undo(self.writer_lease)
+            self.writer_lease.release()  # a no-op once withdrawn
+        if self.writer_turn is not None:  # the lease it took later, if any
+            self.writer_turn.release()
 
     def _untouched(self) -> bool:
         return (self.controller.global_step, self.controller.last_eval_step) == self.started_at
@@ -110,6 +118,12 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     :class:`~cadence.errors.ModelDirNotSharedError` on every rank when one does not see the
     chief's model dir), before anything is restored.
 
+    A fault-tolerant replica group (``trainer.fault_tolerance``) trains the run of the model dir
+    with the other groups: its chief takes its turn at the writer lease instead
+    (:func:`take_writer_turn`; it stands by while a peer group holds it), its checkpoints are the
+    model dir's, and group ``r > 0`` writes its own outputs (metrics, events, ``config.yaml``...) into
+    :func:`~cadence.layout.replica_group_dir` (:attr:`Run.config`'s ``model_dir``).
+
     A training run refused by bad input (:func:`~cadence.checkpoint.footprint.is_refusal`: a
     checkpoint that does not fit the model, a model dir not shared, ...) here, or later before it
     trained or evaluated anything (:meth:`Run.release`), leaves the model dir as it found it:
@@ -127,7 +141,11 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     if trainer is not None:  # the training input now: a bad batch size, an interval in epochs without a len(),
         intervals = resolve_intervals(cfg.trainer, trainer.plan().batches_per_epoch)  # fail before the model dir is written
     footprint = ModelDirFootprint(model_dir) if train and ctx.is_chief else None
-    lease = acquire_writer_lease(cfg, ctx.coordinator) if train else None
+    replica = train and cfg.trainer.fault_tolerance is not None
+    turn = take_writer_turn(cfg, ctx.coordinator, ctx.replica_group) if replica else None
+    lease = turn.lease if turn is not None else acquire_writer_lease(cfg, ctx.coordinator) if train else None
+    outputs = cfg.model_copy(update={"model_dir": layout.replica_group_dir(model_dir, ctx.replica_group)}) \
+        if replica else cfg
     watchdog = None
     try:
         if lease is not None and footprint is not None:
@@ -137,9 +155,9 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
         if train and cfg.trainer.hang_timeout is not None:  # from before the restore (a collective that may hang)
             ctx.heartbeat = Heartbeat()
             watchdog = Watchdog(ctx.heartbeat, cfg.trainer.hang_timeout, rank=ctx.rank).start()
-        run = _assemble_run(cfg, task, ctx, trainer, evaluator, lease, intervals, train=train, evaluate=evaluate,
-                            restore_step=restore_step, progress=progress, restore=restore,
-                            restore_from=restore_from)
+        run = _assemble_run(outputs, task, ctx, trainer, evaluator, lease, intervals,
+                            train=train, evaluate=evaluate, restore_step=restore_step, progress=progress,
+                            restore=restore, restore_from=restore_from, run_dir=model_dir, turn=turn)
     except BaseException as e:
         if watchdog is not None:
             watchdog.stop()
@@ -147,8 +165,10 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
             if footprint is not None and is_refusal(e):
                 footprint.undo(lease)
             lease.release()  # a no-op once withdrawn
+        if turn is not None:
+            turn.release()
         raise
-    run.watchdog = watchdog
+    run.watchdog, run.writer_turn = watchdog, turn
     run.footprint = footprint if lease is not None else None
     run.started_at = (run.controller.global_step, run.controller.last_eval_step)
     return run
@@ -173,10 +193,32 @@ def acquire_writer_lease(cfg: ExperimentConfig, coordinator: Coordinator | None)
     return lease
 
 
+def take_writer_turn(cfg: ExperimentConfig, coordinator: Coordinator | None, group: int) -> WriterTurn | None:
+    """Replica group ``group``'s turn at the run's writer lease (None on the ranks but the chief):
+    group 0 takes the lease now when it is free, the others stand by until their first checkpoint
+    (:class:`~cadence.checkpoint.writer_turn.WriterTurn`). A collective, as :func:`acquire_writer_lease`:
+    every rank raises the same :class:`~cadence.errors.WriterLeaseHeldError` when a live trainer that
+    is no replica group holds the lease."""
+    coordinator = coordinator or LocalCoordinator()
+    turn, refusal = None, None
+    if coordinator.is_chief:
+        try:
+            turn = WriterTurn.start(cfg.require_model_dir(), f"group{group}", ttl=cfg.checkpoint.writer_lease_ttl,
+                                    first=group == 0)
+        except WriterLeaseHeldError as e:
+            refusal = str(e)
+    refusal = coordinator.broadcast(refusal)
+    if refusal is not None:
+        raise WriterLeaseHeldError(refusal)
+    return turn
+
+
 def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any, evaluator: Any,
                   lease: WriterLease | None, intervals: StepIntervals, *, train: bool, evaluate: bool,
                   restore_step: int | None, progress: bool | None, restore: bool = True,
-                  restore_from: str | None = None) -> Run:
+                  restore_from: str | None = None, run_dir: str, turn: WriterTurn | None = None) -> Run:
+    """``cfg``'s model dir: where this process writes its outputs; ``run_dir``: the run's model dir,
+    whose checkpoints it restores and saves (with ``turn``: when its replica group holds the lease)."""
     model_dir = cfg.require_model_dir()
     t = cfg.trainer
     model = (trainer or evaluator).model
@@ -197,10 +239,10 @@ def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any,
 
         callbacks.append(build_step_profiler(cfg.profiler, model_dir, ctx, train_steps=t.train_steps))
     manager = CheckpointManager(  # one writer: the chief; the other ranks only read
-        restore_from or layout.checkpoints_dir(model_dir), max_to_keep=t.max_to_keep,
+        restore_from or layout.checkpoints_dir(run_dir), max_to_keep=t.max_to_keep,
         keep_every_n_steps=t.keep_every_n_steps, writer=train and ctx.is_chief,
         async_save=cfg.checkpoint.async_save if train else False, fence=lease, checksum=cfg.checkpoint.checksum,
-        state_size=StateSizeEstimate(model, trainer.optimizer, ema) if train else None,
+        state_size=StateSizeEstimate(model, trainer.optimizer, ema) if train else None, turn=turn,
     )
     controller = Controller(
         trainer=trainer,
