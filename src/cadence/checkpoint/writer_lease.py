@@ -285,9 +285,9 @@ def check_free(model_dir: str, *, storage_options: dict[str, Any] | None = None,
     :meth:`WriterLease.acquire` takes the lease). ``group``: this job is that replica group, which
     stands by when a peer replica group holds the lease: only a plain trainer's lease refuses it."""
     current = current_lease(model_dir, storage_options=storage_options)
-    if current is not None and current.held(time.time()) and not current.replaceable(group):
-        if group is None or current.group is None:
-            raise _held_error(model_dir, current)
+    peer = group is not None and current is not None and current.group is not None  # a standby starts
+    if current is not None and current.held(time.time()) and not current.replaceable(group) and not peer:
+        raise _held_error(model_dir, current)
 
 
 def take_over(model_dir: str, *, storage_options: dict[str, Any] | None = None) -> WriterLeaseRecord | None:

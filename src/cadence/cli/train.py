@@ -109,7 +109,8 @@ def _claim_model_dir(args: argparse.Namespace, cfg: ExperimentConfig, *, check: 
 
     model_dir = layout.check_model_dir(cfg.require_model_dir(), writable=True)
     ft = cfg.trainer.fault_tolerance
-    group = None if ft is None else f"group{ft.replica_id if ft.replica_id is not None else os.environ.get(REPLICA_ID_ENV)}"
+    replica = None if ft is None else ft.replica_id if ft.replica_id is not None else os.environ.get(REPLICA_ID_ENV, "?")
+    group = None if ft is None else f"group{replica}"
     if args.take_over:
         if writer_lease.take_over(model_dir) is None:
             logger.info("--take-over: nobody holds the writer lease of %s", model_dir)

@@ -5,8 +5,9 @@ in ``MODEL_DIR/replicas/lighthouse.log``), then R groups, each a ``cadence train
 with its ``trainer.fault_tolerance.replica_id`` and the lighthouse's address, all with the same model
 dir: the run's checkpoints are ``MODEL_DIR/checkpoints``, committed by the group whose chief holds the
 writer lease (group 0 at first; a survivor when it dies), and group ``r > 0`` writes its own outputs
-into ``MODEL_DIR/replicas/group<r>`` (:func:`cadence.layout.replica_group_dir`). A group that dies (a non-zero exit, a signal) is started again, at
-most ``max_restarts`` times; it heals from a live peer at its first step. Their output is streamed
+into ``MODEL_DIR/replicas/group<r>`` (:func:`cadence.layout.replica_group_dir`). A group that dies
+(a non-zero exit, a signal) is started again, at most ``max_restarts`` times; it heals from a live
+peer at its first step. Their output is streamed
 as ``[group<r>] line`` (:mod:`cadence.cluster.launch`); each group's process gets
 ``CADENCE_REPLICA_ID=<r>`` too. Once every group has ended, the lighthouse is stopped. SIGINT / SIGTERM /
 SIGHUP stop everything (SIGTERM, then SIGKILL after ``grace_s``).

@@ -30,7 +30,8 @@ class FaultToleranceConfig(ConfigModel):
                      "`--min_replicas`). 1: the survivors go on when a group is lost."))
     replica_id: int | None = Field(
         default=None, ge=0, strict=True,
-        description=f"This group's id, 0 to R-1; null: from `{REPLICA_ID_ENV}`. Group 0's chief commits checkpoints.")
+        description=(f"This group's id, 0 to R-1; null: from `{REPLICA_ID_ENV}`. Group 0 takes the writer lease "
+                     "first; the group holding it commits the checkpoints."))
     lighthouse: str | None = Field(
         default=None, description=f"The lighthouse's address, `http://host:port`; null: from `{LIGHTHOUSE_ENV}`.")
     connect_timeout_s: float = Field(
