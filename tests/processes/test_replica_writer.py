@@ -11,6 +11,9 @@ One run, two launches of ``cadence launch --replicas 2`` on the same model dir:
    1 has committed a checkpoint after that, the whole launch is killed (SIGKILL): every group dies.
 2. the second launch resumes from the model dir's latest checkpoint and ends at ``train_steps``
    (exit 0, ``FINAL``). Over both launches, every checkpoint step is committed once.
+
+And, with the checkpoint manager alone: a standby writes nothing while a live peer (another
+process) holds the lease, takes it once released, and does not commit a step (nor ``FINAL``) twice.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ from pathlib import Path
 
 import pytest
 
+from cadence.checkpoint import CheckpointManager
+from cadence.checkpoint.copy import JSONState
+from cadence.checkpoint.writer_lease import WriterLease
+from cadence.checkpoint.writer_turn import WriterTurn
+from cadence.errors import CheckpointError, WriterLeaseHeldError
 from cli_run import popen, run_cadence
 from configs import write_config
 
@@ -66,7 +74,8 @@ def run(tmp_path_factory):
     pids = root / "pids"
     pids.mkdir()
     # The restarted group 0 sleeps 3 s first (a restart takes ~1 s here): group 1 has taken the lease
-    # by then, at its next checkpoint (~1 s, heartbeat_timeout_s, after the loss, then 6 steps).
+    # by then, at its next checkpoint (~1 s, heartbeat_timeout_s, after the loss, then 6 steps), and
+    # is still far from STEPS (at most ~10 steps a second alone; ~25 measured) when group 0 is back.
     config = write_config(root, params={"step_sleep": 0.1, "pid_dir": str(pids), "restart_sleep": 3.0},
                           trainer={"train_steps": STEPS, "steps_per_loop": 3, "checkpoint_interval": INTERVAL,
                                    "validation_interval": None, "max_to_keep": None,
@@ -162,3 +171,52 @@ def test_after_every_group_died_the_run_resumes_from_the_model_dir(run):
     rows = [json.loads(line) for line in (model_dir / "replicas/group1/train/metrics.jsonl").read_text().splitlines()]
     assert rows and rows[-1]["step"] == STEPS
     assert (model_dir / "train" / "metrics.jsonl").is_file()
+
+
+HOLDER = """
+import sys
+from cadence.checkpoint import CheckpointManager
+from cadence.checkpoint.copy import JSONState
+from cadence.checkpoint.writer_turn import WriterTurn
+turn = WriterTurn.start(sys.argv[1], "group0", ttl=60, first=True)
+manager = CheckpointManager(sys.argv[1] + "/checkpoints", turn=turn)
+manager.save(4, {"x": JSONState({"by": "group0"})})
+manager.mark_final(4)
+print("ready", flush=True)
+sys.stdin.read()  # until the test closes it
+manager.close()
+turn.release()
+"""
+
+
+def test_a_standby_writes_nothing_until_it_holds_the_lease_and_commits_no_step_twice(tmp_path):
+    model_dir = tmp_path / "m"
+    holder = popen(["-c", HOLDER, str(model_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        final = (model_dir / "checkpoints" / "FINAL").read_text()
+        with pytest.raises(WriterLeaseHeldError, match=rf"replica group0, pid {holder.pid}\b"):
+            WriterLease.acquire(str(model_dir))  # a plain trainer is refused
+        turn = WriterTurn.start(str(model_dir), "group1", ttl=60, first=True)  # a live peer: it stands by
+        manager = CheckpointManager(str(model_dir / "checkpoints"), turn=turn)
+        assert turn.standby
+        manager.save(8, {"x": JSONState({"by": "group1"})})
+        assert manager.begin(8) is None and manager.steps() == [4]  # nothing written
+        manager.mark_final(8)
+        manager.clear_final()
+        with pytest.raises(CheckpointError, match="stands by"):
+            manager.delete(4)
+        assert len(leases(model_dir)) == 1 and (model_dir / "checkpoints" / "FINAL").read_text() == final
+    finally:
+        holder.stdin.close()
+        assert holder.wait(timeout=60) == 0
+    assert leases(model_dir)[-1]["released"]
+    manager.save(4, {"x": JSONState({"by": "group1"})})  # takes the lease: the step is committed already
+    assert not turn.standby and leases(model_dir)[-1]["group"] == "group1"
+    manager.mark_final(4)
+    assert manager.read_state(4)["state"]["x"] == {"by": "group0"}
+    assert (model_dir / "checkpoints" / "FINAL").read_text() == final
+    manager.save(8, {"x": JSONState({"by": "group1"})})
+    assert manager.steps() == [4, 8] and manager.read_state(8)["state"]["x"] == {"by": "group1"}
+    manager.close()
+    turn.release()
