@@ -135,17 +135,18 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     if train:  # checkpoints/ a file: one line now, before anything is written
         check_training_paths(model_dir)
     task, ctx, trainer, evaluator = build_runners_from_config(cfg, train=train, evaluate=evaluate)
+    replica = train and cfg.trainer.fault_tolerance is not None
+    outputs = cfg  # where this process writes its own outputs: a replica group's own directory
+    if replica:
+        outputs = cfg.model_copy(update={"model_dir": layout.replica_group_dir(model_dir, ctx.replica_group)})
     evaluator = with_external_evaluators(cfg, task, evaluator, "train" if train else "evaluate",
-                                         layout.eval_dir(model_dir) if train else None)
+                                         layout.eval_dir(outputs.require_model_dir()) if train else None)
     intervals = StepIntervals(None, None, cfg.trainer.steps_per_loop)
     if trainer is not None:  # the training input now: a bad batch size, an interval in epochs without a len(),
         intervals = resolve_intervals(cfg.trainer, trainer.plan().batches_per_epoch)  # fail before the model dir is written
     footprint = ModelDirFootprint(model_dir) if train and ctx.is_chief else None
-    replica = train and cfg.trainer.fault_tolerance is not None
     turn = take_writer_turn(cfg, ctx.coordinator, ctx.replica_group) if replica else None
     lease = turn.lease if turn is not None else acquire_writer_lease(cfg, ctx.coordinator) if train else None
-    outputs = cfg.model_copy(update={"model_dir": layout.replica_group_dir(model_dir, ctx.replica_group)}) \
-        if replica else cfg
     watchdog = None
     try:
         if lease is not None and footprint is not None:
