@@ -13,7 +13,8 @@ One run, two launches of ``cadence launch --replicas 2`` on the same model dir:
    (exit 0, ``FINAL``). Over both launches, every checkpoint step is committed once.
 
 And, with the checkpoint manager alone: a standby writes nothing while a live peer (another
-process) holds the lease, takes it once released, and does not commit a step (nor ``FINAL``) twice.
+process) holds the lease, takes it once released, and does not commit a step (nor ``FINAL``) twice;
+a live plain trainer's lease refuses a replica group.
 """
 
 from __future__ import annotations
@@ -220,3 +221,24 @@ def test_a_standby_writes_nothing_until_it_holds_the_lease_and_commits_no_step_t
     assert manager.steps() == [4, 8] and manager.read_state(8)["state"]["x"] == {"by": "group1"}
     manager.close()
     turn.release()
+
+
+PLAIN_HOLDER = """
+import sys
+from cadence.checkpoint.writer_lease import WriterLease
+lease = WriterLease.acquire(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.read()
+lease.release()
+"""
+
+
+def test_a_replica_group_is_refused_by_a_plain_trainers_lease(tmp_path):
+    holder = popen(["-c", PLAIN_HOLDER, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(WriterLeaseHeldError, match=rf"being written by pid {holder.pid}\b"):
+            WriterTurn.start(str(tmp_path), "group1", ttl=60, first=False)
+    finally:
+        holder.stdin.close()
+        assert holder.wait(timeout=60) == 0
