@@ -245,8 +245,10 @@ def build_runners_from_config(cfg: ExperimentConfig, *, train: bool, evaluate: b
     )
     if ft is not None and trainer is not None:
         from cadence.torch.fault_tolerance import ReplicaSync
+        from cadence.torch.fault_tolerance.peer_check import group_identity
 
-        trainer.replicas = ReplicaSync(ft, trainer)  # reaches the lighthouse now
+        identity = group_identity(cfg, ctx.replica_group, ctx.world_size)  # what a healing peer compares
+        trainer.replicas = ReplicaSync(ft, trainer, identity)  # reaches the lighthouse now
     return task, ctx, trainer, evaluator
 
 

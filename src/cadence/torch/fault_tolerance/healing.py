@@ -1,19 +1,22 @@
 """What a replica group hands a healing peer, and how the peer takes it: the model's and optimizer's
-state, the LR scheduler's and grad scaler's, and the global step -- the parts of a trainer that
+state, the LR scheduler's and grad scaler's, the EMA of the weights (``trainer.ema``: a healed group's
+EMA is its peer's) and the global step -- the parts of a trainer that
 :class:`~cadence.torch.loop.trainer_checkpoint.TrainerCheckpoint` saves, read from the same
 :class:`~cadence.torch.loop.trainer_checkpoint.TrainerParts`.
 
 Not handed over: the RNG state (the healed group re-seeds from ``(seed, its data shard, step)``, as
 a rank without a saved state does on an elastic resume, so that the groups keep drawing different
 dropout masks) and the data position (the group's own: it reads its own shard from where it was).
-An EMA is not handed over either (this version): a healed group's EMA restarts from the healed weights.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from cadence.torch.checkpoint_io.state import unwrap_model
+from cadence.torch.components.ema import ModelEMA
 from cadence.torch.loop.trainer_checkpoint import TrainerParts
 from cadence.torch.runtime.rng import rank_seed, seed_everything
 
@@ -31,6 +34,7 @@ def healing_state(parts: TrainerParts, global_step: int) -> dict[str, Any]:
         "optimizer": parts.optimizer.state_dict(),
         "lr_scheduler": parts.lr_scheduler.state_dict() if parts.lr_scheduler is not None else None,
         "grad_scaler": parts.grad_scaler.state_dict() if parts.grad_scaler is not None else None,
+        "ema": _ema_averages(parts.ema),
     }
 
 
@@ -45,7 +49,35 @@ def load_healing_state(parts: TrainerParts, state: dict[str, Any]) -> int:
     if parts.grad_scaler is not None and state["grad_scaler"] is not None:
         parts.grad_scaler.load_state_dict(state["grad_scaler"])
     if parts.ema is not None:
-        parts.ema.reset()
+        _load_ema_averages(parts.ema, state.get("ema"))
     index, _ = parts.ctx.data_shard()
     seed_everything(rank_seed(parts.ctx.seed, index, step))
     return step
+
+
+def _ema_averages(ema: ModelEMA | None) -> dict[str, torch.Tensor] | None:
+    """The EMA's averages (its floating-point tensors, the live ones: they change only after the
+    optimizer step, as the parameters do), by the model's keys; None without an EMA."""
+    if ema is None:
+        return None
+    return {name: t for name, t in ema.averaged_state().items() if t.is_floating_point() or t.is_complex()}
+
+
+def _load_ema_averages(ema: ModelEMA, averages: dict[str, torch.Tensor] | None) -> None:
+    """Copy a peer's :func:`_ema_averages` into ``ema`` (a DTensor shard into the local shard); a peer
+    without an EMA: the EMA restarts from the healed weights."""
+    if averages is None:
+        ema.reset()
+        return
+    if ema.fence is not None:
+        ema.fence.wait()
+    with torch.no_grad():
+        for name, target in ema.averaged_state().items():
+            if target.is_floating_point() or target.is_complex():  # the same keys: peer_check compared the configs
+                _local(target).copy_(_local(averages[name]))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t

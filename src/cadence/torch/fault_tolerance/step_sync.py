@@ -3,7 +3,9 @@
 
 1. :meth:`ReplicaSync.start_step`, before the forward pass: a quorum of the live groups through the
    lighthouse; a group behind the others (restarted, or new) heals from a live peer there
-   (:mod:`~cadence.torch.fault_tolerance.healing`) and takes part in the same step.
+   (:mod:`~cadence.torch.fault_tolerance.healing`) and takes part in the same step -- unless the
+   peer's config or world size differs from its own
+   (:mod:`~cadence.torch.fault_tolerance.peer_check`): then a :class:`ConfigError` before any tensor is loaded.
 2. :meth:`ReplicaSync.commit`, after the backward pass: the gradients averaged over the step's
    participants (one all-reduce of a flat buffer), then torchft's commit vote. False -- a peer was
    lost in the step, or fewer than ``min_replicas`` took part -- means the optimizer must not step:
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -24,6 +27,7 @@ from cadence.config.components.fault_tolerance import REPLICA_ID_ENV, FaultToler
 from cadence.errors import ConfigError
 from cadence.torch.fault_tolerance.healing import healing_state, load_healing_state
 from cadence.torch.fault_tolerance.manager import build_manager
+from cadence.torch.fault_tolerance.peer_check import IDENTITY_KEY, refusal
 from cadence.torch.loop.trainer_checkpoint import TrainerParts
 from cadence.torch.runtime.context import Context
 
@@ -58,23 +62,37 @@ def join_replica_groups(config: FaultToleranceConfig, ctx: Context) -> int:
 class ReplicaSync:
     """Joins this replica group (``parts``: the trainer, whose context :func:`join_replica_groups`
     set) to the others -- it reaches the lighthouse now (:class:`ConfigError` when it cannot within
-    ``connect_timeout_s``) -- and runs each step's quorum, gradient average and commit vote."""
+    ``connect_timeout_s``) -- and runs each step's quorum, gradient average and commit vote.
+    ``identity``: this group's :func:`~cadence.torch.fault_tolerance.peer_check.group_identity`, sent
+    to a healing peer and compared with the one a peer sends (None: nothing sent, nothing checked)."""
 
-    def __init__(self, config: FaultToleranceConfig, parts: TrainerParts) -> None:
+    def __init__(self, config: FaultToleranceConfig, parts: TrainerParts,
+                 identity: dict[str, Any] | None = None) -> None:
         self.config = config
+        self._identity = identity
+        self._refused: str | None = None  # why the peer's state was not loaded (raised after the quorum)
         self.replica_id = parts.ctx.replica_group
         self._parts = parts
         self._step = 0  # the global step of the step in flight (what a healing peer gets)
         self._healed: int | None = None
         self._participants: list[int] = []
         self._retries = 0
+        # torchft's streaming load of a peer's state wraps its read-only buffer (torch warns once per process)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
         self._manager, self._store = build_manager(config, self.replica_id, self._state_dict, self._load_state_dict)
         log.info("replica group %d of %d joined the lighthouse", self.replica_id, config.replica_groups)
 
     def _state_dict(self) -> dict[str, Any]:
-        return healing_state(self._parts, self._step)
+        state = healing_state(self._parts, self._step)
+        if self._identity is not None:
+            state[IDENTITY_KEY] = self._identity
+        return state
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._identity is not None:  # checked before any tensor is loaded; raised by start_step
+            self._refused = refusal(self._identity, state.get(IDENTITY_KEY))
+            if self._refused is not None:
+                return
         checkpoint = getattr(self._parts, "_checkpoint", None)  # a TorchTrainer's: a pipelined snapshot's copy
         if checkpoint is not None:
             checkpoint.fence.wait()  # finishes before the state is replaced
@@ -89,6 +107,8 @@ class ReplicaSync:
         if manager.current_step() != global_step:  # a resume from the model dir: torchft counts from there
             manager.load_state_dict({"step": global_step, "batches_committed": manager.batches_committed()})
         manager.start_quorum()
+        if self._refused is not None:  # the peer's state was not taken: this group leaves
+            raise ConfigError(self._refused)
         healed = self._healed
         if healed is not None:
             self._step = healed
