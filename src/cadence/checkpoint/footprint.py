@@ -75,10 +75,13 @@ class ModelDirFootprint:
     :meth:`undo` when the run is refused before it trained or evaluated anything (then instead of
     releasing the lease)."""
 
-    def __init__(self, model_dir: str, *, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, model_dir: str, *, storage_options: dict[str, Any] | None = None,
+                 parents: tuple[str, ...] = ()) -> None:
         self.storage = Storage(model_dir, storage_options)
         root = self.storage.root
         self._model_dir_existed = self.storage.isdir(root)
+        # a replica group's own directory (``parents``: MODEL_DIR/replicas, MODEL_DIR): removed when created and empty
+        self._parents = [(parent.root, parent.isdir(parent.root)) for parent in (Storage(p, storage_options) for p in parents)]
         self._writer_existed = self._model_dir_existed and self.storage.isdir(self.storage.join(layout.WRITER))
         self._dirs_existed: dict[str, bool] = {}
         self._files: dict[str, bytes | None] = {}
@@ -92,10 +95,11 @@ class ModelDirFootprint:
         for name in TRAINING_FILES:
             self._files[name] = self._read(name)
 
-    def undo(self, lease: WriterLease) -> list[str]:
-        """Take back what the run changed (see the module doc) and withdraw ``lease``; return the
-        paths removed or written back, as users see them. Best effort: what cannot be taken back is
-        logged and left. Idempotent."""
+    def undo(self, lease: WriterLease | None) -> list[str]:
+        """Take back what the run changed (see the module doc) and withdraw ``lease`` (None: a replica
+        group standing by, which holds none and wrote only into its own directory); return the paths
+        removed or written back, as users see them. Best effort: what cannot be taken back is logged
+        and left. Idempotent."""
         if self._undone:
             return []
         self._undone = True
@@ -106,11 +110,15 @@ class ModelDirFootprint:
         for name in reversed(TRAINING_DIRS):
             if self._dirs_existed.get(name) is False:
                 changed += self._remove_dir(self.storage.join(name))
-        lease.withdraw()
+        if lease is not None:
+            lease.withdraw()
         if not self._writer_existed:
             changed += self._remove_dir(self.storage.join(layout.WRITER))
         if not self._model_dir_existed:
             changed += self._remove_dir(self.storage.root)
+            for parent, existed in self._parents:
+                if not existed:
+                    changed += self._remove_dir(parent)
         if changed:
             logger.debug("refused run: took back %s", ", ".join(changed))
         return changed

@@ -81,9 +81,9 @@ class Run:
             self.controller.trainer.close_data()
             if self.controller.trainer.replicas is not None:  # leaves the replica groups' quorum
                 self.controller.trainer.replicas.close()
+        if self.footprint is not None and is_refusal(error) and self._untouched():
+            self.footprint.undo(self.writer_lease)  # a standing-by replica group: its own directory
         if self.writer_lease is not None:
-            if self.footprint is not None and is_refusal(error) and self._untouched():
-                self.footprint.undo(self.writer_lease)
             self.writer_lease.release()  # a no-op once withdrawn
         if self.writer_turn is not None:  # the lease it took later, if any
             self.writer_turn.release()
@@ -147,6 +147,12 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     footprint = ModelDirFootprint(model_dir) if train and ctx.is_chief else None
     turn = take_writer_turn(cfg, ctx.coordinator, ctx.replica_group) if replica else None
     lease = turn.lease if turn is not None else acquire_writer_lease(cfg, ctx.coordinator) if train else None
+    if replica and lease is None:  # standing by: a refusal takes back group r > 0's own directory only
+        footprint = None
+        if ctx.is_chief and ctx.replica_group > 0:
+            footprint = ModelDirFootprint(outputs.require_model_dir(),
+                                          parents=(layout.join(model_dir, layout.REPLICAS), model_dir))
+            footprint.held()
     watchdog = None
     try:
         if lease is not None and footprint is not None:
@@ -162,15 +168,15 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
     except BaseException as e:
         if watchdog is not None:
             watchdog.stop()
+        if footprint is not None and is_refusal(e):
+            footprint.undo(lease)
         if lease is not None:
-            if footprint is not None and is_refusal(e):
-                footprint.undo(lease)
             lease.release()  # a no-op once withdrawn
         if turn is not None:
             turn.release()
         raise
     run.watchdog, run.writer_turn = watchdog, turn
-    run.footprint = footprint if lease is not None else None
+    run.footprint = footprint
     run.started_at = (run.controller.global_step, run.controller.last_eval_step)
     return run
 
