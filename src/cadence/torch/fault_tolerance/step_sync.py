@@ -5,11 +5,13 @@
    lighthouse; a group behind the others (restarted, or new) heals from a live peer there
    (:mod:`~cadence.torch.fault_tolerance.healing`) and takes part in the same step.
 2. :meth:`ReplicaSync.commit`, after the backward pass: the gradients averaged over the step's
-   participants (one all-reduce of a flat buffer), then torchft's commit vote. False -- a peer was
+   participants (one all-reduce of a flat buffer, which also carries the groups' data-position header:
+   :mod:`~cadence.torch.fault_tolerance.positions`; at a loop's last step, every group's position), then
+   torchft's commit vote. False -- a peer was
    lost in the step, or fewer than ``min_replicas`` took part -- means the optimizer must not step:
    the trainer drops the step and runs it again on its next batches.
 3. :meth:`ReplicaSync.loop_logs`: ``replicas``, the fewest groups that took part in a step of the
-   loop, and ``replica_retries``, the loop's steps run again.
+   loop, ``replica_retries``, the loop's steps run again, and the samples skipped and read twice.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import os
 from typing import Any
 
 import torch
+from torch.distributed import ReduceOp
 
 from cadence.config.components.fault_tolerance import REPLICA_ID_ENV, FaultToleranceConfig
 from cadence.errors import ConfigError
 from cadence.torch.fault_tolerance.healing import healing_state, load_healing_state
 from cadence.torch.fault_tolerance.manager import build_manager
+from cadence.torch.fault_tolerance.positions import ReplicaPositions
 from cadence.torch.loop.trainer_checkpoint import TrainerParts
 from cadence.torch.runtime.context import Context
 
@@ -68,16 +72,19 @@ class ReplicaSync:
         self._healed: int | None = None
         self._participants: list[int] = []
         self._retries = 0
+        self.positions = ReplicaPositions(parts.ctx, getattr(parts, "task").batch_size_of)  # every group's data position
         self._manager, self._store = build_manager(config, self.replica_id, self._state_dict, self._load_state_dict)
         log.info("replica group %d of %d joined the lighthouse", self.replica_id, config.replica_groups)
 
     def _state_dict(self) -> dict[str, Any]:
-        return healing_state(self._parts, self._step)
+        data = getattr(self._parts, "input_position")
+        return {**healing_state(self._parts, self._step), "positions": self.positions.table(data.state())}
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         checkpoint = getattr(self._parts, "_checkpoint", None)  # a TorchTrainer's: a pipelined snapshot's copy
         if checkpoint is not None:
             checkpoint.fence.wait()  # finishes before the state is replaced
+        self.positions.heal(state.get("positions"), getattr(self._parts, "input_position"))  # before the re-seed
         self._healed = load_healing_state(self._parts, state)
         log.info("replica group %d healed from a live peer at step %d", self.replica_id, self._healed)
 
@@ -86,6 +93,7 @@ class ReplicaSync:
         Returns the peer's global step when this group healed (the trainer continues from it), else None."""
         manager = self._manager
         self._step, self._healed = global_step, None
+        self.positions.start_step()
         if manager.current_step() != global_step:  # a resume from the model dir: torchft counts from there
             manager.load_state_dict({"step": global_step, "batches_committed": manager.batches_committed()})
         manager.start_quorum()
@@ -95,19 +103,26 @@ class ReplicaSync:
         self._participants.append(manager.num_participants())
         return healed
 
-    def commit(self) -> bool:
-        """Average the gradients of the optimizer's parameters over the step's participants, then
-        vote: True when every group of the quorum may step its optimizer."""
+    def commit(self, last: bool = False) -> bool:
+        """Average the gradients of the optimizer's parameters over the step's participants (the
+        positions' header rides along; ``last``: the loop's last step, every group's position is
+        exchanged), then vote: True when every group of the quorum may step its optimizer."""
         groups = self._parts.optimizer.param_groups
         grads = [p.grad for group in groups for p in group["params"] if p.grad is not None]
+        dtype, device = (grads[0].dtype, grads[0].device) if grads else (torch.float32, None)
+        header = self.positions.header(dtype, last).to(device)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [header])
+        self._manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        size = flat.numel() - header.numel()
+        self.positions.exchange(flat[size:].cpu(), self._manager, getattr(self._parts, "input_position"))
         if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self._manager.allreduce(flat).wait()
+            flat[:size].div_(self._manager.num_participants())  # the average, as torchft's AVG does it
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
         committed = bool(self._manager.should_commit())
+        self.positions.end_step(committed)
         if not committed:
             self._retries += 1
             self._participants.pop()
@@ -122,7 +137,13 @@ class ReplicaSync:
         if self._participants:
             logs["replicas"] = float(min(self._participants))
         self._participants, self._retries = [], 0
+        logs.update(self.positions.loop_logs())
         return logs
+
+    def restored(self, state: dict[str, Any], *, data: bool, rng: bool) -> None:
+        """After the trainer restored a checkpoint (its JSON ``state``; ``data``, ``rng``: whether
+        the data position and RNG were): :meth:`ReplicaPositions.restored`."""
+        self.positions.restored(state, data, rng, getattr(self._parts, "global_step"))
 
     def close(self) -> None:
         """Leave the quorum (the manager's server and transport stop)."""
