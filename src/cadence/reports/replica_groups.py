@@ -11,7 +11,7 @@ log every step for per-step ranges). No torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,8 @@ from cadence.reports.page import escape as _e
 from cadence.reports.page import html_table as _table
 from cadence.summaries.metrics_file import read_metrics
 
-__all__ = ["GroupCounts", "ReplicaGroups", "group_dir", "read_replica_groups", "replica_groups_of", "replica_section", "step_ranges"]
+__all__ = ["GroupCounts", "ReplicaGroups", "group_dir", "read_replica_groups", "replica_groups_of", "replica_section",
+           "step_ranges"]
 
 REPLICAS, RETRIES = "replicas", "replica_retries"
 SKIPPED, REPEATED = "replica_samples_skipped", "replica_samples_repeated"
@@ -81,7 +82,7 @@ def step_ranges(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def _group_counts(group: int, records: list[Mapping[str, Any]], groups: int) -> GroupCounts:
+def _group_counts(group: int, records: Sequence[Mapping[str, Any]], groups: int) -> GroupCounts:
     counts = GroupCounts(group)
     short: list[tuple[int, int]] = []
     retried: list[tuple[int, int]] = []

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed import ReduceOp
@@ -28,8 +28,10 @@ from cadence.errors import ConfigError
 from cadence.torch.fault_tolerance.healing import healing_state, load_healing_state
 from cadence.torch.fault_tolerance.manager import build_manager
 from cadence.torch.fault_tolerance.positions import ReplicaPositions
+from cadence.torch.loop.train_data import TrainData
 from cadence.torch.loop.trainer_checkpoint import TrainerParts
 from cadence.torch.runtime.context import Context
+from cadence.torch.task.task import Task
 
 __all__ = ["ReplicaSync", "join_replica_groups", "replica_id_of"]
 
@@ -59,12 +61,26 @@ def join_replica_groups(config: FaultToleranceConfig, ctx: Context) -> int:
     return ctx.replica_group
 
 
+class ReplicaTrainer(TrainerParts, Protocol):
+    """What :class:`ReplicaSync` reads of its trainer (a :class:`~cadence.torch.loop.trainer.TorchTrainer`)
+    beyond the checkpointed parts: its task (the samples of a batch), its input's position, its step."""
+
+    @property
+    def task(self) -> Task: ...
+
+    @property
+    def input_position(self) -> TrainData: ...
+
+    @property
+    def global_step(self) -> int: ...
+
+
 class ReplicaSync:
     """Joins this replica group (``parts``: the trainer, whose context :func:`join_replica_groups`
     set) to the others -- it reaches the lighthouse now (:class:`ConfigError` when it cannot within
     ``connect_timeout_s``) -- and runs each step's quorum, gradient average and commit vote."""
 
-    def __init__(self, config: FaultToleranceConfig, parts: TrainerParts) -> None:
+    def __init__(self, config: FaultToleranceConfig, parts: ReplicaTrainer) -> None:
         self.config = config
         self.replica_id = parts.ctx.replica_group
         self._parts = parts
@@ -72,19 +88,19 @@ class ReplicaSync:
         self._healed: int | None = None
         self._participants: list[int] = []
         self._retries = 0
-        self.positions = ReplicaPositions(parts.ctx, getattr(parts, "task").batch_size_of)  # every group's data position
+        self.positions = ReplicaPositions(parts.ctx, parts.task.batch_size_of)  # every group's data position
         self._manager, self._store = build_manager(config, self.replica_id, self._state_dict, self._load_state_dict)
         log.info("replica group %d of %d joined the lighthouse", self.replica_id, config.replica_groups)
 
     def _state_dict(self) -> dict[str, Any]:
-        data = getattr(self._parts, "input_position")
+        data = self._parts.input_position
         return {**healing_state(self._parts, self._step), "positions": self.positions.table(data.state())}
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         checkpoint = getattr(self._parts, "_checkpoint", None)  # a TorchTrainer's: a pipelined snapshot's copy
         if checkpoint is not None:
             checkpoint.fence.wait()  # finishes before the state is replaced
-        self.positions.heal(state.get("positions"), getattr(self._parts, "input_position"))  # before the re-seed
+        self.positions.heal(state.get("positions"), self._parts.input_position)  # before the re-seed
         self._healed = load_healing_state(self._parts, state)
         log.info("replica group %d healed from a live peer at step %d", self.replica_id, self._healed)
 
@@ -114,7 +130,7 @@ class ReplicaSync:
         flat = torch.cat([g.reshape(-1) for g in grads] + [header])
         self._manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         size = flat.numel() - header.numel()
-        self.positions.exchange(flat[size:].cpu(), self._manager, getattr(self._parts, "input_position"))
+        self.positions.exchange(flat[size:].cpu(), self._manager, self._parts.input_position)
         if grads:
             flat[:size].div_(self._manager.num_participants())  # the average, as torchft's AVG does it
             offset = 0
@@ -143,7 +159,7 @@ class ReplicaSync:
     def restored(self, state: dict[str, Any], *, data: bool, rng: bool) -> None:
         """After the trainer restored a checkpoint (its JSON ``state``; ``data``, ``rng``: whether
         the data position and RNG were): :meth:`ReplicaPositions.restored`."""
-        self.positions.restored(state, data, rng, getattr(self._parts, "global_step"))
+        self.positions.restored(state, data, rng, self._parts.global_step)
 
     def close(self) -> None:
         """Leave the quorum (the manager's server and transport stop)."""
