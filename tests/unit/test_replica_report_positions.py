@@ -98,3 +98,13 @@ def test_a_heal_takes_the_peers_row_only_when_it_is_further_on() -> None:
     assert torch.equal(x, next(later.iterator())[0])
     positions.heal({"1": {"data": position(0, 16), "samples": 8, "committed": 8}}, data)  # behind: kept
     assert data.state() == position(0, 48 + 8) and positions.drawn == 24 and positions.high == 32
+
+
+def test_a_position_taken_mid_loop_counts_the_loops_batches() -> None:
+    """The loop adds its batches to the train data's count at its end; a replayed input's position
+    exchanged at a step (or served to a healing peer) adds those drawn so far (``pending``)."""
+    data = TrainData(TinyTask(), Context(device="cpu"), [torch.zeros(1)] * 5)
+    it = data.iterator()
+    next(it), next(it)
+    assert data.state() == {"kind": "replay", "batches": 0}
+    assert data.state(pending=2) == {"kind": "replay", "batches": 2}

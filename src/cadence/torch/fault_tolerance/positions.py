@@ -108,16 +108,17 @@ class ReplicaPositions:
             [1, int(exchange), *_digits(committed)], dtype=dtype)
         return header
 
-    def exchange(self, summed: torch.Tensor, manager: Any, data: TrainData) -> None:
+    def exchange(self, summed: torch.Tensor, manager: Any, position: Callable[[], Any]) -> None:
         """After the all-reduce of the headers (``summed``): stage every group's ``committed``; when
-        any group asked, send this group's row and stage every row received (two all-reduces
-        through ``manager``). Staged rows are taken by :meth:`end_step` if the step commits."""
+        any group asked, send this group's row (``position()``: its data position now) and stage
+        every row received (two all-reduces through ``manager``). Staged rows are taken by
+        :meth:`end_step` if the step commits."""
         numbers = summed.round().to(torch.int64).view(self.groups, HEADER).tolist()
         took_part = [g for g, row in enumerate(numbers) if row[0] == 1]
         highs = {g: _number(numbers[g][2:]) for g in took_part}
         rows: dict[int, dict[str, Any]] = {}
         if any(numbers[g][1] for g in took_part) and manager.errored() is None:
-            own = json.dumps({"data": data.state(), "samples": self.drawn + self._step}).encode()
+            own = json.dumps({"data": position(), "samples": self.drawn + self._step}).encode()
             lengths = torch.zeros(self.groups, dtype=torch.float32)
             lengths[self.group] = len(own)
             manager.allreduce(lengths, reduce_op=ReduceOp.SUM).wait()

@@ -88,13 +88,14 @@ class ReplicaSync:
         self._healed: int | None = None
         self._participants: list[int] = []
         self._retries = 0
+        self._consumed = 0  # the batches the running loop drew in this epoch, not yet in the train data's count
         self.positions = ReplicaPositions(parts.ctx, parts.task.batch_size_of)  # every group's data position
         self._manager, self._store = build_manager(config, self.replica_id, self._state_dict, self._load_state_dict)
         log.info("replica group %d of %d joined the lighthouse", self.replica_id, config.replica_groups)
 
     def _state_dict(self) -> dict[str, Any]:
-        data = self._parts.input_position
-        return {**healing_state(self._parts, self._step), "positions": self.positions.table(data.state())}
+        data = self._parts.input_position.state(self._consumed)
+        return {**healing_state(self._parts, self._step), "positions": self.positions.table(data)}
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         checkpoint = getattr(self._parts, "_checkpoint", None)  # a TorchTrainer's: a pipelined snapshot's copy
@@ -104,11 +105,13 @@ class ReplicaSync:
         self._healed = load_healing_state(self._parts, state)
         log.info("replica group %d healed from a live peer at step %d", self.replica_id, self._healed)
 
-    def start_step(self, global_step: int) -> int | None:
+    def start_step(self, global_step: int, consumed: int = 0) -> int | None:
         """Before the step that ends at ``global_step + 1``: the quorum (healing included).
-        Returns the peer's global step when this group healed (the trainer continues from it), else None."""
+        ``consumed``: the batches the running loop drew in this epoch and has not added to its train
+        data's count (:meth:`TrainData.state`'s ``pending``). Returns the peer's global step when this
+        group healed (the trainer continues from it), else None."""
         manager = self._manager
-        self._step, self._healed = global_step, None
+        self._step, self._healed, self._consumed = global_step, None, consumed
         self.positions.start_step()
         if manager.current_step() != global_step:  # a resume from the model dir: torchft counts from there
             manager.load_state_dict({"step": global_step, "batches_committed": manager.batches_committed()})
@@ -119,10 +122,11 @@ class ReplicaSync:
         self._participants.append(manager.num_participants())
         return healed
 
-    def commit(self, last: bool = False) -> bool:
+    def commit(self, last: bool = False, consumed: int = 0) -> bool:
         """Average the gradients of the optimizer's parameters over the step's participants (the
         positions' header rides along; ``last``: the loop's last step, every group's position is
-        exchanged), then vote: True when every group of the quorum may step its optimizer."""
+        exchanged; ``consumed`` as in :meth:`start_step`), then vote: True when every group of the
+        quorum may step its optimizer."""
         groups = self._parts.optimizer.param_groups
         grads = [p.grad for group in groups for p in group["params"] if p.grad is not None]
         dtype, device = (grads[0].dtype, grads[0].device) if grads else (torch.float32, None)
@@ -130,7 +134,8 @@ class ReplicaSync:
         flat = torch.cat([g.reshape(-1) for g in grads] + [header])
         self._manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         size = flat.numel() - header.numel()
-        self.positions.exchange(flat[size:].cpu(), self._manager, self._parts.input_position)
+        data = self._parts.input_position
+        self.positions.exchange(flat[size:].cpu(), self._manager, lambda: data.state(consumed))
         if grads:
             flat[:size].div_(self._manager.num_participants())  # the average, as torchft's AVG does it
             offset = 0

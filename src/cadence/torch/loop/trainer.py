@@ -277,7 +277,7 @@ class TorchTrainer:
         try:
             while steps < num_steps:
                 optimizer.zero_grad(set_to_none=True)
-                if sync is not None and (healed := sync.start_step(start_step + steps)) is not None:
+                if sync is not None and (healed := sync.start_step(start_step + steps, consumed)) is not None:
                     num_steps = steps + max(1, start_step + num_steps - healed)  # to the step asked for, or one
                     self._global_step = start_step = healed - steps  # a live peer's state: go on from its step
                     if self._data.iterator() is not it:  # its own data position taken from the peer's table
@@ -312,7 +312,7 @@ class TorchTrainer:
                 if fence is not None:
                     fence.wait()
                     fence = None
-                if sync is not None and not sync.commit(steps + 1 >= num_steps):  # a group was lost: run it again
+                if sync is not None and not sync.commit(steps + 1 >= num_steps, consumed):  # a group was lost: again
                     del losses[-k:]
                     continue
                 if scaler is not None:
