@@ -1,15 +1,17 @@
 """Every replica group's data position in the checkpoint, and the samples skipped and read twice
 (``trainer.fault_tolerance``, torchft 0.2): ``cadence launch --replicas 2`` with a real lighthouse,
-group 1 killed with kill -9 mid-run and restarted by the launcher.
+group 1 killed with kill -9 in the second step of a loop (it has committed a step since the loop end
+where the groups last exchanged their positions) and restarted by the launcher.
 
 - the final checkpoint's ``replica_data`` holds each group's position, equal to what that group's
   loader really stood at after its last batch (recorded by the task itself, ``position_dir``), and
   group 0's equals the batches it drew: every committed step's and every dropped step's
   (``replica_retries``);
-- ``replica_samples_skipped`` counts the dropped steps' samples; ``cadence report`` shows the steps
-  run with 1 group, the steps run again, and the skipped / repeated samples of the metrics;
-- a resume of the whole run from that checkpoint (both groups restarted, each from the model dir's
-  checkpoint) continues each group from its own row.
+- ``replica_samples_skipped`` counts the dropped steps' samples; group 1's ``replica_samples_repeated``
+  the batches both its processes drew, less the one in flight at the kill if it was never committed;
+  ``cadence report`` shows the steps run with 1 group and the metrics' sums;
+- a resume of the whole run from the checkpoints (both groups restarted) continues each group from
+  its own row.
 """
 
 from __future__ import annotations
