@@ -58,12 +58,21 @@ class TinyTask(Task):
     ``hidden`` is the width of the hidden layer (a bigger checkpoint), ``outputs`` that of the head (the
     labels are 0 and 1): 64 and 10 make the head's weight gradient a product whose float result depends
     on the number of CPU threads.
+    ``position_dir``: each train step appends its train loader's position after its batch (``epoch offset``)
+    to ``position_dir/group<R>.<pid>`` (``rank<N>.<pid>``): what the process really drew.
     """
 
     def __init__(self, step_sleep: float = 0.0, batch_size: int = 8, n: int = 200,
                  poison_index: int | None = None, eval_sleep: float = 0.0, pid_dir: str | None = None,
-                 hidden: int = 16, hold_file: str | None = None, outputs: int = 2, restart_sleep: float = 0.0) -> None:
+                 hidden: int = 16, hold_file: str | None = None, outputs: int = 2, restart_sleep: float = 0.0,
+                 position_dir: str | None = None) -> None:
         super().__init__()
+        self.position_file = None
+        if position_dir is not None:
+            group = os.environ.get("CADENCE_REPLICA_ID")
+            name = f"group{group}" if group is not None else f"rank{os.environ.get('RANK', '0')}"
+            self.position_file = Path(position_dir, f"{name}.{os.getpid()}")
+        self.train_loader = None
         self.hidden = hidden
         self.outputs = outputs
         if pid_dir is not None:  # lets a test signal one rank of a multi-process job
@@ -95,8 +104,9 @@ class TinyTask(Task):
         if split == "train":
             # fault-tolerant replica groups split the data over all of them (ctx.data_shard)
             rank, world = (ctx.data_shard() if ctx.replica_groups > 1 else (ctx.rank, ctx.world_size))
-            return ResumableLoader(self.train_set, self.batch_size, shuffle=self.shuffle, seed=ctx.seed,
-                                   rank=rank, world_size=world, drop_last=world > 1)
+            self.train_loader = ResumableLoader(self.train_set, self.batch_size, shuffle=self.shuffle, seed=ctx.seed,
+                                                rank=rank, world_size=world, drop_last=world > 1)
+            return self.train_loader
         return DataLoader(ctx.wrap_dataset(self.val_set), batch_size=16)
 
     def example_inputs(self):
@@ -107,6 +117,9 @@ class TinyTask(Task):
             time.sleep(self.step_sleep)
         while self.hold_file is not None and os.path.exists(self.hold_file):
             time.sleep(0.01)
+        if self.position_file is not None and self.train_loader is not None:
+            with open(self.position_file, "a") as out:
+                out.write("{epoch} {offset}\n".format(**self.train_loader.state_dict()))
         x, y = batch
         return F.cross_entropy(model(x), y)
 

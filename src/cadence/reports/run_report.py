@@ -4,7 +4,9 @@
 
 * ``report.html``: run facts (finished or not, steps, duration, steps/s, the medians of the
   throughput -- samples/s, tokens/s, MFU, peak memory -- when logged, best), the metric plots
-  (embedded as a base64 PNG), a table of every metric series, the sidecar's evaluations
+  (embedded as a base64 PNG), a table of every metric series, for a run of replica groups their
+  steps with fewer groups, steps run again and samples skipped / seen twice
+  (:mod:`cadence.reports.replica_groups`), the sidecar's evaluations
   (``evaluations.jsonl``), the checkpoint timeline and the resolved ``config.yaml``. Inline CSS,
   no external resource (no ``src=``/``href=`` pointing anywhere), every value HTML-escaped;
 * ``report.png`` next to it (same stem): the figure with all the plots, one subplot per metric
@@ -36,6 +38,7 @@ from cadence.reports.page import escape as _e
 from cadence.reports.page import format_cell as _fmt
 from cadence.reports.page import format_time as _when
 from cadence.reports.page import html_table as _table
+from cadence.reports.replica_groups import ReplicaGroups, read_replica_groups, replica_groups_of, replica_section
 from cadence.reports.outputs import HTML_GENERATOR, PNG_METADATA, check_report_targets, report_paths, write_report
 from cadence.storage import Storage
 from cadence.summaries.metrics_file import METRICS_FILE, read_metrics
@@ -93,6 +96,7 @@ class _Run:
     config_text: str | None = None
     train_steps: int | None = None
     notes: list[str] = field(default_factory=list)  # things that could not be read
+    replica_groups: ReplicaGroups | None = None  # a run of fault-tolerant replica groups: their counts
 
 
 def _number(value: Any) -> float | None:
@@ -160,6 +164,7 @@ def _read_run(model_dir: str, storage: Storage) -> _Run:
             run.throughput[key] = values
     train_steps = [r["step"] for r in train if isinstance(r.get("step"), int)]
     run.last_train_step = max(train_steps) if train_steps else None
+    run.replica_groups = read_replica_groups(model_dir, replica_groups_of(run.config_text))
 
     from cadence.sidecar.evaluator import EvaluationLog
 
@@ -427,6 +432,8 @@ def _page(run: _Run, png: bytes) -> str:
                             _series_rows(run)))
     else:
         parts.append('<p class="empty">no metrics recorded yet</p>')
+    if run.replica_groups is not None:
+        parts.append(replica_section(run.replica_groups))
     parts.append("<h2>Sidecar evaluations</h2>")
     if run.evaluations:
         for name, records in sorted(run.evaluations.items()):

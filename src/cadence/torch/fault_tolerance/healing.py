@@ -6,7 +6,9 @@ EMA is its peer's) and the global step -- the parts of a trainer that
 
 Not handed over: the RNG state (the healed group re-seeds from ``(seed, its data shard, step)``, as
 a rank without a saved state does on an elastic resume, so that the groups keep drawing different
-dropout masks) and the data position (the group's own: it reads its own shard from where it was).
+dropout masks) and the peer's data position (the group reads its own shard: :class:`ReplicaSync` adds
+the peer's table of every group's position, whose row of the healed group's shard it takes when that
+is further on, :mod:`cadence.torch.fault_tolerance.positions`).
 """
 
 from __future__ import annotations

@@ -7,11 +7,13 @@
    peer's config or world size differs from its own
    (:mod:`~cadence.torch.fault_tolerance.peer_check`): then a :class:`ConfigError` before any tensor is loaded.
 2. :meth:`ReplicaSync.commit`, after the backward pass: the gradients averaged over the step's
-   participants (one all-reduce of a flat buffer), then torchft's commit vote. False -- a peer was
+   participants (one all-reduce of a flat buffer, which also carries the groups' data-position header:
+   :mod:`~cadence.torch.fault_tolerance.positions`; at a loop's last step, every group's position), then
+   torchft's commit vote. False -- a peer was
    lost in the step, or fewer than ``min_replicas`` took part -- means the optimizer must not step:
    the trainer drops the step and runs it again on its next batches.
 3. :meth:`ReplicaSync.loop_logs`: ``replicas``, the fewest groups that took part in a step of the
-   loop, and ``replica_retries``, the loop's steps run again.
+   loop, ``replica_retries``, the loop's steps run again, and the samples skipped and read twice.
 """
 
 from __future__ import annotations
@@ -19,17 +21,21 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch.distributed import ReduceOp
 
 from cadence.config.components.fault_tolerance import REPLICA_ID_ENV, FaultToleranceConfig
 from cadence.errors import ConfigError
 from cadence.torch.fault_tolerance.healing import healing_state, load_healing_state
 from cadence.torch.fault_tolerance.manager import build_manager
 from cadence.torch.fault_tolerance.peer_check import IDENTITY_KEY, refusal
+from cadence.torch.fault_tolerance.positions import ReplicaPositions
+from cadence.torch.loop.train_data import TrainData
 from cadence.torch.loop.trainer_checkpoint import TrainerParts
 from cadence.torch.runtime.context import Context
+from cadence.torch.task.task import Task
 
 __all__ = ["ReplicaSync", "join_replica_groups", "replica_id_of"]
 
@@ -59,6 +65,20 @@ def join_replica_groups(config: FaultToleranceConfig, ctx: Context) -> int:
     return ctx.replica_group
 
 
+class ReplicaTrainer(TrainerParts, Protocol):
+    """What :class:`ReplicaSync` reads of its trainer (a :class:`~cadence.torch.loop.trainer.TorchTrainer`)
+    beyond the checkpointed parts: its task (the samples of a batch), its input's position, its step."""
+
+    @property
+    def task(self) -> Task: ...
+
+    @property
+    def input_position(self) -> TrainData: ...
+
+    @property
+    def global_step(self) -> int: ...
+
+
 class ReplicaSync:
     """Joins this replica group (``parts``: the trainer, whose context :func:`join_replica_groups`
     set) to the others -- it reaches the lighthouse now (:class:`ConfigError` when it cannot within
@@ -66,7 +86,7 @@ class ReplicaSync:
     ``identity``: this group's :func:`~cadence.torch.fault_tolerance.peer_check.group_identity`, sent
     to a healing peer and compared with the one a peer sends (None: nothing sent, nothing checked)."""
 
-    def __init__(self, config: FaultToleranceConfig, parts: TrainerParts,
+    def __init__(self, config: FaultToleranceConfig, parts: ReplicaTrainer,
                  identity: dict[str, Any] | None = None) -> None:
         self.config = config
         self._identity = identity
@@ -79,11 +99,14 @@ class ReplicaSync:
         self._retries = 0
         # torchft's streaming load of a peer's state wraps its read-only buffer (torch warns once per process)
         warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        self._consumed = 0  # the batches the running loop drew in this epoch, not yet in the train data's count
+        self.positions = ReplicaPositions(parts.ctx, parts.task.batch_size_of)  # every group's data position
         self._manager, self._store = build_manager(config, self.replica_id, self._state_dict, self._load_state_dict)
         log.info("replica group %d of %d joined the lighthouse", self.replica_id, config.replica_groups)
 
     def _state_dict(self) -> dict[str, Any]:
-        state = healing_state(self._parts, self._step)
+        data = self._parts.input_position.state(self._consumed)
+        state = {**healing_state(self._parts, self._step), "positions": self.positions.table(data)}
         if self._identity is not None:
             state[IDENTITY_KEY] = self._identity
         return state
@@ -96,14 +119,18 @@ class ReplicaSync:
         checkpoint = getattr(self._parts, "_checkpoint", None)  # a TorchTrainer's: a pipelined snapshot's copy
         if checkpoint is not None:
             checkpoint.fence.wait()  # finishes before the state is replaced
+        self.positions.heal(state.get("positions"), self._parts.input_position)  # before the re-seed
         self._healed = load_healing_state(self._parts, state)
         log.info("replica group %d healed from a live peer at step %d", self.replica_id, self._healed)
 
-    def start_step(self, global_step: int) -> int | None:
+    def start_step(self, global_step: int, consumed: int = 0) -> int | None:
         """Before the step that ends at ``global_step + 1``: the quorum (healing included).
-        Returns the peer's global step when this group healed (the trainer continues from it), else None."""
+        ``consumed``: the batches the running loop drew in this epoch and has not added to its train
+        data's count (:meth:`TrainData.state`'s ``pending``). Returns the peer's global step when this
+        group healed (the trainer continues from it), else None."""
         manager = self._manager
-        self._step, self._healed = global_step, None
+        self._step, self._healed, self._consumed = global_step, None, consumed
+        self.positions.start_step()
         if manager.current_step() != global_step:  # a resume from the model dir: torchft counts from there
             manager.load_state_dict({"step": global_step, "batches_committed": manager.batches_committed()})
         manager.start_quorum()
@@ -115,19 +142,28 @@ class ReplicaSync:
         self._participants.append(manager.num_participants())
         return healed
 
-    def commit(self) -> bool:
-        """Average the gradients of the optimizer's parameters over the step's participants, then
-        vote: True when every group of the quorum may step its optimizer."""
+    def commit(self, last: bool = False, consumed: int = 0) -> bool:
+        """Average the gradients of the optimizer's parameters over the step's participants (the
+        positions' header rides along; ``last``: the loop's last step, every group's position is
+        exchanged; ``consumed`` as in :meth:`start_step`), then vote: True when every group of the
+        quorum may step its optimizer."""
         groups = self._parts.optimizer.param_groups
         grads = [p.grad for group in groups for p in group["params"] if p.grad is not None]
+        dtype, device = (grads[0].dtype, grads[0].device) if grads else (torch.float32, None)
+        header = self.positions.header(dtype, last).to(device)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [header])
+        self._manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        size = flat.numel() - header.numel()
+        data = self._parts.input_position
+        self.positions.exchange(flat[size:].cpu(), self._manager, lambda: data.state(consumed))
         if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self._manager.allreduce(flat).wait()
+            flat[:size].div_(self._manager.num_participants())  # the average, as torchft's AVG does it
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
         committed = bool(self._manager.should_commit())
+        self.positions.end_step(committed)
         if not committed:
             self._retries += 1
             self._participants.pop()
@@ -142,7 +178,13 @@ class ReplicaSync:
         if self._participants:
             logs["replicas"] = float(min(self._participants))
         self._participants, self._retries = [], 0
+        logs.update(self.positions.loop_logs())
         return logs
+
+    def restored(self, state: dict[str, Any], *, data: bool, rng: bool) -> None:
+        """After the trainer restored a checkpoint (its JSON ``state``; ``data``, ``rng``: whether
+        the data position and RNG were): :meth:`ReplicaPositions.restored`."""
+        self.positions.restored(state, data, rng, self._parts.global_step)
 
     def close(self) -> None:
         """Leave the quorum (the manager's server and transport stop)."""

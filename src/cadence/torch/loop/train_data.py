@@ -267,8 +267,10 @@ class TrainData:
                 shutdown()
         self._iterator = None
 
-    def state(self) -> dict[str, Any] | None:
-        """The position as JSON (see the module docstring); ``None``: never iterated nor restored."""
+    def state(self, pending: int = 0) -> dict[str, Any] | None:
+        """The position as JSON (see the module docstring); ``None``: never iterated nor restored.
+        ``pending``: batches drawn in this epoch that the running loop has not added to
+        :attr:`batches_consumed` yet (a position taken mid-loop)."""
         if self._iterator is None:
             # Not iterated since construction / the last restore: the position is the pending one.
             return self._pending_state
@@ -277,11 +279,11 @@ class TrainData:
         if isinstance(data, Stateful):
             position = {"kind": "stateful", "state": data_state.to_json(data.state_dict())}
         else:
-            position = {"kind": "replay", "batches": self.batches_consumed}
+            position = {"kind": "replay", "batches": self.batches_consumed + pending}
             if self._epoch_rng is not None:
                 position["rng"] = self._epoch_rng
             if isinstance(self._iterator, worker_rng.RngTracker):
-                workers = self._iterator.states(self.batches_consumed)
+                workers = self._iterator.states(self.batches_consumed + pending)
                 if workers:
                     position["workers_rng"] = {str(w): worker_rng.to_json(s) for w, s in sorted(workers.items())}
         if self.epoch:

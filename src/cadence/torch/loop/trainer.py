@@ -18,8 +18,7 @@ from cadence.torch.checkpoint_io.state import unwrap_model
 from cadence.torch.components.ema import ModelEMA
 from cadence.torch.components.precision import resolve_precision
 from cadence.torch.components.throughput import ThroughputMeter
-from cadence.torch.data.batch import move_to_device
-from cadence.torch.loop.forward_backward import forward_backward as run_forward_backward
+from cadence.torch.loop.forward_backward import accumulate_step
 from cadence.torch.loop.train_data import TrainData
 from cadence.torch.loop.trainer_checkpoint import TrainerCheckpoint
 from cadence.torch.loop.trainer_snapshot import TrainerSnapshot
@@ -181,6 +180,11 @@ class TorchTrainer:
         """The training input (built from the task on first use)."""
         return self._data.data
 
+    @property
+    def input_position(self) -> TrainData:
+        """The training input's iteration and position (``state()``, ``restore()``)."""
+        return self._data
+
     def initialize(self) -> None:
         """Fresh start (no checkpoint): ``initial_weights(model)`` when given, then
         ``task.initialize(model)``, with the unwrapped model.
@@ -255,13 +259,14 @@ class TorchTrainer:
         # The common case (one micro-batch, full precision, no scaler) runs inline: no per-step calls
         # beyond the task's train_step, backward and the optimizer.
         plain = k == 1 and autocast is None and scaler is None and not place
-        train_step, forward_backward, step_optimizer = task.train_step, run_forward_backward, optimizer.step
+        train_step, step_optimizer = task.train_step, optimizer.step
         heartbeat = self.ctx.heartbeat  # the watchdog's: one beat per step
         # A pipelined snapshot's copy runs beside this loop's first forward and backward passes (it
         # starts now), and is waited for before the first optimizer step (cadence.torch.checkpoint_io.pipelined).
         fence = self._checkpoint.fence if self._checkpoint.fence.resume() else None
         step_end, start_step, sync = self._step_end, self._global_step, self.replicas
         count = self._meter.start_loop()  # samples and tokens: one Python call per batch (None: off)
+        count = sync.positions.counting(count) if sync is not None else count  # and the groups' sample counts
         # Detached per-micro-batch losses stay on the device until the end (no per-step sync).
         losses: list[torch.Tensor] = []
         extras_acc: dict[str, ScalarSum] = {}
@@ -272,9 +277,11 @@ class TorchTrainer:
         try:
             while steps < num_steps:
                 optimizer.zero_grad(set_to_none=True)
-                if sync is not None and (healed := sync.start_step(start_step + steps)) is not None:
+                if sync is not None and (healed := sync.start_step(start_step + steps, consumed)) is not None:
                     num_steps = steps + max(1, start_step + num_steps - healed)  # to the step asked for, or one
                     self._global_step = start_step = healed - steps  # a live peer's state: go on from its step
+                    if self._data.iterator() is not it:  # its own data position taken from the peer's table
+                        it, consumed = self._data.iterator(), 0
                 if plain:
                     try:
                         batch = next(it)
@@ -296,41 +303,16 @@ class TorchTrainer:
                     if extras is not None:
                         add_extras(extras_acc, extras)
                 else:
-                    step_start = len(losses)
-                    step_extras: list[Mapping[str, Any]] = []
-                    for micro in range(k):
-                        try:
-                            batch = next(it)
-                        except StopIteration:
-                            started, consumed = self._data.next_epoch(consumed), 0
-                            if started is None:
-                                exhausted = True
-                                break
-                            it, batch = started
-                            self._epoch_started()
-                        consumed += 1
-                        if count is not None:
-                            count(batch)
-                        if place:
-                            batch = move_to_device(batch, device)
-                        if no_sync is not None and micro < k - 1:
-                            with no_sync():
-                                loss, extras = forward_backward(task, model, batch, autocast, scaler, k)
-                        else:
-                            loss, extras = forward_backward(task, model, batch, autocast, scaler, k)
-                        losses.append(loss)
-                        if extras is not None:
-                            step_extras.append(extras)
-                    if exhausted:  # data ran out inside the accumulation group: drop the group
-                        del losses[step_start:]
+                    it, consumed, exhausted = accumulate_step(task, model, it, consumed, self._data, k, count,
+                                                              device if place else None, no_sync, autocast, scaler,
+                                                              losses, extras_acc, self._epoch_started)
+                    if exhausted:
                         optimizer.zero_grad(set_to_none=True)
                         break
-                    for extras in step_extras:
-                        add_extras(extras_acc, extras)
                 if fence is not None:
                     fence.wait()
                     fence = None
-                if sync is not None and not sync.commit():  # a group was lost in this step: run it again
+                if sync is not None and not sync.commit(steps + 1 >= num_steps, consumed):  # a group was lost: again
                     del losses[-k:]
                     continue
                 if scaler is not None:
@@ -498,3 +480,5 @@ class TorchTrainer:
                     self.lr_scheduler.step()
         if restore_rng and state.get("rng") is not None:
             self._checkpoint.restore_rng(state["rng"], source, self._global_step, int(state.get("rng_tp", 1)))
+        if self.replicas is not None:  # its shard's counts of every group's positions; not the writer's RNG
+            self.replicas.restored(state, data=restore_data, rng=restore_rng)

@@ -5,7 +5,10 @@ Files: ``model.safetensors``, ``optimizer.safetensors`` (``optimizer.pt`` when t
 holds a value the safetensors form does not represent), ``ema.safetensors`` with an EMA, or a
 sharded model's DCP shards (:mod:`cadence.torch.checkpoint_io.sharded`). JSON state: ``global_step``,
 ``rng`` (every rank's RNG state, in rank order), ``data`` (the train data's position) and, when the
-ranks' positions differ, ``rank_data``.
+ranks' positions differ, ``rank_data``. With fault-tolerant replica groups (the trainer's ``replicas``),
+also every data shard's row of :mod:`cadence.torch.fault_tolerance.positions` (``replica_data``, by
+shard: ``group * dp_size + dp_rank``; ``null`` for a shard never heard of), ``replica_groups`` and
+``replica_writer`` (the group that saved it); a resume takes its shard's row.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class TrainerCheckpoint:
         ctx = parts.ctx
         self._gathered_rng: list[dict[str, Any]] | None = None  # from prepare()
         self._gathered_data: list[dict[str, Any] | None] | None = None  # ditto: every rank's data position
+        self._gathered_rows: dict[str, Any] | None = None  # ditto: every data shard's row (replica groups)
         self._staging: TrainerSnapshot | None = None  # the last asynchronous snapshot (its tensors are reused)
         self._shard_writes = ShardWrites(ctx.rank, ctx.world_size)  # a sharded model's checkpoints
         self._param_names: tuple[nn.Module, frozenset[str]] | None = None  # the model's, for pipelined snapshots
@@ -107,11 +111,13 @@ class TrainerCheckpoint:
         ctx = parts.ctx
         if ctx.world_size > 1:
             sync_buffers(parts.model, parts.ema.buffer_averages() if parts.ema is not None else ())
-        own = (get_rng_state(), data_state)
+        sync = getattr(parts, "replicas", None)  # fault-tolerant replica groups: every shard's position
+        own = (get_rng_state(), data_state, sync.positions.table(data_state) if sync is not None else None)
         coord = ctx.coordinator
         gathered = coord.all_gather(own) if coord is not None and ctx.world_size > 1 else [own]
-        self._gathered_rng = [rng for rng, _ in gathered]
-        self._gathered_data = [data for _, data in gathered]
+        self._gathered_rng = [rng for rng, _, _ in gathered]
+        self._gathered_data = [data for _, data, _ in gathered]
+        self._gathered_rows = {k: v for _, _, rows in gathered for k, v in (rows or {}).items()} if sync else None
 
     def write_shards(self, target: ShardTarget, *, pipelined: bool = False) -> None:
         """Collective: write this rank's shards of the model, optimizer, scheduler (and EMA) state
@@ -174,6 +180,12 @@ class TrainerCheckpoint:
             state["rank_data"] = ranks_data  # per-rank loader states (a StatefulDataLoader's own shard)
         if self._mesh is not None:  # the layout it was saved on: a resume on another mesh says so
             state["mesh"] = dataclasses.asdict(self._mesh)
+        rows, self._gathered_rows = self._gathered_rows, None
+        sync = getattr(parts, "replicas", None)
+        if sync is not None:  # every data shard's position (cadence.torch.fault_tolerance.positions)
+            rows = rows if rows is not None else sync.positions.table(state["data"])
+            state.update(replica_groups=parts.ctx.replica_groups, replica_writer=parts.ctx.replica_group,
+                         replica_data=[rows.get(str(s)) for s in range(parts.ctx.data_shard()[1])])
         if self._sharded:
             return TrainerSnapshot(None, {}, state, shards=self._shard_writes.take())
         torch_state = {
@@ -320,9 +332,19 @@ class TrainerCheckpoint:
             )
 
     def rank_data_state(self, state: Mapping[str, Any], source: str) -> Any:
-        """This rank's data position in the JSON ``state``: its own when the ranks' differ
-        (``rank_data``: a loader whose state is per rank, such as torchdata's
-        ``StatefulDataLoader``), else ``data``."""
+        """This rank's data position in the JSON ``state``: in a replica group, its data shard's row
+        of ``replica_data`` when there is one; its own when the ranks' differ (``rank_data``: a loader
+        whose state is per rank, such as torchdata's ``StatefulDataLoader``), else ``data``."""
+        ctx = self._parts.ctx
+        shards = state.get("replica_data")
+        if ctx.replica_groups > 1 and isinstance(shards, list):
+            shard = ctx.data_shard()[0]
+            row = shards[shard] if shard < len(shards) else None
+            if isinstance(row, Mapping):
+                return row.get("data")
+            log.warning("%s: no data position saved for data shard %d (replica group %d): it starts its data "
+                        "from the start", source or "checkpoint", shard, ctx.replica_group)
+            return None
         ranks = state.get("rank_data")
         if not isinstance(ranks, list) or not ranks:
             return state.get("data")
