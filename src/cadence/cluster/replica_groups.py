@@ -6,8 +6,8 @@ with its ``trainer.fault_tolerance.replica_id`` and the lighthouse's address, al
 dir: the run's checkpoints are ``MODEL_DIR/checkpoints``, committed by the group whose chief holds the
 writer lease (group 0 at first; a survivor when it dies), and group ``r > 0`` writes its own outputs
 into ``MODEL_DIR/replicas/group<r>`` (:func:`cadence.layout.replica_group_dir`). A group that dies
-(a non-zero exit, a signal) is started again, at most ``max_restarts`` times; it heals from a live
-peer at its first step. Their output is streamed
+(a non-zero exit but 2, a signal) is started again, at most ``max_restarts`` times; it heals from a
+live peer at its first step. A group that exits with code 2 was refused (bad input) and is not. Their output is streamed
 as ``[group<r>] line`` (:mod:`cadence.cluster.launch`); each group's process gets
 ``CADENCE_REPLICA_ID=<r>`` too. Once every group has ended, the lighthouse is stopped. SIGINT / SIGTERM /
 SIGHUP stop everything (SIGTERM, then SIGKILL after ``grace_s``).
@@ -79,7 +79,7 @@ def run_replica_groups(commands: dict[str, list[str]], lighthouse_argv: list[str
                        out: IO[str] | None = None) -> dict[str, int]:
     """Start the lighthouse, wait until it accepts connections (a :class:`ConfigError` after
     :data:`LIGHTHOUSE_WAIT_S`, or when it exits), start every group, restart a group that dies (at most
-    ``max_restarts`` times each), stop the lighthouse once every group has ended.
+    ``max_restarts`` times each; not one refused: exit code 2), stop the lighthouse once every group has ended.
 
     Returns ``{group: last exit code}`` (negative: a signal) and, under ``"restarts"``, the restarts
     made in all."""
@@ -155,7 +155,12 @@ def _begin(child: _Child, env: dict[str, str], output: _Output) -> None:
 
 def _restart(child: _Child, restarts: dict[str, int], max_restarts: int, env: dict[str, str],
              output: _Output) -> bool:
-    """A group that died: started again while it has restarts left (True), else reported (False)."""
+    """A group that died: started again while it has restarts left (True), else reported (False). A
+    group that exited with code 2 was refused (bad input: a config its peers do not share, ...): the
+    same again at each start, so it is not restarted."""
+    if child.started.returncode == 2:
+        output.line(_LAUNCHER, f"{child.name} was refused (code 2: bad input, see its error above); not restarting it")
+        return False
     if restarts[child.name] >= max_restarts:
         output.line(_LAUNCHER, f"{child.name} exited with {_describe(child.started.returncode)}; no restart left "
                                f"({max_restarts} made)")
