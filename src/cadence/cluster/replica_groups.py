@@ -1,8 +1,9 @@
 """``cadence launch CONFIG --replicas R``: fault-tolerant replica groups on one machine.
 
 Starts torchft's lighthouse (its ``torchft_lighthouse`` program, on a free port of 127.0.0.1, its log
-in ``MODEL_DIR/replicas/lighthouse.log``), then R groups, each a ``cadence train`` job of one process
-with its ``trainer.fault_tolerance.replica_id`` and the lighthouse's address. Group 0 trains in the
+in ``MODEL_DIR/replicas/lighthouse.log``), then R groups, each a ``cadence train`` job (of one process,
+or ``cadence train --nproc N``: torch's launcher with a rendezvous of its own on a free port) with its
+``trainer.fault_tolerance.replica_id`` and the lighthouse's address. Group 0 trains in the
 model dir (its chief alone commits the run's checkpoints); group ``r > 0`` in
 ``MODEL_DIR/replicas/group<r>``. A group that dies (a non-zero exit, a signal) is started again, at
 most ``max_restarts`` times; it heals from a live peer at its first step. Their output is streamed
@@ -57,10 +58,11 @@ def free_port() -> int:
 
 def group_commands(config_path: str | os.PathLike[str], model_dir: str, replicas: int, lighthouse: str,
                    overrides: Sequence[str] = (), python: str = sys.executable, *,
-                   progress: bool = False) -> dict[str, list[str]]:
+                   progress: bool = False, nproc: int = 1) -> dict[str, list[str]]:
     """``{"group<r>": argv}``: each group's ``cadence train`` (group 0 in ``model_dir``, the others in
     ``model_dir/replicas/group<r>``), with ``trainer.fault_tolerance`` set to ``replicas`` groups,
-    its id and the ``lighthouse`` address over the config's other settings."""
+    its id and the ``lighthouse`` address over the config's other settings; ``nproc`` > 1: each group
+    ``--nproc nproc`` ranks (a standalone rendezvous each: the groups do not meet)."""
     sets = [arg for text in overrides for arg in ("--set", text)]
     commands = {}
     for r in range(replicas):
@@ -69,7 +71,8 @@ def group_commands(config_path: str | os.PathLike[str], model_dir: str, replicas
               f"trainer.fault_tolerance.lighthouse={lighthouse}"]
         commands[f"group{r}"] = [python, "-m", "cadence", "train", os.fspath(config_path), "--model-dir", directory,
                                  *sets, *[a for text in ft for a in ("--set", text)],
-                                 *([] if progress else ["--no-progress"])]
+                                 *([] if progress else ["--no-progress"]),
+                                 *(["--nproc", str(nproc)] if nproc > 1 else [])]
     return commands
 
 

@@ -1,7 +1,9 @@
-"""The torchft ``Manager`` of one replica group (one process in this version): its own TCPStore on
-127.0.0.1 (``MASTER_ADDR`` when set), a reconfigurable gloo process group over the groups, and the
-connection to the lighthouse -- one :class:`~cadence.errors.ConfigError` line when it cannot be
-reached within ``connect_timeout_s``, before any step."""
+"""The torchft ``Manager`` of one rank of a replica group: the group's TCPStore (a group of one process
+opens its own on 127.0.0.1, or ``MASTER_ADDR``; a group of several ranks shares its launcher's,
+``MASTER_ADDR:MASTER_PORT``), a reconfigurable gloo process group joining this rank to the ranks of
+equal group rank in the other groups, and, on the group's rank 0, the manager server that talks to
+the lighthouse -- one :class:`~cadence.errors.ConfigError` line when it cannot be reached within
+``connect_timeout_s``, before any step."""
 
 from __future__ import annotations
 
@@ -36,11 +38,13 @@ def lighthouse_address(config: FaultToleranceConfig) -> str:
 
 
 def build_manager(config: FaultToleranceConfig, replica_id: int,
-                  state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> tuple[Any, Any]:
-    """A ``torchft.Manager`` for group ``replica_id`` with the healing callbacks, the quorum taken
-    synchronously at each step's start (a healing group loads the peer's state before its forward
-    pass and takes part in that step), and ``min_replica_size = config.min_replicas``; with the
-    group's TCPStore, which must live as long as the manager."""
+                  state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], *,
+                  rank: int = 0, world_size: int = 1) -> tuple[Any, Any]:
+    """A ``torchft.Manager`` for rank ``rank`` of the ``world_size`` ranks of group ``replica_id``, with
+    the healing callbacks, the quorum taken synchronously at each step's start (a healing group loads
+    the peer's state before its forward pass and takes part in that step), and ``min_replica_size =
+    config.min_replicas``; with the TCPStore this process opened (None for a group of several ranks,
+    whose store is its launcher's), which must live as long as the manager."""
     torchft = import_torchft()
     from torch.distributed import TCPStore
 
@@ -49,15 +53,19 @@ def build_manager(config: FaultToleranceConfig, replica_id: int,
 
     address = lighthouse_address(config)
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)  # this group's own (one process)
+    if world_size > 1:  # the group's launcher's store (torchrun's), which every rank of the group reaches
+        store, port = None, int(os.environ["MASTER_PORT"])
+    else:
+        store = TCPStore(host, 0, is_master=True, wait_for_workers=False)  # this group's own (one process)
+        port = store.port
     timeout = timedelta(seconds=config.timeout_s)
     try:
         manager = torchft.Manager(
             pg=torchft.ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
             min_replica_size=config.min_replicas, use_async_quorum=False, timeout=timeout,
             quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
-            connect_timeout=timedelta(seconds=config.connect_timeout_s), rank=0, world_size=1,
-            store_addr=host, store_port=store.port, lighthouse_addr=address, replica_id=f"group_{replica_id}",
+            connect_timeout=timedelta(seconds=config.connect_timeout_s), rank=rank, world_size=world_size,
+            store_addr=host, store_port=port, lighthouse_addr=address, replica_id=f"group_{replica_id}",
         )
     except RuntimeError as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -23,6 +23,7 @@ import torch
 from cadence.config.components.fault_tolerance import REPLICA_ID_ENV, FaultToleranceConfig
 from cadence.errors import ConfigError
 from cadence.torch.fault_tolerance.healing import healing_state, load_healing_state
+from cadence.torch.fault_tolerance.local_state import local_tensors
 from cadence.torch.fault_tolerance.manager import build_manager
 from cadence.torch.loop.trainer_checkpoint import TrainerParts
 from cadence.torch.runtime.context import Context
@@ -46,11 +47,8 @@ def replica_id_of(config: FaultToleranceConfig) -> int:
 
 def join_replica_groups(config: FaultToleranceConfig, ctx: Context) -> int:
     """Before the train data is built: set ``ctx.replica_group`` and ``ctx.replica_groups`` (the
-    data is then split over every group's ranks: :meth:`Context.data_shard`); return this group's
-    id. One process per group in this version: a :class:`ConfigError` for a context of several."""
-    if ctx.world_size != 1:
-        raise ConfigError(f"trainer.fault_tolerance runs one process per replica group in this version; "
-                          f"this group has {ctx.world_size} (drop --nproc)")
+    data is then split over every group's data-parallel ranks: :meth:`Context.data_shard`); return
+    this group's id. A group is a job of any number of ranks (DDP, FSDP or a mesh inside it)."""
     ctx.replica_group, ctx.replica_groups = replica_id_of(config), config.replica_groups
     return ctx.replica_group
 
@@ -68,8 +66,11 @@ class ReplicaSync:
         self._healed: int | None = None
         self._participants: list[int] = []
         self._retries = 0
-        self._manager, self._store = build_manager(config, self.replica_id, self._state_dict, self._load_state_dict)
-        log.info("replica group %d of %d joined the lighthouse", self.replica_id, config.replica_groups)
+        ctx = parts.ctx
+        self._manager, self._store = build_manager(config, self.replica_id, self._state_dict, self._load_state_dict,
+                                                   rank=ctx.rank, world_size=ctx.world_size)
+        log.info("replica group %d of %d joined the lighthouse%s", self.replica_id, config.replica_groups,
+                 f" ({ctx.world_size} ranks)" if ctx.world_size > 1 else "")
 
     def _state_dict(self) -> dict[str, Any]:
         return healing_state(self._parts, self._step)
@@ -97,9 +98,11 @@ class ReplicaSync:
 
     def commit(self) -> bool:
         """Average the gradients of the optimizer's parameters over the step's participants, then
-        vote: True when every group of the quorum may step its optimizer."""
+        vote: True when every group of the quorum may step its optimizer. Each rank averages its own
+        part (a sharded gradient's local shard) with the ranks of equal group rank in the other groups,
+        which hold the same part; the gradients are already averaged inside the group (DDP, FSDP)."""
         groups = self._parts.optimizer.param_groups
-        grads = [p.grad for group in groups for p in group["params"] if p.grad is not None]
+        grads = [local_tensors(p.grad) for group in groups for p in group["params"] if p.grad is not None]
         if grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             self._manager.allreduce(flat).wait()
