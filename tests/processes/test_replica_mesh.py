@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_run import checkpoint_weights, popen, run_cadence
+from cli_run import checkpoint_weights, popen
 from configs import write_config
 
 pytest.importorskip("torchft")
@@ -127,3 +127,24 @@ def test_a_rank_killed_in_a_group_of_two_costs_the_other_group_nothing_and_the_g
     assert healed and healed[-1] > COMPARED, output  # the restarted group took group 0's state mid-run
     assert (root / "model" / "checkpoints" / f"ckpt-{STEPS}").is_dir()
     assert (root / "model" / "replicas" / "group1" / "checkpoints" / f"ckpt-{STEPS}").is_dir()
+
+
+def test_each_groups_mesh_reads_its_own_share_of_the_data():
+    """2 groups of a dp_shard 2 x tp 2 mesh: the 4 data-parallel ranks of all groups read 4 different
+    shards, and the 2 ranks of a tensor-parallel pair the same one (no process: the context alone)."""
+    from cadence.config.components.fault_tolerance import FaultToleranceConfig
+    from cadence.torch.fault_tolerance import join_replica_groups
+    from cadence.torch.parallel.mesh import resolve_degrees
+    from cadence.torch.runtime.context import Context
+
+    degrees = resolve_degrees(1, 2, 2, 4)
+    shards = {}
+    for group in range(2):
+        for rank in range(4):
+            ctx = Context(rank=rank, world_size=4, device="cpu")
+            ctx.use_mesh(None, degrees.dp_rank(rank), degrees.dp_size)
+            join_replica_groups(FaultToleranceConfig(replica_groups=2, replica_id=group), ctx)
+            shards[group, rank] = ctx.data_shard()
+    assert {count for _, count in shards.values()} == {4}
+    assert sorted(index for index, _ in shards.values()) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(shards[g, r] == shards[g, r ^ 1] for g, r in shards)  # a TP pair: ranks 2k, 2k + 1

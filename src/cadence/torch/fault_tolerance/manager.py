@@ -54,6 +54,10 @@ def build_manager(config: FaultToleranceConfig, replica_id: int,
     address = lighthouse_address(config)
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     if world_size > 1:  # the group's launcher's store (torchrun's), which every rank of the group reaches
+        if not os.environ.get("MASTER_PORT", "").strip().isdigit():
+            raise ConfigError("trainer.fault_tolerance: a replica group of several ranks shares its launcher's store "
+                              "at MASTER_ADDR:MASTER_PORT; MASTER_PORT is not set (start the group with torchrun or "
+                              "cadence train --nproc)")
         store, port = None, int(os.environ["MASTER_PORT"])
     else:
         store = TCPStore(host, 0, is_master=True, wait_for_workers=False)  # this group's own (one process)
