@@ -9,7 +9,9 @@ run, beside a plain 4-rank FSDP run of the same global batch:
   again; group 0 goes on in the same processes, alone (``replicas: 1``), and is held mid-step
   (``hold_file``) until the restarted group has reached its first step, so that group 1 rejoins and
   heals from group 0 -- each rank from the rank of equal group rank, its FSDP shards and Adam state
-  as local shards -- mid-run; the run ends with exit 0, every loop logged once.
+  as local shards -- mid-run; the run ends with exit 0, every loop logged once;
+- (no process) every rank of a group refuses a lighthouse nobody listens on (one line, exit 2 from
+  the CLI); the data split over 2 groups of a dp_shard x tp mesh.
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from cadence.cluster.replica_groups import free_port
 from cli_run import checkpoint_weights, popen
 from configs import write_config
 
 pytest.importorskip("torchft")
 
+NOBODY = f"http://127.0.0.1:{free_port()}"  # a lighthouse address nobody listens on
 STEPS = 42
 COMPARED = 6  # group 0's checkpoint before the kill, compared with the plain run's
 TOLERANCE = 1e-6
@@ -129,6 +134,22 @@ def test_a_rank_killed_in_a_group_of_two_costs_the_other_group_nothing_and_the_g
     assert (root / "model" / "replicas" / "group1" / "checkpoints" / f"ckpt-{STEPS}").is_dir()
 
 
+def test_every_rank_of_a_group_refuses_a_lighthouse_nobody_listens_on(tmp_path):
+    """Only a group's rank 0 talks to the lighthouse; every rank checks it first (before anything is
+    built), so that a group of several ranks ends with the one line, exit 2, not with rank 1's failure
+    on the store that rank 0 took down with it (no process: the context alone)."""
+    from cadence.config.components.fault_tolerance import FaultToleranceConfig
+    from cadence.errors import ConfigError
+    from cadence.torch.fault_tolerance import join_replica_groups
+    from cadence.torch.runtime.context import Context
+
+    config = FaultToleranceConfig(replica_groups=2, replica_id=1, lighthouse=NOBODY, connect_timeout_s=0.3)
+    ctx = Context(rank=1, world_size=2, device="cpu")
+    with pytest.raises(ConfigError, match=f"cannot reach the lighthouse at {re.escape(NOBODY)} within 0.3 s"):
+        join_replica_groups(config, ctx)
+    assert ctx.replica_groups == 1  # nothing set
+
+
 def test_each_groups_mesh_reads_its_own_share_of_the_data():
     """2 groups of a dp_shard 2 x tp 2 mesh: the 4 data-parallel ranks of all groups read 4 different
     shards, and the 2 ranks of a tensor-parallel pair the same one (no process: the context alone)."""
@@ -139,12 +160,17 @@ def test_each_groups_mesh_reads_its_own_share_of_the_data():
 
     degrees = resolve_degrees(1, 2, 2, 4)
     shards = {}
-    for group in range(2):
-        for rank in range(4):
-            ctx = Context(rank=rank, world_size=4, device="cpu")
-            ctx.use_mesh(None, degrees.dp_rank(rank), degrees.dp_size)
-            join_replica_groups(FaultToleranceConfig(replica_groups=2, replica_id=group), ctx)
-            shards[group, rank] = ctx.data_shard()
+    with socket.socket() as listening:  # a lighthouse to reach (join_replica_groups checks it is there)
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(16)
+        address = f"http://127.0.0.1:{listening.getsockname()[1]}"
+        for group in range(2):
+            for rank in range(4):
+                ctx = Context(rank=rank, world_size=4, device="cpu")
+                ctx.use_mesh(None, degrees.dp_rank(rank), degrees.dp_size)
+                join_replica_groups(FaultToleranceConfig(replica_groups=2, replica_id=group, lighthouse=address), ctx)
+                shards[group, rank] = ctx.data_shard()
     assert {count for _, count in shards.values()} == {4}
     assert sorted(index for index, _ in shards.values()) == [0, 0, 1, 1, 2, 2, 3, 3]
     assert all(shards[g, r] == shards[g, r ^ 1] for g, r in shards)  # a TP pair: ranks 2k, 2k + 1
+

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 from datetime import timedelta
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 from cadence.config.components.fault_tolerance import LIGHTHOUSE_ENV, FaultToleranceConfig
 from cadence.errors import ConfigError
 
-__all__ = ["build_manager", "import_torchft"]
+__all__ = ["build_manager", "import_torchft", "reach_lighthouse"]
 
 
 def import_torchft() -> Any:
@@ -35,6 +38,26 @@ def lighthouse_address(config: FaultToleranceConfig) -> str:
         raise ConfigError(f"trainer.fault_tolerance: no lighthouse address (set trainer.fault_tolerance.lighthouse "
                           f"or {LIGHTHOUSE_ENV}, or start the groups with cadence launch --replicas)")
     return address
+
+
+def reach_lighthouse(address: str, timeout_s: float) -> None:
+    """Wait until the lighthouse at ``address`` (``http://host:port``) accepts a TCP connection; a
+    :class:`ConfigError` after ``timeout_s``. Every rank of a group checks (before anything is built),
+    so that all of them end with the same line: only the group's rank 0 talks to the lighthouse, and
+    without the check the other ranks would fail on the store rank 0 took down with it."""
+    parts = urlsplit(address if "://" in address else f"http://{address}")
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                reason = exc.strerror or type(exc).__name__
+                raise ConfigError(f"trainer.fault_tolerance: cannot reach the lighthouse at {address} within "
+                                  f"{timeout_s:g} s ({reason})") from None
+            time.sleep(0.1)
 
 
 def build_manager(config: FaultToleranceConfig, replica_id: int,

@@ -24,7 +24,7 @@ from cadence.config.components.fault_tolerance import REPLICA_ID_ENV, FaultToler
 from cadence.errors import ConfigError
 from cadence.torch.fault_tolerance.healing import healing_state, load_healing_state
 from cadence.torch.fault_tolerance.local_state import local_tensors
-from cadence.torch.fault_tolerance.manager import build_manager
+from cadence.torch.fault_tolerance.manager import build_manager, lighthouse_address, reach_lighthouse
 from cadence.torch.loop.trainer_checkpoint import TrainerParts
 from cadence.torch.runtime.context import Context
 
@@ -48,8 +48,12 @@ def replica_id_of(config: FaultToleranceConfig) -> int:
 def join_replica_groups(config: FaultToleranceConfig, ctx: Context) -> int:
     """Before the train data is built: set ``ctx.replica_group`` and ``ctx.replica_groups`` (the
     data is then split over every group's data-parallel ranks: :meth:`Context.data_shard`); return
-    this group's id. A group is a job of any number of ranks (DDP, FSDP or a mesh inside it)."""
-    ctx.replica_group, ctx.replica_groups = replica_id_of(config), config.replica_groups
+    this group's id. A group is a job of any number of ranks (DDP, FSDP or a mesh inside it). Every
+    rank first waits for the lighthouse (:func:`~cadence.torch.fault_tolerance.manager.reach_lighthouse`:
+    a :class:`ConfigError` after ``connect_timeout_s``)."""
+    replica_id = replica_id_of(config)
+    reach_lighthouse(lighthouse_address(config), config.connect_timeout_s)
+    ctx.replica_group, ctx.replica_groups = replica_id, config.replica_groups
     return ctx.replica_group
 
 
