@@ -1,9 +1,8 @@
-"""``cadence launch CONFIG --replicas R``: the command's checks, then the replica groups
-(:mod:`cadence.cluster.replica_groups`). ``--nproc N``: each group is a
-``cadence train --nproc N`` job. Refused with one line (exit 2): ``--sidecar`` with it, ``--replicas``
-< 1 (the flag's bound),
-a config that does not validate with R groups, a model dir that is not writable, and a lighthouse
-that does not start."""
+"""``cadence launch CONFIG --replicas R [--nproc N]``: the command's checks, then the replica groups
+(:mod:`cadence.cluster.replica_groups`), each a ``cadence train`` job of one process or of ``--nproc N``.
+Refused with one line (exit 2): ``--sidecar`` with it, ``--replicas`` < 1 (the flag's bound), a config
+that does not validate with R groups, a model dir that is not writable, and a lighthouse that does
+not start."""
 
 from __future__ import annotations
 
