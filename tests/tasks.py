@@ -54,9 +54,10 @@ class TinyTask(Task):
     group's, ``group<R>rank<N>`` for a rank of a group of several); ``restart_sleep``: a process that
     finds its file there already (a restarted one) first sleeps that long, as a restart on a cluster
     takes a while.
-    ``start_together``: on a fresh start (``initialize``), each process marks itself ready in ``pid_dir``
-    and waits until that many have (fault-tolerant replica groups then start in the same quorum: each
-    group's rank 0 reaches the lighthouse before its ``initialize``).
+    ``start_together``: at its first validation batch (the sanity check's, just before training), each
+    process marks itself ready in ``pid_dir`` and waits until that many have (fault-tolerant replica
+    groups then ask for their first quorum together: each group's rank 0 reached the lighthouse before).
+    A restarted process finds its mark and does not wait.
     ``poison_index`` puts a NaN into that training sample (and turns shuffling off, so the step
     that meets it is known): its batch gives a NaN loss.
     ``hidden`` is the width of the hidden layer (a bigger checkpoint), ``outputs`` that of the head (the
@@ -97,9 +98,10 @@ class TinyTask(Task):
     def build_optimizer(self, model):
         return torch.optim.Adam(model.parameters(), lr=1e-2)
 
-    def initialize(self, model):
-        if self.start_together and self.pid_dir is not None:
-            Path(self.pid_dir, f"ready-{self.name}").touch()
+    def _start_together(self):
+        marker = Path(self.pid_dir, f"ready-{self.name}")
+        if not marker.exists():  # the process's first validation batch (its last before training)
+            marker.touch()
             deadline = time.monotonic() + 120
             while len(list(Path(self.pid_dir).glob("ready-*"))) < self.start_together and time.monotonic() < deadline:
                 time.sleep(0.02)
@@ -127,6 +129,8 @@ class TinyTask(Task):
         return F.cross_entropy(model(x), y)
 
     def validation_step(self, model, batch):
+        if self.start_together and self.pid_dir is not None:
+            self._start_together()
         if self.eval_sleep:
             time.sleep(self.eval_sleep)
         x, y = batch

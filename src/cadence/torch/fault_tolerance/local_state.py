@@ -61,8 +61,8 @@ def load_local_model(module: torch.nn.Module, state: Mapping[str, Any]) -> None:
 
 def load_local_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     """Load a peer rank's :func:`local_tensors` of ``optimizer.state_dict()`` into ``optimizer``, which
-    may hold no state yet (a fresh process): each state tensor of its ``DTensor`` parameter's local
-    shape (Adam's moments) becomes a ``DTensor`` placed as that parameter; scalars (``step``) stay."""
+    may hold no state yet (a fresh process): each state tensor, copied, of its ``DTensor`` parameter's
+    local shape (Adam's moments) becomes a ``DTensor`` placed as that parameter; scalars (``step``) stay."""
     from torch.distributed.tensor import DTensor
 
     groups, saved_groups = optimizer.param_groups, list(state.get("param_groups", ()))
@@ -70,6 +70,9 @@ def load_local_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str, A
               for index, param in zip(saved["params"], group["params"])}
     rebuilt = {}
     for index, values in state.get("state", {}).items():
+        # its own memory: the optimizer steps its state in place, and what a peer sent may be a
+        # read-only buffer (load_state_dict keeps a tensor of the right dtype and device as it is)
+        values = {name: v.clone() if isinstance(v, torch.Tensor) else v for name, v in values.items()}
         param = params.get(index)
         if isinstance(param, DTensor):
             shape = tuple(param.to_local().shape)

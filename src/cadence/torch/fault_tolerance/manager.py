@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import time
+import warnings
 from datetime import timedelta
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -73,6 +74,9 @@ def build_manager(config: FaultToleranceConfig, replica_id: int,
 
     # torchft warns at every new quorum that NCCL's flight recorder cannot be reset: nothing to do on gloo
     logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
+    # a healing rank's transfer is read from a bytes buffer (torch's streaming load): its tensors are copied
+    # into this rank's own (healing.load_healing_state), so torch's warning that it is read-only says nothing
+    warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
     address = lighthouse_address(config)
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
