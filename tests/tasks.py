@@ -51,8 +51,13 @@ class TinyTask(Task):
     ``hold_file``: while that file exists, each step waits (a test holds a run mid-way, then lets it go).
     ``eval_sleep`` slows each validation batch down (a slow sidecar).
     ``pid_dir`` gets a file ``rank<N>`` with each process's pid (``group<R>`` for a fault-tolerant replica
-    group's); ``restart_sleep``: a process that finds its file there already (a restarted one) first
-    sleeps that long, as a restart on a cluster takes a while.
+    group's, ``group<R>rank<N>`` for a rank of a group of several); ``restart_sleep``: a process that
+    finds its file there already (a restarted one) first sleeps that long, as a restart on a cluster
+    takes a while.
+    ``start_together``: at its first validation batch (the sanity check's, just before training), each
+    process marks itself ready in ``pid_dir`` and waits until that many have (fault-tolerant replica
+    groups then ask for their first quorum together: each group's rank 0 reached the lighthouse before).
+    A restarted process finds its mark and does not wait.
     ``poison_index`` puts a NaN into that training sample (and turns shuffling off, so the step
     that meets it is known): its batch gives a NaN loss.
     ``hidden`` is the width of the hidden layer (a bigger checkpoint), ``outputs`` that of the head (the
@@ -65,8 +70,9 @@ class TinyTask(Task):
     def __init__(self, step_sleep: float = 0.0, batch_size: int = 8, n: int = 200,
                  poison_index: int | None = None, eval_sleep: float = 0.0, pid_dir: str | None = None,
                  hidden: int = 16, hold_file: str | None = None, outputs: int = 2, restart_sleep: float = 0.0,
-                 position_dir: str | None = None) -> None:
+                 position_dir: str | None = None, start_together: int = 0) -> None:
         super().__init__()
+        self.pid_dir, self.start_together, self.name = pid_dir, start_together, "rank0"
         self.position_file = None
         if position_dir is not None:
             group = os.environ.get("CADENCE_REPLICA_ID")
@@ -77,10 +83,13 @@ class TinyTask(Task):
         self.outputs = outputs
         if pid_dir is not None:  # lets a test signal one rank of a multi-process job
             group = os.environ.get("CADENCE_REPLICA_ID")  # a fault-tolerant replica group's process
-            name = f"group{group}" if group is not None else f"rank{os.environ.get('RANK', '0')}"
+            rank = f"rank{os.environ.get('RANK', '0')}"
+            several = int(os.environ.get("WORLD_SIZE", "1")) > 1  # a group of several ranks: group<R>rank<N>
+            name = rank if group is None else f"group{group}{rank if several else ''}"
             if restart_sleep and Path(pid_dir, name).exists():
                 time.sleep(restart_sleep)
             Path(pid_dir, name).write_text(str(os.getpid()))
+            self.name = name
         self.step_sleep = step_sleep
         self.hold_file = hold_file
         self.eval_sleep = eval_sleep
@@ -96,6 +105,14 @@ class TinyTask(Task):
 
     def build_optimizer(self, model):
         return torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def _start_together(self):
+        marker = Path(self.pid_dir, f"ready-{self.name}")
+        if not marker.exists():  # the process's first validation batch (its last before training)
+            marker.touch()
+            deadline = time.monotonic() + 120
+            while len(list(Path(self.pid_dir).glob("ready-*"))) < self.start_together and time.monotonic() < deadline:
+                time.sleep(0.02)
 
     def build_lr_scheduler(self, optimizer):
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
@@ -124,6 +141,8 @@ class TinyTask(Task):
         return F.cross_entropy(model(x), y)
 
     def validation_step(self, model, batch):
+        if self.start_together and self.pid_dir is not None:
+            self._start_together()
         if self.eval_sleep:
             time.sleep(self.eval_sleep)
         x, y = batch

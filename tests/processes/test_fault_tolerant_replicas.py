@@ -7,7 +7,7 @@ with a real lighthouse and two ``cadence train`` groups of one process each.
   asked for) and rejoins (``replicas: 2`` again); the run ends with exit 0 and every loop once.
 - a fault-free run of 2 groups matches a plain 2-rank DDP run of the same global batch (tolerance
   below), which the DDP run's weights 4 steps earlier do not (so the comparison can fail).
-- bad input: ``--replicas 0``, ``--replicas`` with ``--nproc 2``, a lighthouse nobody listens on: one
+- bad input: ``--replicas 0``, ``--replicas`` with ``--nproc 0``, a lighthouse nobody listens on: one
   line, exit 2.
 """
 
@@ -139,7 +139,7 @@ def test_bad_replica_launches_are_one_line_exit_2(tmp_path):
     one_line_exit_2(run_cadence("launch", str(config), "--model-dir", str(tmp_path / "m"), "--replicas", "0"),
                     "--replicas", ">= 1")
     one_line_exit_2(run_cadence("launch", str(config), "--model-dir", str(tmp_path / "m"), "--replicas", "2",
-                                "--nproc", "2"), "one process per replica group")
+                                "--nproc", "0"), "--nproc", ">= 1")  # groups of several ranks: test_replica_mesh
     lighthouse = f"http://127.0.0.1:{free_port()}"  # nobody listens there
     proc = run_cadence("train", str(config), "--model-dir", str(tmp_path / "m"), "--no-progress",
                        "--set", f"trainer.fault_tolerance={{replica_groups: 2, replica_id: 1, connect_timeout_s: 1, "

@@ -1,10 +1,11 @@
 """``trainer.fault_tolerance`` in one process: its form at load, the replica id from the config or the
-environment, the context's data split over every group, and the refusals that come before torchft
-(one line each)."""
+environment, the context's data split over every group (a group of one rank or several), and the
+refusals that come before torchft (one line each)."""
 
 from __future__ import annotations
 
 import re
+import socket
 
 import pytest
 from pydantic import ValidationError
@@ -37,7 +38,18 @@ def test_absent_it_is_off_and_present_it_holds_its_defaults():
     assert ft is not None and (ft.replica_groups, ft.min_replicas, ft.replica_id, ft.lighthouse) == (3, 1, None, None)
 
 
-def test_the_replica_id_comes_from_the_config_else_the_environment(monkeypatch):
+@pytest.fixture
+def lighthouse(monkeypatch):
+    """A listening socket as the lighthouse (``TORCHFT_LIGHTHOUSE``): join_replica_groups checks that it
+    accepts connections."""
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(16)
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://127.0.0.1:{listening.getsockname()[1]}")
+        yield
+
+
+def test_the_replica_id_comes_from_the_config_else_the_environment(monkeypatch, lighthouse):
     monkeypatch.delenv(REPLICA_ID_ENV, raising=False)
     ctx = Context()
     assert join_replica_groups(FaultToleranceConfig(replica_groups=3, replica_id=2), ctx) == 2
@@ -50,13 +62,13 @@ def test_the_replica_id_comes_from_the_config_else_the_environment(monkeypatch):
             join_replica_groups(FaultToleranceConfig(replica_groups=3), Context())
 
 
-def test_one_process_per_group_and_a_lighthouse_address_are_required(monkeypatch):
+def test_a_group_of_several_ranks_joins_and_a_lighthouse_address_is_required(monkeypatch, lighthouse):
     class Coordinator:  # a context of 2 ranks needs one; nothing is called on it
-        rank, world_size = 0, 2
+        rank, world_size = 1, 2
 
-    with pytest.raises(ConfigError, match="one process per replica group in this version; this group has 2"):
-        join_replica_groups(FaultToleranceConfig(replica_groups=2, replica_id=0),
-                            Context(rank=0, world_size=2, coordinator=Coordinator()))  # type: ignore[arg-type]
+    ctx = Context(rank=1, world_size=2, coordinator=Coordinator())  # type: ignore[arg-type]
+    assert join_replica_groups(FaultToleranceConfig(replica_groups=2, replica_id=1), ctx) == 1
+    assert ctx.data_shard() == (3, 4)  # group 1's rank 1: after group 0's 2 ranks
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     with pytest.raises(ConfigError, match="no lighthouse address"):
         lighthouse_address(FaultToleranceConfig(replica_groups=2))

@@ -1,8 +1,8 @@
-"""``cadence launch CONFIG --replicas R``: the command's checks, then the replica groups
-(:mod:`cadence.cluster.replica_groups`). Refused with one line (exit 2): ``--sidecar`` or
-``--nproc`` with it (one process per group in this version), ``--replicas`` < 1 (the flag's bound),
-a config that does not validate with R groups, a model dir that is not writable, and a lighthouse
-that does not start."""
+"""``cadence launch CONFIG --replicas R [--nproc N]``: the command's checks, then the replica groups
+(:mod:`cadence.cluster.replica_groups`), each a ``cadence train`` job of one process or of ``--nproc N``.
+Refused with one line (exit 2): ``--sidecar`` with it, ``--replicas`` < 1 (the flag's bound), a config
+that does not validate with R groups, a model dir that is not writable, and a lighthouse that does
+not start."""
 
 from __future__ import annotations
 
@@ -31,8 +31,6 @@ def launch_replicas(args: argparse.Namespace, console: Console,
     replicas = int(args.replicas)
     if args.sidecar:
         raise ConfigError("launch: --replicas and --sidecar do not go together yet")
-    if args.nproc is not None and args.nproc != 1:
-        raise ConfigError(f"launch --replicas: one process per replica group in this version; drop --nproc {args.nproc}")
     port = free_port()
     lighthouse = f"http://127.0.0.1:{port}"
     overrides = list(args.overrides)
@@ -50,7 +48,7 @@ def launch_replicas(args: argparse.Namespace, console: Console,
             "--join_timeout_ms", str(round(ft.join_timeout_s * 1000)), "--quorum_tick_ms", "100",
             "--heartbeat_timeout_ms", str(round(ft.heartbeat_timeout_s * 1000))]
     commands = group_commands(args.config, model_dir, replicas, lighthouse, overrides, sys.executable,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, nproc=args.nproc or 1)
     log = Path(model_dir) / "replicas" / "lighthouse.log"
     codes = run_replica_groups(commands, argv, port, log, max_restarts=args.max_restarts, grace_s=args.grace)
     restarts = codes.pop("restarts")

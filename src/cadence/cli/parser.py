@@ -104,14 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--sidecar", action="store_true",
                         help="start the trainer and a continuous evaluator; stream both with a prefix")
     launch.add_argument("--replicas", type=int, default=None, metavar="R",
-                        help="train as R fault-tolerant replica groups of one process each (torchft): starts the "
-                             "lighthouse and the groups, restarts a group that dies; group 0 commits the checkpoints")
+                        help="train as R fault-tolerant replica groups (torchft), each of one process or of "
+                             "--nproc N: starts the lighthouse and the groups, restarts a group that dies; group 0 "
+                             "commits the checkpoints")
     launch.add_argument("--max-restarts", type=int, default=3, metavar="N",
                         help="with --replicas: restarts of each group at most (default 3)")
     launch.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
                         help="seconds between SIGTERM and SIGKILL when stopping them (default 30)")
     launch.add_argument("--nproc", type=int, default=None, metavar="N",
-                        help="train on N processes of this machine (cadence train --nproc N)")
+                        help="train on N processes of this machine (cadence train --nproc N); with --replicas: "
+                             "each group's")
     launch.add_argument("--sidecar-nproc", type=int, default=None, metavar="N",
                         help="run the sidecar on N processes of this machine (cadence evaluate --continuous --nproc "
                              "N; default: one process)")

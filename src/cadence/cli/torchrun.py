@@ -211,8 +211,12 @@ def train_with_torchrun(args: argparse.Namespace, cfg: ExperimentConfig, console
     env.setdefault("COLUMNS", str(max(80, shutil.get_terminal_size((130, 24)).columns - 10)))
     # Each start of the group gets a fresh TCPStore, hosted by its rank 0: in the agent's store,
     # which outlives the workers, a restarted group finds the keys of the previous one and can hang
-    # in init_process_group (pytorch/pytorch#135712).
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # in init_process_group (pytorch/pytorch#135712). A fault-tolerant replica group that torchrun
+    # does not restart (its launcher starts a new job) keeps the agent's store: rank 0 would bind a
+    # port the agent found free seconds before, which another group starting beside it can take
+    # first (EADDRINUSE, seen with two groups of 2 ranks); torchft's Manager shares that store too.
+    shared = cfg.trainer.fault_tolerance is not None and _max_restarts(args) == 0
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0" if shared else "1")
     # torch's launcher sets OMP_NUM_THREADS=1 for each rank when it is unset and a node runs several,
     # with a five-line banner: set here as it would be (the same threads), without the banner
     threads = "" if "OMP_NUM_THREADS" in env or args.nproc < 2 else env.setdefault("OMP_NUM_THREADS", "1")

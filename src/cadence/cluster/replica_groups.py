@@ -1,13 +1,14 @@
 """``cadence launch CONFIG --replicas R``: fault-tolerant replica groups on one machine.
 
 Starts torchft's lighthouse (its ``torchft_lighthouse`` program, on a free port of 127.0.0.1, its log
-in ``MODEL_DIR/replicas/lighthouse.log``), then R groups, each a ``cadence train`` job of one process
-with its ``trainer.fault_tolerance.replica_id`` and the lighthouse's address, all with the same model
-dir: the run's checkpoints are ``MODEL_DIR/checkpoints``, committed by the group whose chief holds the
-writer lease (group 0 at first; a survivor when it dies), and group ``r > 0`` writes its own outputs
-into ``MODEL_DIR/replicas/group<r>`` (:func:`cadence.layout.replica_group_dir`). A group that dies
-(a non-zero exit but 2, a signal) is started again, at most ``max_restarts`` times; it heals from a
-live peer at its first step. A group that exits with code 2 was refused (bad input) and is not. Their output is streamed
+in ``MODEL_DIR/replicas/lighthouse.log``), then R groups, each a ``cadence train`` job (of one process,
+or ``cadence train --nproc N``: torch's launcher with a rendezvous of its own on a free port) with its
+``trainer.fault_tolerance.replica_id`` and the lighthouse's address, all with the same model dir: the
+run's checkpoints are ``MODEL_DIR/checkpoints``, committed by the group whose chief holds the writer
+lease (group 0 at first; a survivor when it dies), and group ``r > 0`` writes its own outputs into
+``MODEL_DIR/replicas/group<r>`` (:func:`cadence.layout.replica_group_dir`). A group that dies (a
+non-zero exit but 2, a signal) is started again, at most ``max_restarts`` times; it heals from a live
+peer at its first step. A group that exits with code 2 was refused (bad input) and is not. Their output is streamed
 as ``[group<r>] line`` (:mod:`cadence.cluster.launch`); each group's process gets
 ``CADENCE_REPLICA_ID=<r>`` too. Once every group has ended, the lighthouse is stopped. SIGINT / SIGTERM /
 SIGHUP stop everything (SIGTERM, then SIGKILL after ``grace_s``).
@@ -59,10 +60,11 @@ def free_port() -> int:
 
 def group_commands(config_path: str | os.PathLike[str], model_dir: str, replicas: int, lighthouse: str,
                    overrides: Sequence[str] = (), python: str = sys.executable, *,
-                   progress: bool = False) -> dict[str, list[str]]:
+                   progress: bool = False, nproc: int = 1) -> dict[str, list[str]]:
     """``{"group<r>": argv}``: each group's ``cadence train`` of ``model_dir`` (every group the same),
     with ``trainer.fault_tolerance`` set to ``replicas`` groups, its id and the ``lighthouse`` address
-    over the config's other settings."""
+    over the config's other settings; ``nproc`` > 1: each group
+    ``--nproc nproc`` ranks (a standalone rendezvous each: the groups do not meet)."""
     sets = [arg for text in overrides for arg in ("--set", text)]
     commands = {}
     for r in range(replicas):
@@ -70,7 +72,8 @@ def group_commands(config_path: str | os.PathLike[str], model_dir: str, replicas
               f"trainer.fault_tolerance.lighthouse={lighthouse}"]
         commands[f"group{r}"] = [python, "-m", "cadence", "train", os.fspath(config_path), "--model-dir", model_dir,
                                  *sets, *[a for text in ft for a in ("--set", text)],
-                                 *([] if progress else ["--no-progress"])]
+                                 *([] if progress else ["--no-progress"]),
+                                 *(["--nproc", str(nproc)] if nproc > 1 else [])]
     return commands
 
 

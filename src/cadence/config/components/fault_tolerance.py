@@ -18,10 +18,11 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 
 class FaultToleranceConfig(ConfigModel):
-    """R replica groups of one process each (this version), their gradients averaged over the groups that
-    take part in each step (torchft's `Manager` over gloo). `cadence launch --replicas R` starts the
-    lighthouse and the groups on one machine; across machines, start each group with its `replica_id`
-    (or `CADENCE_REPLICA_ID`) and the lighthouse's address."""
+    """R replica groups, each of one process or of several ranks (DDP, FSDP or a mesh inside), their
+    gradients averaged over the groups that take part in each step (torchft's `Manager` over gloo).
+    `cadence launch --replicas R [--nproc N]` starts the lighthouse and the groups on one machine;
+    across machines, start each group with its `replica_id` (or `CADENCE_REPLICA_ID`) and the
+    lighthouse's address."""
 
     replica_groups: int = Field(ge=1, strict=True, description="The number of replica groups (R).")
     min_replicas: int = Field(

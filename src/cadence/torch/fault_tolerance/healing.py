@@ -9,6 +9,10 @@ a rank without a saved state does on an elastic resume, so that the groups keep 
 dropout masks) and the peer's data position (the group reads its own shard: :class:`ReplicaSync` adds
 the peer's table of every group's position, whose row of the healed group's shard it takes when that
 is further on, :mod:`cadence.torch.fault_tolerance.positions`).
+
+A group of several ranks: each rank hands over, and takes, its own part (torchft pairs the ranks of
+equal group rank): a sharded model's ``DTensor`` parameters and optimizer state travel as their local
+shards (:mod:`~cadence.torch.fault_tolerance.local_state`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from cadence.torch.checkpoint_io.state import unwrap_model
 from cadence.torch.components.ema import ModelEMA
+from cadence.torch.fault_tolerance.local_state import load_local_model, load_local_optimizer, local_tensors
 from cadence.torch.loop.trainer_checkpoint import TrainerParts
 from cadence.torch.runtime.rng import rank_seed, seed_everything
 
@@ -32,8 +37,8 @@ def healing_state(parts: TrainerParts, global_step: int) -> dict[str, Any]:
     forward pass left them."""
     return {
         "global_step": global_step,
-        "model": unwrap_model(parts.model).state_dict(),
-        "optimizer": parts.optimizer.state_dict(),
+        "model": local_tensors(unwrap_model(parts.model).state_dict()),
+        "optimizer": local_tensors(parts.optimizer.state_dict()),
         "lr_scheduler": parts.lr_scheduler.state_dict() if parts.lr_scheduler is not None else None,
         "grad_scaler": parts.grad_scaler.state_dict() if parts.grad_scaler is not None else None,
         "ema": _ema_averages(parts.ema),
@@ -44,8 +49,8 @@ def load_healing_state(parts: TrainerParts, state: dict[str, Any]) -> int:
     """Load a peer's :func:`healing_state` into ``parts``, re-seed the RNG for the peer's step;
     return that step."""
     step = int(state["global_step"])
-    unwrap_model(parts.model).load_state_dict(state["model"])
-    parts.optimizer.load_state_dict(state["optimizer"])
+    load_local_model(unwrap_model(parts.model), state["model"])
+    load_local_optimizer(parts.optimizer, state["optimizer"])
     if parts.lr_scheduler is not None and state["lr_scheduler"] is not None:
         parts.lr_scheduler.load_state_dict(state["lr_scheduler"])
     if parts.grad_scaler is not None and state["grad_scaler"] is not None:

@@ -29,7 +29,8 @@ from torch.distributed import ReduceOp
 from cadence.config.components.fault_tolerance import REPLICA_ID_ENV, FaultToleranceConfig
 from cadence.errors import ConfigError
 from cadence.torch.fault_tolerance.healing import healing_state, load_healing_state
-from cadence.torch.fault_tolerance.manager import build_manager
+from cadence.torch.fault_tolerance.local_state import local_tensors
+from cadence.torch.fault_tolerance.manager import build_manager, lighthouse_address, reach_lighthouse
 from cadence.torch.fault_tolerance.peer_check import IDENTITY_KEY, refusal
 from cadence.torch.fault_tolerance.positions import ReplicaPositions
 from cadence.torch.loop.train_data import TrainData
@@ -56,12 +57,13 @@ def replica_id_of(config: FaultToleranceConfig) -> int:
 
 def join_replica_groups(config: FaultToleranceConfig, ctx: Context) -> int:
     """Before the train data is built: set ``ctx.replica_group`` and ``ctx.replica_groups`` (the
-    data is then split over every group's ranks: :meth:`Context.data_shard`); return this group's
-    id. One process per group in this version: a :class:`ConfigError` for a context of several."""
-    if ctx.world_size != 1:
-        raise ConfigError(f"trainer.fault_tolerance runs one process per replica group in this version; "
-                          f"this group has {ctx.world_size} (drop --nproc)")
-    ctx.replica_group, ctx.replica_groups = replica_id_of(config), config.replica_groups
+    data is then split over every group's data-parallel ranks: :meth:`Context.data_shard`); return
+    this group's id. A group is a job of any number of ranks (DDP, FSDP or a mesh inside it). Every
+    rank first waits for the lighthouse (:func:`~cadence.torch.fault_tolerance.manager.reach_lighthouse`:
+    a :class:`ConfigError` after ``connect_timeout_s``)."""
+    replica_id = replica_id_of(config)
+    reach_lighthouse(lighthouse_address(config), config.connect_timeout_s)
+    ctx.replica_group, ctx.replica_groups = replica_id, config.replica_groups
     return ctx.replica_group
 
 
@@ -101,8 +103,11 @@ class ReplicaSync:
         warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
         self._consumed = 0  # the batches the running loop drew in this epoch, not yet in the train data's count
         self.positions = ReplicaPositions(parts.ctx, parts.task.batch_size_of)  # every group's data position
-        self._manager, self._store = build_manager(config, self.replica_id, self._state_dict, self._load_state_dict)
-        log.info("replica group %d of %d joined the lighthouse", self.replica_id, config.replica_groups)
+        ctx = parts.ctx
+        self._manager, self._store = build_manager(config, self.replica_id, self._state_dict, self._load_state_dict,
+                                                   rank=ctx.rank, world_size=ctx.world_size)
+        log.info("replica group %d of %d joined the lighthouse%s", self.replica_id, config.replica_groups,
+                 f" ({ctx.world_size} ranks)" if ctx.world_size > 1 else "")
 
     def _state_dict(self) -> dict[str, Any]:
         data = self._parts.input_position.state(self._consumed)
@@ -146,9 +151,11 @@ class ReplicaSync:
         """Average the gradients of the optimizer's parameters over the step's participants (the
         positions' header rides along; ``last``: the loop's last step, every group's position is
         exchanged; ``consumed`` as in :meth:`start_step`), then vote: True when every group of the
-        quorum may step its optimizer."""
+        quorum may step its optimizer. Each rank averages its own
+        part (a sharded gradient's local shard) with the ranks of equal group rank in the other groups,
+        which hold the same part; the gradients are already averaged inside the group (DDP, FSDP)."""
         groups = self._parts.optimizer.param_groups
-        grads = [p.grad for group in groups for p in group["params"] if p.grad is not None]
+        grads = [local_tensors(p.grad) for group in groups for p in group["params"] if p.grad is not None]
         dtype, device = (grads[0].dtype, grads[0].device) if grads else (torch.float32, None)
         header = self.positions.header(dtype, last).to(device)
         flat = torch.cat([g.reshape(-1) for g in grads] + [header])
