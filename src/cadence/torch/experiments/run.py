@@ -146,7 +146,10 @@ def build_run(cfg: ExperimentConfig, *, train: bool = True, evaluate: bool = Tru
         intervals = resolve_intervals(cfg.trainer, trainer.plan().batches_per_epoch)  # fail before the model dir is written
     footprint = ModelDirFootprint(model_dir) if train and ctx.is_chief else None
     turn = take_writer_turn(cfg, ctx.coordinator, ctx.replica_group) if replica else None
-    lease = turn.lease if turn is not None else acquire_writer_lease(cfg, ctx.coordinator) if train else None
+    if replica:  # the chief's turn (None on the other ranks, which never commit)
+        lease = turn.lease if turn is not None else None
+    else:
+        lease = acquire_writer_lease(cfg, ctx.coordinator) if train else None
     if replica and lease is None:  # standing by: a refusal takes back group r > 0's own directory only
         footprint = None
         if ctx.is_chief and ctx.replica_group > 0:

@@ -21,8 +21,20 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from cadence.config import ExperimentConfig
+from cadence.errors import ConfigError
 
-__all__ = ["IDENTITY_KEY", "PER_GROUP_FIELDS", "config_digests", "differing_fields", "group_identity", "refusal"]
+__all__ = ["IDENTITY_KEY", "PER_GROUP_FIELDS", "PeerMismatchError", "config_digests", "differing_fields",
+           "group_identity", "refusal"]
+
+
+class PeerMismatchError(ConfigError):
+    """This replica group does not match the peer it was to heal from (:func:`refusal`'s line): bad
+    input, exit 2. Found by the ranks that have a peer of their group rank; a rank without one (a
+    group of more ranks than its peer's) may wait in torchft for a peer that does not exist, so a rank
+    that raises this ends at once under torchrun (``every_rank``) and the group's launcher stops the
+    others: the job ends with this one line."""
+
+    every_rank = True
 
 IDENTITY_KEY = "group_identity"
 """The key of a group's :func:`group_identity` in the healing state it sends."""

@@ -18,8 +18,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 import warnings
 from typing import Any, Protocol
 
@@ -31,7 +33,7 @@ from cadence.errors import ConfigError
 from cadence.torch.fault_tolerance.healing import healing_state, load_healing_state
 from cadence.torch.fault_tolerance.local_state import local_tensors
 from cadence.torch.fault_tolerance.manager import build_manager, lighthouse_address, reach_lighthouse
-from cadence.torch.fault_tolerance.peer_check import IDENTITY_KEY, refusal
+from cadence.torch.fault_tolerance.peer_check import IDENTITY_KEY, PeerMismatchError, refusal
 from cadence.torch.fault_tolerance.positions import ReplicaPositions
 from cadence.torch.loop.train_data import TrainData
 from cadence.torch.loop.trainer_checkpoint import TrainerParts
@@ -93,6 +95,7 @@ class ReplicaSync:
         self.config = config
         self._identity = identity
         self._refused: str | None = None  # why the peer's state was not loaded (raised after the quorum)
+        self._joining = True  # before this process's first quorum, where a joining group heals
         self.replica_id = parts.ctx.replica_group
         self._parts = parts
         self._step = 0  # the global step of the step in flight (what a healing peer gets)
@@ -138,9 +141,21 @@ class ReplicaSync:
         self.positions.start_step()
         if manager.current_step() != global_step:  # a resume from the model dir: torchft counts from there
             manager.load_state_dict({"step": global_step, "batches_committed": manager.batches_committed()})
-        manager.start_quorum()
+        ctx = self._parts.ctx
+        if self._joining and ctx.world_size > 1 and ctx.coordinator is not None:
+            # Rank 0 always has a peer of its group rank to check; a rank without one (a wider group than its
+            # peer's) times out in torchft (timeout_s) and would go on alone into the group's collectives:
+            # the group takes rank 0's verdict, every rank at once, and torchft's errors of this quorum are
+            # only logged when the group was not refused (they are the refusal's consequence, not news).
+            with _held(logging.getLogger("torchft.manager")) as held:
+                manager.start_quorum()
+                self._refused = ctx.coordinator.broadcast(self._refused)
+                held.drop = self._refused is not None
+        else:
+            manager.start_quorum()
+        self._joining = False
         if self._refused is not None:  # the peer's state was not taken: this group leaves
-            raise ConfigError(self._refused)
+            raise PeerMismatchError(self._refused)
         healed = self._healed
         if healed is not None:
             self._step = healed
@@ -198,3 +213,30 @@ class ReplicaSync:
         if self._manager is not None:
             self._manager.shutdown(wait=False)
             self._manager = None
+
+
+class _Held(logging.Filter):
+    """Holds back a logger's records (:func:`_held`); ``drop``: forget them instead of logging them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.drop = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+@contextlib.contextmanager
+def _held(logger: logging.Logger) -> Iterator[_Held]:
+    """``logger``'s records held back inside the block, then logged unless the block set ``drop``."""
+    held = _Held()
+    logger.addFilter(held)
+    try:
+        yield held
+    finally:
+        logger.removeFilter(held)
+        if not held.drop:
+            for record in held.records:
+                logger.handle(record)
