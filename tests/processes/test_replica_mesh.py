@@ -134,7 +134,11 @@ def test_a_rank_killed_in_a_group_of_two_costs_the_other_group_nothing_and_the_g
     healed = [int(m) for m in re.findall(r"replica group 1 healed from a live peer at step (\d+)", output)]
     assert healed and healed[-1] > COMPARED, output  # the restarted group took group 0's state mid-run
     assert (root / "model" / "checkpoints" / f"ckpt-{STEPS}").is_dir()
-    assert (root / "model" / "replicas" / "group1" / "checkpoints" / f"ckpt-{STEPS}").is_dir()
+    assert not (root / "model" / "replicas" / "group1" / "checkpoints").exists()  # one writer: group 0's chief
+    assert metrics(root / "model" / "replicas" / "group1")[-1]["step"] == STEPS  # group 1's own outputs
+    state = json.loads((root / "model" / "checkpoints" / f"ckpt-{STEPS}" / "state.json").read_text())
+    shards = state["state"]["trainer"]["replica_data"]  # every data shard's position: 2 groups x 2 ranks
+    assert len(shards) == 4 and shards[0]["samples"] == shards[1]["samples"] > shards[2]["samples"], shards
 
 
 def test_every_rank_of_a_group_refuses_a_lighthouse_nobody_listens_on(tmp_path):
