@@ -87,6 +87,7 @@ def test_a_killed_group_costs_the_survivor_no_restart_and_rejoins_healed(killed_
     rows = metrics(model_dir)
     assert [r["step"] for r in rows] == list(range(3, KILL_STEPS + 1, 3))  # every loop once, one process
     replicas = [r["replicas"] for r in rows]
+    assert all((r["replica_short_steps"] > 0) == (r["replicas"] < 2) for r in rows), rows  # counted per step
     alone = [i for i, n in enumerate(replicas) if n == 1 and 2 in replicas[:i]]
     assert alone, replicas  # steps with group 1 gone, after steps with both
     assert 2 in replicas[alone[-1]:], replicas  # group 1 back

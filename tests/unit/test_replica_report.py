@@ -18,9 +18,10 @@ def write_metrics(directory: Path, rows: list[dict]) -> None:
     (directory / "train" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def row(step: int, replicas: int, retries: int = 0, skipped: int = 0, repeated: int = 0) -> dict:
+def row(step: int, replicas: int, retries: int = 0, skipped: int = 0, repeated: int = 0, short: int = 0) -> dict:
     return {"step": step, "time": 1.0, "loss": 0.5, "replicas": float(replicas), "replica_retries": float(retries),
-            "replica_samples_skipped": float(skipped), "replica_samples_repeated": float(repeated)}
+            "replica_samples_skipped": float(skipped), "replica_samples_repeated": float(repeated),
+            "replica_short_steps": float(short)}
 
 
 @pytest.fixture
@@ -29,9 +30,10 @@ def model_dir(tmp_path: Path) -> Path:
     restarted (its rows resume at 14); group 2 logged two loops."""
     config = {"trainer": {"train_steps": 16, "fault_tolerance": {"replica_groups": 3}}}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    write_metrics(tmp_path, [row(2, 3), row(4, 3), row(6, 2, retries=1, skipped=8), row(8, 2), row(10, 3),
-                             row(12, 2, retries=2, skipped=16), row(14, 3), row(16, 3)])
-    write_metrics(tmp_path / "replicas" / "group1", [row(2, 3), row(4, 3), row(6, 2, 1, 8), row(8, 2), row(10, 3),
+    write_metrics(tmp_path, [row(2, 3), row(4, 3), row(6, 2, retries=1, skipped=8, short=1), row(8, 2, short=2),
+                             row(10, 3), row(12, 2, retries=2, skipped=16, short=2), row(14, 3), row(16, 3)])
+    write_metrics(tmp_path / "replicas" / "group1", [row(2, 3), row(4, 3), row(6, 2, 1, 8, short=1), row(8, 2, short=2),
+                                                     row(10, 3),
                                                      row(14, 3, repeated=16), row(16, 3)])
     write_metrics(tmp_path / "replicas" / "group2", [row(2, 3), row(10, 3, repeated=24)])
     return tmp_path
@@ -42,8 +44,9 @@ def test_counts_per_group_and_in_total(model_dir: Path) -> None:
     assert summary is not None and summary.groups == 3
     first, second, third = summary.counts
     assert (first.loops, first.short, first.retried) == (8, [(5, 8), (11, 12)], [(5, 6), (11, 12)])
-    assert (first.retries, first.skipped, first.repeated) == (3, 24, 0)
+    assert (first.retries, first.skipped, first.repeated, first.short_steps) == (3, 24, 0, 5)
     assert (second.loops, second.short, second.retries, second.skipped, second.repeated) == (7, [(5, 8)], 1, 8, 16)
+    assert second.short_steps == 3 and third.short_steps == 0
     assert third.short == [] and third.repeated == 24  # its second row's loop counts from step 3 on
     assert summary.short == [(5, 8), (11, 12)]
     assert (summary.retries, summary.skipped, summary.repeated) == (4, 32, 40)
@@ -51,6 +54,7 @@ def test_counts_per_group_and_in_total(model_dir: Path) -> None:
     assert "steps with fewer than 3 groups: 5-8, 11-12; steps run again: 4; samples skipped: 32; " \
            "samples seen twice: 40" in html
     assert "3 (5-6, 11-12)" in html  # group 0's retried loops
+    assert "5 (5-8, 11-12)" in html and "3 (5-8)" in html  # each group's steps with fewer groups, counted
 
 
 def test_without_a_config_the_groups_come_from_the_rows(model_dir: Path) -> None:

@@ -2,11 +2,12 @@
 (``trainer.fault_tolerance``): read from every group's ``metrics.jsonl`` (group 0's in
 ``MODEL_DIR/train/``, group r's in ``MODEL_DIR/replicas/group<r>/train/``), whose rows (one per
 logged loop) hold ``replicas`` (the fewest groups that took part in a step of the loop),
-``replica_retries`` (its steps run again), ``replica_samples_skipped`` and ``replica_samples_repeated``.
+``replica_short_steps`` (its steps with fewer than R groups), ``replica_retries`` (its steps run
+again), ``replica_samples_skipped`` and ``replica_samples_repeated``.
 
 :func:`read_replica_groups` sums them per group and in total; the steps run with fewer groups are
 given as ranges of loops (a loop of ``steps_per_loop`` steps whose fewest was below R counts whole:
-log every step for per-step ranges). No torch.
+log every step for per-step ranges), and counted exactly per group. No torch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from cadence.summaries.metrics_file import read_metrics
 __all__ = ["GroupCounts", "ReplicaGroups", "group_dir", "read_replica_groups", "replica_groups_of", "replica_section",
            "step_ranges"]
 
-REPLICAS, RETRIES = "replicas", "replica_retries"
+REPLICAS, RETRIES, SHORT = "replicas", "replica_retries", "replica_short_steps"
 SKIPPED, REPEATED = "replica_samples_skipped", "replica_samples_repeated"
 
 
@@ -39,6 +40,7 @@ class GroupCounts:
     group: int
     loops: int = 0  # rows with ``replicas``
     short: list[tuple[int, int]] = field(default_factory=list)  # step ranges run with fewer than R groups
+    short_steps: int = 0  # this group's steps with fewer than R groups, counted per step
     retried: list[tuple[int, int]] = field(default_factory=list)  # the loops with steps run again
     retries: int = 0
     skipped: int = 0
@@ -100,6 +102,7 @@ def _group_counts(group: int, records: Sequence[Mapping[str, Any]], groups: int)
         if retries:
             retried.append((first, step))
         counts.retries += retries
+        counts.short_steps += _count(record.get(SHORT))
         counts.skipped += _count(record.get(SKIPPED))
         counts.repeated += _count(record.get(REPEATED))
     counts.short, counts.retried = step_ranges(short), step_ranges(retried)
@@ -145,12 +148,13 @@ def replica_section(summary: ReplicaGroups) -> str:
     r = summary.groups
     total = (f"{r} groups; steps with fewer than {r} groups: {_ranges(summary.short)}; steps run again: "
              f"{summary.retries}; samples skipped: {summary.skipped}; samples seen twice: {summary.repeated}")
-    rows = [[c.group, c.loops, _ranges(c.short), f"{c.retries} ({_ranges(c.retried)})" if c.retries else 0,
-             c.skipped, c.repeated] for c in summary.counts]
+    rows = [[c.group, c.loops, f"{c.short_steps} ({_ranges(c.short)})",
+             f"{c.retries} ({_ranges(c.retried)})" if c.retries else 0, c.skipped, c.repeated] for c in summary.counts]
     rows.append(["all", sum(c.loops for c in summary.counts), _ranges(summary.short), summary.retries,
                  summary.skipped, summary.repeated])
-    notes = ("Steps with fewer groups: the logged loops whose <code>replicas</code> (the fewest groups in a "
-             "step of the loop) was below R, as step ranges (a loop counts whole). Steps run again: dropped "
+    notes = ("Steps with fewer groups: per group, its steps that took part with fewer than R groups "
+             "(<code>replica_short_steps</code>), then the logged loops whose <code>replicas</code> (the fewest "
+             "groups in a step of the loop) was below R, as step ranges (a loop counts whole). Steps run again: dropped "
              "when a group was lost mid-step (in the loops shown). Samples skipped: drawn in steps that were "
              "dropped. Samples seen twice: of committed steps, already reached in a committed step before a "
              "restore or heal put the group behind.")

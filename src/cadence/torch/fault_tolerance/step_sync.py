@@ -194,11 +194,13 @@ class ReplicaSync:
         return committed
 
     def loop_logs(self) -> dict[str, float]:
-        """``replicas`` (the fewest participants of a committed step since the last call) and
+        """``replicas`` (the fewest participants of a committed step since the last call),
+        ``replica_short_steps`` (its committed steps with fewer than ``replica_groups`` groups) and
         ``replica_retries`` (steps run again); then starts counting anew."""
         logs = {"replica_retries": float(self._retries)}
         if self._participants:
             logs["replicas"] = float(min(self._participants))
+            logs["replica_short_steps"] = float(sum(n < self.config.replica_groups for n in self._participants))
         self._participants, self._retries = [], 0
         logs.update(self.positions.loop_logs())
         return logs
