@@ -8,7 +8,7 @@ before it trained or evaluated anything leaves the model dir as it found it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from cadence import layout
 from cadence.checkpoint import CheckpointManager
@@ -33,6 +33,8 @@ from cadence.torch.runtime.context import Context
 from cadence.torch.task.task import Task
 
 __all__ = ["Run", "acquire_writer_lease", "build_run", "take_writer_turn"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -190,17 +192,8 @@ def acquire_writer_lease(cfg: ExperimentConfig, coordinator: Coordinator | None)
     A collective: the chief acquires; when it cannot, every rank raises the same
     :class:`~cadence.errors.WriterLeaseHeldError`, so the whole job stops before writing anything.
     """
-    coordinator = coordinator or LocalCoordinator()
-    lease, refusal = None, None
-    if coordinator.is_chief:
-        try:
-            lease = WriterLease.acquire(cfg.require_model_dir(), ttl=cfg.checkpoint.writer_lease_ttl)
-        except WriterLeaseHeldError as e:
-            refusal = str(e)
-    refusal = coordinator.broadcast(refusal)
-    if refusal is not None:
-        raise WriterLeaseHeldError(refusal)
-    return lease
+    return _on_the_chief(coordinator, lambda: WriterLease.acquire(cfg.require_model_dir(),
+                                                                  ttl=cfg.checkpoint.writer_lease_ttl))
 
 
 def take_writer_turn(cfg: ExperimentConfig, coordinator: Coordinator | None, group: int) -> WriterTurn | None:
@@ -209,18 +202,24 @@ def take_writer_turn(cfg: ExperimentConfig, coordinator: Coordinator | None, gro
     (:class:`~cadence.checkpoint.writer_turn.WriterTurn`). A collective, as :func:`acquire_writer_lease`:
     every rank raises the same :class:`~cadence.errors.WriterLeaseHeldError` when a live trainer that
     is no replica group holds the lease."""
+    return _on_the_chief(coordinator, lambda: WriterTurn.start(cfg.require_model_dir(), f"group{group}",
+                                                               ttl=cfg.checkpoint.writer_lease_ttl, first=group == 0))
+
+
+def _on_the_chief(coordinator: Coordinator | None, take: Callable[[], T]) -> T | None:
+    """``take()`` on the chief, None on the other ranks; a collective: when the chief's raised
+    :class:`~cadence.errors.WriterLeaseHeldError`, every rank raises the same."""
     coordinator = coordinator or LocalCoordinator()
-    turn, refusal = None, None
+    taken, refusal = None, None
     if coordinator.is_chief:
         try:
-            turn = WriterTurn.start(cfg.require_model_dir(), f"group{group}", ttl=cfg.checkpoint.writer_lease_ttl,
-                                    first=group == 0)
+            taken = take()
         except WriterLeaseHeldError as e:
             refusal = str(e)
     refusal = coordinator.broadcast(refusal)
     if refusal is not None:
         raise WriterLeaseHeldError(refusal)
-    return turn
+    return taken
 
 
 def _assemble_run(cfg: ExperimentConfig, task: Task, ctx: Context, trainer: Any, evaluator: Any,
