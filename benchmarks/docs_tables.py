@@ -32,6 +32,7 @@ from benchmarks.loop import gpu_loop  # noqa: E402
 from benchmarks.loop import mesh_step_time  # noqa: E402
 from benchmarks.faults import goodput  # noqa: E402
 from benchmarks.faults import goodput_nodes  # noqa: E402
+from benchmarks.faults import replica_goodput  # noqa: E402
 from benchmarks.loop import overhead as loop_overhead  # noqa: E402
 from benchmarks.loop import profiler_overhead  # noqa: E402
 from benchmarks.checkpoint import resume_cost  # noqa: E402
@@ -53,6 +54,7 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "resume": resume_cost.markdown_lines,
     "goodput": goodput.markdown_lines,
     "goodput_nodes": goodput_nodes.markdown_lines,
+    "replica_goodput": replica_goodput.markdown_lines,
     "compile": compile_speed.markdown_lines,
     "profiler": profiler_overhead.markdown_lines,
     "throughput": throughput_overhead.markdown_lines,
@@ -64,7 +66,8 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
 
 OWN_FILES = {"stall": "checkpoint_stall", "stall_cuda": "checkpoint_stall_cuda", "crossover": "save_mode_crossover",
              "sharded": "sharded_checkpoint",
-             "goodput_nodes": "goodput_nodes", "compile": "compile_speed", "profiler": "profiler_overhead",
+             "goodput_nodes": "goodput_nodes", "replica_goodput": "replica_goodput", "compile": "compile_speed",
+             "profiler": "profiler_overhead",
              "throughput": "throughput_overhead", "ema": "ema_overhead", "mesh": "mesh_step_time",
              "gpu_loop": "gpu_loop"}
 """The results file (in ``results/``, without ``.json``) a benchmark writes when run on its own."""

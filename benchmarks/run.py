@@ -1,15 +1,18 @@
 """``make bench``: run every benchmark, write ``results/latest.json`` and ``results/latest.md``.
 
     python -m benchmarks.run [--quick]   (from the checkout; or python benchmarks/run.py)
-        [--only loop,checkpoint,stall,crossover,sharded,sidecar,resume,goodput,goodput_nodes,profiler,throughput,ema,compile,mesh]
+        [--only loop,checkpoint,stall,crossover,sharded,sidecar,resume,goodput,goodput_nodes,replica_goodput,profiler,
+         throughput,ema,compile,mesh]
 
 ``--only`` updates those entries of ``latest.json`` and keeps the others. ``--quick`` runs the
 benchmarks that have a quick mode (the checkpoint one: two tiny sizes, one repeat, every load
 checked; the stall one: a 6 MiB state and a tiny charlm, two saves each; the sharded one: a 6 MiB
 state on 1, 2 and 3 ranks; goodput: 100 steps with and without kills; goodput_nodes: 40 steps on
-two nodes, with and without a node lost; mesh: 2 steps of each layout) as a smoke test in a few minutes, and writes
+two nodes, with and without a node lost; replica_goodput: 150 steps of 2 replica groups and of a 2-rank job, each
+killed once; mesh: 2 steps of each layout) as a smoke test in a few minutes, and writes
 ``results/quick.json`` and ``results/quick.md`` instead, so ``latest`` keeps the real
-measurements. A full run of ``sharded`` also writes its own ``results/sharded_checkpoint.*``.
+measurements. A full run of ``sharded`` or ``replica_goodput`` also writes its own ``results/sharded_checkpoint.*``
+or ``results/replica_goodput.*``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from benchmarks.loop import ema_overhead  # noqa: E402
 from benchmarks.loop import mesh_step_time  # noqa: E402
 from benchmarks.faults import goodput  # noqa: E402
 from benchmarks.faults import goodput_nodes  # noqa: E402
+from benchmarks.faults import replica_goodput  # noqa: E402
 from benchmarks.loop import overhead as loop_overhead  # noqa: E402
 from benchmarks.loop import profiler_overhead  # noqa: E402
 from benchmarks.checkpoint import resume_cost  # noqa: E402
@@ -54,6 +58,7 @@ BENCHMARKS = {
     "resume": resume_cost.run,
     "goodput": goodput.run,  # 2 ranks killed every N s vs. no faults (--quick: 100 steps)
     "goodput_nodes": goodput_nodes.run,  # 2 nodes, node 1 lost every N s vs. no faults (--quick: once)
+    "replica_goodput": replica_goodput.run,  # 2 replica groups vs. a 2-rank job, one killed every 30 s (--quick: once)
     "compile": compile_speed.run,  # charlm eager vs. trainer.compile (inductor, CPU); --quick: aot_eager
     "profiler": profiler_overhead.run,  # the loop with the profiler outside its window vs. none
     "throughput": throughput_overhead.run,  # the loop logging samples/s, tokens/s, MFU vs. not
@@ -101,8 +106,9 @@ def main() -> None:
         results[name]["machine"] = {**machine(), "load_average_1min": [load, os.getloadavg()[0]]}
         if name == "checkpoint":
             results.pop("async", None)  # an entry of older runs, measured by "stall" now
-        if name == "sharded" and not args.quick:  # also in a file of its own
-            write_results(out_dir / "sharded_checkpoint.md", markdown({"machine": results["machine"], name: results[name]}),
+        own = {"sharded": "sharded_checkpoint", "replica_goodput": "replica_goodput"}.get(name)
+        if own and not args.quick:  # also in a file of its own
+            write_results(out_dir / f"{own}.md", markdown({"machine": results["machine"], name: results[name]}),
                           results[name])
         print(f"  done in {time.time() - start:.0f} s", flush=True)
     write_results(out_dir / f"{stem}.md", markdown(results), results)
