@@ -13,16 +13,16 @@ the compute; 32 samples per process and step, so both jobs train a global batch 
   ``steps`` steps, so a faulty run's ``goodput_of_fault_free`` is the fault-free wall over its own. A step that
   group 0 trains alone (group 1 away) is a step kept but half the global batch: samples kept / wall (and its
   ratio) counts that, from group 0's ``replicas`` per step in ``train/metrics.jsonl``.
-- Group 1 is the one killed (group 0's chief is the one writer of the model dir: killing it stops the
-  checkpoints until it is back); a kill tick that finds the victim not yet trained again since the last kill, or the
-  run at its end, is skipped.
+- Group 1 is the one killed (group 0's chief writes the checkpoints; were it killed, group 1 would take
+  the writer lease at its next checkpoint: tests/processes/test_replica_writer.py); a kill tick that finds
+  the victim not yet trained again since the last kill, or the run at its end, is skipped.
 - Per failure, replica groups: the survivor's *lost time* -- its steps' time beyond a fault-free step (the median
   two-group step of that run) from the kill to the step at which group 1 healed, split into *loss* (the step in
   flight, dropped and run again once the lighthouse forms a quorum without group 1: ``heartbeat_timeout_s``),
   *alone* (its steps without group 1: cheaper, no peer to wait for) and *heal* (the step at which it served its
   state to group 1) -- and the *rejoin time*: the kill to the end of the restarted group's first step, split into
-  *restart* (to its process starting: the launcher notices and starts it), *start-up* (imports, data, its own
-  checkpoint, the lighthouse, the quorum, healing: to the ``healed from a live peer`` line) and the step.
+  *restart* (to its process starting: the launcher notices and starts it), *start-up* (imports, data, the run's
+  last checkpoint, the lighthouse, the quorum, healing: to the ``healed from a live peer`` line) and the step.
 - Per failure, the plain job: its *recovery time*, the kill to the end of the new attempt's first step (every rank
   restarts from the last checkpoint; the steps since it are run again, ``lost steps``).
 
@@ -377,8 +377,8 @@ def markdown_lines(r: dict) -> list[str]:
                  f"Survivor's lost time: its steps' time beyond a fault-free two-group step, from the kill to the "
                  f"step at which group 1 healed: loss (the step in flight, dropped and run again after the "
                  f"lighthouse's heartbeat timeout), alone (steps without group 1), heal (serving its state). "
-                 f"Rejoin: restart (the launcher starts the group again), start-up (imports, data, its own checkpoint, "
-                 f"the lighthouse, the quorum, healing), then that step. The plain job's recovery: restart (its "
+                 f"Rejoin: restart (the launcher starts the group again), start-up (imports, data, the run's last "
+                 f"checkpoint, the lighthouse, the quorum, healing), then that step. The plain job's recovery: restart (its "
                  f"agent stops the other rank and starts both again), start (imports, process group, restore, "
                  f"one step); then it runs again the steps since its last checkpoint. Group 1 is the one killed "
                  f"(group 0's chief writes the checkpoints). {skipped} kill tick(s) skipped (the victim not back "

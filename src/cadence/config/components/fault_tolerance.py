@@ -46,10 +46,12 @@ class FaultToleranceConfig(ConfigModel):
         description=("The lighthouse's wait for late groups before it forms a quorum without them "
                      "(`cadence launch --replicas` passes it as `--join_timeout_ms`)."))
     heartbeat_timeout_s: float = Field(
-        default=5.0, gt=0,
-        description=("How long the lighthouse counts a silent group as alive (`--heartbeat_timeout_ms`). With 2 "
-                     "groups the survivor waits this long after a loss: a quorum needs more than half of the "
-                     "groups the lighthouse counts as alive (torchft's split-brain rule)."))
+        default=1.0, gt=0,
+        description=("How long the lighthouse counts a silent group as alive (`--heartbeat_timeout_ms`; torchft's "
+                     "own default is 5 s). With 2 groups the survivor waits this long after a loss: a quorum needs "
+                     "more than half of the groups the lighthouse counts as alive (torchft's split-brain rule). "
+                     "Groups beat every 100 ms from torchft's native manager thread, not from the training step, "
+                     "so a slow step does not make a group look lost; raise it where the network pauses."))
 
     @model_validator(mode="after")
     def _check_counts(self) -> FaultToleranceConfig:
