@@ -91,8 +91,8 @@ def _current_ranks(attempts: Path) -> dict[int, int]:
     return pids
 
 
-def _kept_step_seconds(model_dir: Path) -> tuple[float, int]:
-    """Seconds of the training loops in the final history, and their steps (``metrics.jsonl``)."""
+def final_records(model_dir: Path) -> list[dict]:
+    """``train/metrics.jsonl``'s final history: the last record of each step, by step."""
     records: dict[int, dict] = {}
     for line in (model_dir / "train" / "metrics.jsonl").read_text().splitlines():
         try:
@@ -100,10 +100,15 @@ def _kept_step_seconds(model_dir: Path) -> tuple[float, int]:
         except ValueError:
             continue
         records[record["step"]] = record
+    return [records[s] for s in sorted(records)]
+
+
+def _kept_step_seconds(model_dir: Path) -> tuple[float, int]:
+    """Seconds of the training loops in the final history, and their steps (``metrics.jsonl``)."""
     seconds, previous = 0.0, 0
-    for step in sorted(records):
-        seconds += (step - previous) / records[step]["steps_per_second"]
-        previous = step
+    for record in final_records(model_dir):
+        seconds += (record["step"] - previous) / record["steps_per_second"]
+        previous = record["step"]
     return seconds, previous
 
 

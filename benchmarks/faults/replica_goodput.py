@@ -34,7 +34,6 @@ made once per value of ``heartbeat_timeouts`` (torchft's default 5 s, then 1 s).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -51,7 +50,8 @@ if __name__ == "__main__":  # run as a file: the checkout's root, not this folde
     sys.path[0] = str(Path(__file__).resolve().parents[2])  # (imports `benchmarks`: see its __init__)
 
 from benchmarks.common.results_file import quick_main  # noqa: E402
-from benchmarks.faults.goodput import _config, _same_weights  # noqa: E402
+from benchmarks.faults.goodput import _config, _same_weights, final_records  # noqa: E402
+from benchmarks.faults.goodput_nodes import _alive, _workers  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -66,30 +66,6 @@ QUICK: dict[str, Any] = {"steps": 150, "step_time": 0.03, "steps_per_loop": 1, "
 """The smoke test's run: the victim is killed once, when group 0 (rank 0) has run ``kill_after_steps`` steps."""
 MAX_RESTARTS = 100
 HEALED = re.compile(r"\[group1\] .*replica group 1 healed from a live peer at step (\d+)")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _workers(attempts: Path) -> list[dict]:
-    """Every process that has built its data so far (``ReplicaGoodputTask``'s files), oldest first, each with
-    ``steps`` and ``first_step`` (None before its first step ended)."""
-    found = []
-    for path in attempts.glob("worker-*.json"):
-        w = json.loads(path.read_text())
-        name = path.name[len("worker-"):-len(".json")]
-        try:
-            w["steps"] = int((attempts / f"steps-{name}").read_text().strip() or 0)
-        except (OSError, ValueError):
-            w["steps"] = 0
-        first = attempts / f"first-{name}"
-        w["first_step"] = float(first.read_text()) if first.exists() else None
-        found.append(w)
-    return sorted(found, key=lambda w: w["started"])
 
 
 class _Reader(threading.Thread):
@@ -107,18 +83,6 @@ class _Reader(threading.Thread):
             match = HEALED.search(line)
             if match:
                 self.healed.append((now, int(match[1])))
-
-
-def _records(model_dir: Path) -> list[dict]:
-    """``train/metrics.jsonl``'s final history: the last record of each step, by step."""
-    records: dict[int, dict] = {}
-    for line in (model_dir / "train" / "metrics.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        records[record["step"]] = record
-    return [records[s] for s in sorted(records)]
 
 
 def _victim(workers: list[dict], replicas: bool, last_kill: float) -> dict | None:
@@ -190,7 +154,7 @@ def one_run(work: Path, p: dict, *, replicas: bool, heartbeat_s: float | None = 
     if proc.returncode != 0:
         raise RuntimeError(f"the run in {work} failed (status {proc.returncode}):\n"
                            + (work / "output.txt").read_text()[-4000:])
-    records = _records(model_dir)
+    records = final_records(model_dir)
     steps = [r["step"] for r in records]
     if not steps or steps != list(range(steps[0], p["steps"] + 1)):
         raise RuntimeError(f"{model_dir}: metrics.jsonl does not hold every step to {p['steps']} once "
