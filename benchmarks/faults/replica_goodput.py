@@ -51,7 +51,7 @@ if __name__ == "__main__":  # run as a file: the checkout's root, not this folde
 
 from benchmarks.common.results_file import quick_main  # noqa: E402
 from benchmarks.faults.goodput import _config, _same_weights, final_records  # noqa: E402
-from benchmarks.faults.goodput_nodes import _alive, _workers  # noqa: E402
+from benchmarks.faults.goodput_nodes import _alive, _mean, _s, _workers  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -235,11 +235,6 @@ def _replica_figures(records: list[dict], workers: list[dict], kills: list[dict]
             "typical_step_s": typical, "restarts": len([w for w in workers if w["group"] == 1]) - 1}
 
 
-def _mean(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return sum(known) / len(known) if known else None
-
-
 MEANS = ("restart_s", "startup_s", "rejoin_s", "loss_s", "alone_s", "heal_s", "lost_s", "start_s", "recover_s")
 
 
@@ -283,10 +278,6 @@ def fault_text(r: dict) -> str:
     if "kill_after_steps" in r:
         return f"killed once, after {r['kill_after_steps']} steps"
     return f"killed every {r['kill_every']:g} s"
-
-
-def _s(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _name(x: dict, r: dict) -> str:
