@@ -49,7 +49,7 @@ def launch_replicas(args: argparse.Namespace, console: Console,
             "--heartbeat_timeout_ms", str(round(ft.heartbeat_timeout_s * 1000))]
     commands = group_commands(args.config, model_dir, replicas, lighthouse, overrides, sys.executable,
                               progress=not args.no_progress, nproc=args.nproc or 1)
-    log = Path(model_dir) / "replicas" / "lighthouse.log"
+    log = Path(model_dir) / layout.REPLICAS / "lighthouse.log"
     codes = run_replica_groups(commands, argv, port, log, max_restarts=args.max_restarts, grace_s=args.grace)
     restarts = codes.pop("restarts")
     for name, code in codes.items():

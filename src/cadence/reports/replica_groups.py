@@ -21,16 +21,11 @@ from cadence.reports.page import escape as _e
 from cadence.reports.page import html_table as _table
 from cadence.summaries.metrics_file import read_metrics
 
-__all__ = ["GroupCounts", "ReplicaGroups", "group_dir", "read_replica_groups", "replica_groups_of", "replica_section",
+__all__ = ["GroupCounts", "ReplicaGroups", "read_replica_groups", "replica_groups_of", "replica_section",
            "step_ranges"]
 
 REPLICAS, RETRIES, SHORT = "replicas", "replica_retries", "replica_short_steps"
 SKIPPED, REPEATED = "replica_samples_skipped", "replica_samples_repeated"
-
-
-def group_dir(model_dir: str, group: int) -> str:
-    """Where group ``group`` of a run in ``model_dir`` keeps its outputs (group 0: the model dir)."""
-    return model_dir if group == 0 else layout.join(model_dir, "replicas", f"group{group}")
 
 
 @dataclass
@@ -121,7 +116,7 @@ def read_replica_groups(model_dir: str, groups: int | None) -> ReplicaGroups | N
         groups = max(seen)
     counts = [_group_counts(0, first, groups)]
     for group in range(1, groups):
-        counts.append(_group_counts(group, read_metrics(layout.train_dir(group_dir(model_dir, group))), groups))
+        counts.append(_group_counts(group, read_metrics(layout.train_dir(layout.replica_group_dir(model_dir, group))), groups))
     return ReplicaGroups(groups, counts, step_ranges([span for c in counts for span in c.short]))
 
 

@@ -81,10 +81,4 @@ def _load_ema_averages(ema: ModelEMA, averages: dict[str, torch.Tensor] | None) 
     with torch.no_grad():
         for name, target in ema.averaged_state().items():
             if target.is_floating_point() or target.is_complex():  # the same keys: peer_check compared the configs
-                _local(target).copy_(_local(averages[name]))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, or the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+                local_tensors(target).copy_(local_tensors(averages[name]))

@@ -36,10 +36,11 @@ import torch
 from torch.distributed import ReduceOp
 
 from cadence.torch.loop.train_data import TrainData
+from cadence.torch.loop.trainer_checkpoint import shard_row
 from cadence.torch.runtime.context import Context
 from cadence.torch.runtime.rng import rank_seed, seed_everything
 
-__all__ = ["ReplicaPositions", "shard_row"]
+__all__ = ["ReplicaPositions"]
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +57,9 @@ def _number(digits: list[int]) -> int:
     return sum(d << (8 * i) for i, d in enumerate(digits))
 
 
-def shard_row(state: Mapping[str, Any], shard: int) -> dict[str, Any] | None:
-    """Shard ``shard``'s row of a checkpoint's JSON ``state`` (its ``replica_data``); None when it
-    has none."""
-    rows = state.get("replica_data")
-    if not isinstance(rows, list) or not 0 <= shard < len(rows) or not isinstance(rows[shard], dict):
-        return None
-    return rows[shard]
+def _row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A row as this table keeps it, from a checkpoint or a peer's table: ``data``, ``samples``, ``committed``."""
+    return {"data": row.get("data"), "samples": int(row.get("samples", 0)), "committed": int(row.get("committed", 0))}
 
 
 class ReplicaPositions:
@@ -173,8 +170,7 @@ class ReplicaPositions:
         for group in range(self.groups):
             row = shard_row(state, self._shard_of(group))
             if row is not None:
-                self.rows[self._shard_of(group)] = {"data": row.get("data"), "samples": int(row.get("samples", 0)),
-                                                    "committed": int(row.get("committed", 0))}
+                self.rows[self._shard_of(group)] = _row(row)
         own = self.rows.get(self.shard)
         if data:
             self.drawn = own["samples"] if own is not None else 0
@@ -188,8 +184,7 @@ class ReplicaPositions:
         is further on than its own position (the train data restored to it), and keeps the furthest
         of each other row."""
         for key, row in (rows or {}).items():
-            shard, theirs = int(key), {"data": row.get("data"), "samples": int(row.get("samples", 0)),
-                                       "committed": int(row.get("committed", 0))}
+            shard, theirs = int(key), _row(row)
             if shard == self.shard:
                 self.high = max(self.high, theirs["committed"])
                 if theirs["samples"] > self.drawn and theirs["data"] is not None:

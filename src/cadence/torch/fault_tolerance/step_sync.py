@@ -22,7 +22,6 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-import warnings
 from typing import Any, Protocol
 
 import torch
@@ -71,7 +70,8 @@ def join_replica_groups(config: FaultToleranceConfig, ctx: Context) -> int:
 
 class ReplicaTrainer(TrainerParts, Protocol):
     """What :class:`ReplicaSync` reads of its trainer (a :class:`~cadence.torch.loop.trainer.TorchTrainer`)
-    beyond the checkpointed parts: its task (the samples of a batch), its input's position, its step."""
+    beyond the checkpointed parts: its task (the samples of a batch), its input's position, its step,
+    and the wait for a pipelined snapshot's copy still in flight."""
 
     @property
     def task(self) -> Task: ...
@@ -81,6 +81,8 @@ class ReplicaTrainer(TrainerParts, Protocol):
 
     @property
     def global_step(self) -> int: ...
+
+    def wait_for_snapshot(self) -> None: ...
 
 
 class ReplicaSync:
@@ -102,8 +104,6 @@ class ReplicaSync:
         self._healed: int | None = None
         self._participants: list[int] = []
         self._retries = 0
-        # torchft's streaming load of a peer's state wraps its read-only buffer (torch warns once per process)
-        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
         self._consumed = 0  # the batches the running loop drew in this epoch, not yet in the train data's count
         self.positions = ReplicaPositions(parts.ctx, parts.task.batch_size_of)  # every group's data position
         ctx = parts.ctx
@@ -124,9 +124,7 @@ class ReplicaSync:
             self._refused = refusal(self._identity, state.get(IDENTITY_KEY))
             if self._refused is not None:
                 return
-        checkpoint = getattr(self._parts, "_checkpoint", None)  # a TorchTrainer's: a pipelined snapshot's copy
-        if checkpoint is not None:
-            checkpoint.fence.wait()  # finishes before the state is replaced
+        self._parts.wait_for_snapshot()  # a pipelined snapshot's copy finishes before the state is replaced
         self.positions.heal(state.get("positions"), self._parts.input_position)  # before the re-seed
         self._healed = load_healing_state(self._parts, state)
         log.info("replica group %d healed from a live peer at step %d", self.replica_id, self._healed)

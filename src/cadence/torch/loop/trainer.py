@@ -180,6 +180,11 @@ class TorchTrainer:
         """The training input (built from the task on first use)."""
         return self._data.data
 
+    def wait_for_snapshot(self) -> None:
+        """Wait for a pipelined snapshot's copy still in flight (:meth:`snapshot_checkpoint`): before
+        anything replaces the state it copies (a load, a fresh start, a peer's state)."""
+        self._checkpoint.fence.wait()
+
     @property
     def input_position(self) -> TrainData:
         """The training input's iteration and position (``state()``, ``restore()``)."""
@@ -197,7 +202,7 @@ class TorchTrainer:
         A sharded model's parameters exist once (each rank holds its shards): only the tensors
         that are not sharded (buffers) are broadcast.
         """
-        self._checkpoint.fence.wait()
+        self.wait_for_snapshot()
         module = unwrap_model(self.model)
         if self.initial_weights is not None:
             self.initial_weights(module)

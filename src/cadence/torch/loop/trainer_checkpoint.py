@@ -50,7 +50,7 @@ from cadence.torch.runtime.rng import get_rng_state, rank_seed, seed_everything,
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainerCheckpoint", "TrainerParts"]
+__all__ = ["TrainerCheckpoint", "TrainerParts", "shard_row"]
 
 
 class TrainerParts(Protocol):
@@ -74,6 +74,15 @@ class TrainerParts(Protocol):
 
     @property
     def ctx(self) -> Context: ...
+
+
+def shard_row(state: Mapping[str, Any], shard: int) -> dict[str, Any] | None:
+    """Data shard ``shard``'s row of a checkpoint's JSON ``state`` (its ``replica_data``, saved by
+    fault-tolerant replica groups); None when it has none."""
+    rows = state.get("replica_data")
+    if not isinstance(rows, list) or not 0 <= shard < len(rows) or not isinstance(rows[shard], dict):
+        return None
+    return rows[shard]
 
 
 class TrainerCheckpoint:
@@ -336,11 +345,10 @@ class TrainerCheckpoint:
         of ``replica_data`` when there is one; its own when the ranks' differ (``rank_data``: a loader
         whose state is per rank, such as torchdata's ``StatefulDataLoader``), else ``data``."""
         ctx = self._parts.ctx
-        shards = state.get("replica_data")
-        if ctx.replica_groups > 1 and isinstance(shards, list):
+        if ctx.replica_groups > 1 and isinstance(state.get("replica_data"), list):
             shard = ctx.data_shard()[0]
-            row = shards[shard] if shard < len(shards) else None
-            if isinstance(row, Mapping):
+            row = shard_row(state, shard)
+            if row is not None:
                 return row.get("data")
             log.warning("%s: no data position saved for data shard %d (replica group %d): it starts its data "
                         "from the start", source or "checkpoint", shard, ctx.replica_group)
