@@ -75,6 +75,12 @@ class TrainerParts(Protocol):
     @property
     def ctx(self) -> Context: ...
 
+    @property
+    def replicas(self) -> Any:
+        """Fault-tolerant replica groups' step sync (:class:`cadence.torch.fault_tolerance.ReplicaSync`,
+        whose ``positions`` every checkpoint records); None without them."""
+        ...
+
 
 def shard_row(state: Mapping[str, Any], shard: int) -> dict[str, Any] | None:
     """Data shard ``shard``'s row of a checkpoint's JSON ``state`` (its ``replica_data``, saved by
@@ -120,7 +126,7 @@ class TrainerCheckpoint:
         ctx = parts.ctx
         if ctx.world_size > 1:
             sync_buffers(parts.model, parts.ema.buffer_averages() if parts.ema is not None else ())
-        sync = getattr(parts, "replicas", None)  # fault-tolerant replica groups: every shard's position
+        sync = parts.replicas  # fault-tolerant replica groups: every shard's position
         own = (get_rng_state(), data_state, sync.positions.table(data_state) if sync is not None else None)
         coord = ctx.coordinator
         gathered = coord.all_gather(own) if coord is not None and ctx.world_size > 1 else [own]
@@ -190,7 +196,7 @@ class TrainerCheckpoint:
         if self._mesh is not None:  # the layout it was saved on: a resume on another mesh says so
             state["mesh"] = dataclasses.asdict(self._mesh)
         rows, self._gathered_rows = self._gathered_rows, None
-        sync = getattr(parts, "replicas", None)
+        sync = parts.replicas
         if sync is not None:  # every data shard's position (cadence.torch.fault_tolerance.positions)
             rows = rows if rows is not None else sync.positions.table(state["data"])
             state.update(replica_groups=parts.ctx.replica_groups, replica_writer=parts.ctx.replica_group,
